@@ -1,0 +1,315 @@
+"""The protocol every backend implements, and the plain types that cross it.
+
+A backend is one kind of place a job can run (a Slurm cluster over SSH, a Kubernetes cluster,
+an AWS account). Each is one module behind :class:`Backend`; the operator, trigger and placement
+only see :class:`Offer`, :class:`JobHandle` and :class:`JobStatus`, so adding a backend never
+touches them. Handles and statuses are JSON-serialisable: they travel through triggers and XCom.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from airflow_skypilot.spec.task import ResourceRequest, request_from_json
+
+if TYPE_CHECKING:
+    from airflow_skypilot.spec.task import Task
+
+
+class JobState(str, Enum):
+    """Where a job is. The infra/user split follows SkyPilot: allocation gone -> infra."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # the user's program exited non-zero; the allocation was fine
+    PREEMPTED = "preempted"  # spot reclaimed, or preempted by a higher priority job
+    INFRA_FAILED = "infra_failed"  # node failure, boot failure, eviction, node lost
+    CANCELLED = "cancelled"
+    LOST = "lost"  # the backend no longer knows the job, or cannot be reached for long
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobState.PENDING, JobState.RUNNING)
+
+    @property
+    def infra_failure(self) -> bool:
+        """Failures of the place, not of the program: the job should be placed again."""
+        return self in (JobState.PREEMPTED, JobState.INFRA_FAILED, JobState.LOST)
+
+
+@dataclass
+class JobStatus:
+    """One observation of a job."""
+
+    state: JobState
+    reason: str = ""
+    exit_code: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    nodes: list[str] = field(default_factory=list)
+    raw_state: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["state"] = self.state.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobStatus:
+        data = dict(data)
+        data["state"] = JobState(data["state"])
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class JobHandle:
+    """Everything needed to find a submitted job again, from any process."""
+
+    backend: str
+    connection: str
+    job_id: str
+    job_name: str
+    location: str
+    infra: str
+    num_nodes: int = 1
+    accelerator: str | None = None
+    gpus_per_node: float = 0
+    price_per_hour: float = 0.0
+    submitted_at: float = field(default_factory=time.time)
+    adopted: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Unique across backends: ``connection:job_id``."""
+        return f"{self.connection}:{self.job_id}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobHandle:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Offer:
+    """One candidate resource request at one location of one connection, with live capacity.
+
+    ``nodes_free`` is how many nodes could take one node's share of the job right now;
+    ``est_start`` is when the backend expects the job could start (epoch seconds; ``None``:
+    unknown). ``fits`` is False when the job can never run here (shape, type, limits), and then
+    ``reason`` says why.
+    """
+
+    connection: str
+    backend: str
+    location: str
+    infra: str
+    request: ResourceRequest
+    num_nodes: int = 1
+    fits: bool = True
+    reason: str = ""
+    accelerator: str | None = None
+    gpus_per_node: float = 0
+    gpus_total: int | None = None
+    gpus_free: int | None = None
+    nodes_total: int | None = None
+    nodes_free: int | None = None
+    pending_jobs: int | None = None
+    est_start: float | None = None
+    price_per_hour: float = 0.0
+    spot: bool = False
+    instance_type: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    probed_at: float = field(default_factory=time.time)
+
+    @property
+    def free_now(self) -> bool:
+        """Can the whole job start now (every node's share is free)?"""
+        if not self.fits:
+            return False
+        if self.nodes_free is not None:
+            return self.nodes_free >= self.num_nodes
+        return self.est_start is not None and self.est_start <= self.probed_at + 5
+
+    @property
+    def wait_seconds(self) -> float | None:
+        if self.free_now:
+            return 0.0
+        if self.est_start is None:
+            return None
+        return max(0.0, self.est_start - self.probed_at)
+
+    @property
+    def place_key(self) -> str:
+        """Where a failure is remembered: ``connection/location``."""
+        return f"{self.connection}/{self.location}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["request"] = {"index": self.request.index, **self.request.to_json()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Offer:
+        data = dict(data)
+        data["request"] = request_from_json(data["request"])
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class CapacityRow:
+    """One row of ``show-gpus``: (connection, location, accelerator) with live counts."""
+
+    connection: str
+    location: str
+    accelerator: str | None
+    total: int | None = None
+    free: int | None = None
+    pending: int | None = None
+    price_per_hour: float | None = None
+    error: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "connection": self.connection, "location": self.location,
+            "accelerator": self.accelerator, "total": self.total, "free": self.free,
+            "pending": self.pending, "price_per_hour": self.price_per_hour,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+class Backend(ABC):
+    """One kind of place to run jobs. Sync methods run in the worker; ``poll`` and
+    ``read_log_async`` run in the triggerer's event loop and must not block it."""
+
+    #: short name used in handles and infra strings: ``slurm``, ``kubernetes``, ``aws``
+    name: ClassVar[str]
+    #: Airflow connection types served by this backend
+    conn_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, conn_id: str):
+        self.conn_id = conn_id
+
+    # --- placement ------------------------------------------------------------------------
+    @abstractmethod
+    def probe(self, task: Task) -> list[Offer]:
+        """Offers for every candidate of ``task`` at every location, from live capacity.
+
+        One round trip per connection where the backend allows it. Raises
+        :class:`~airflow_skypilot.exceptions.BackendUnreachable` when the backend cannot be
+        reached; offers that cannot fit come back with ``fits=False`` and a reason.
+        """
+
+    @abstractmethod
+    def capacity(self) -> list[CapacityRow]:
+        """Live GPU capacity per location and accelerator (``show-gpus``)."""
+
+    # --- jobs -----------------------------------------------------------------------------
+    @abstractmethod
+    def submit(self, task: Task, offer: Offer, job_name: str, env: Mapping[str, str]) -> JobHandle:
+        """Submit ``task`` at ``offer``. Idempotent: an existing job named ``job_name`` is
+        adopted (``handle.adopted``), never submitted twice."""
+
+    @abstractmethod
+    def find(self, job_name: str) -> JobHandle | None:
+        """The job submitted earlier under ``job_name``, if the backend still knows it."""
+
+    @abstractmethod
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop the job and release everything it holds. Safe to call twice."""
+
+    @abstractmethod
+    async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+        """Status of many jobs on this connection in one request; keyed by ``handle.job_id``.
+
+        A job the backend no longer knows is ``LOST``. Raises BackendUnreachable when the
+        backend cannot be asked at all (the caller counts consecutive failures)."""
+
+    def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+        """Sync wrapper of :meth:`poll` for the worker side."""
+        import asyncio
+
+        return asyncio.run(self.poll(handles))
+
+    @abstractmethod
+    def read_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+        """Job output from byte ``offset``; returns (text, next offset)."""
+
+    async def read_log_async(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+        import asyncio
+
+        return await asyncio.to_thread(self.read_log, handle, offset)
+
+    def cleanup(self, handle: JobHandle) -> None:
+        """Remove what the job left behind (staged secrets, objects). Default: nothing."""
+        return None
+
+
+# --- registry -------------------------------------------------------------------------------
+
+#: backend name -> "module:Class"; imported lazily so the CLI stays fast
+_BACKENDS: dict[str, str] = {
+    "slurm": "airflow_skypilot.backends.slurm:SlurmBackend",
+    "kubernetes": "airflow_skypilot.backends.kubernetes:KubernetesBackend",
+    "aws": "airflow_skypilot.backends.aws:AwsBackend",
+}
+#: Airflow connection type -> backend name
+_CONN_TYPES: dict[str, str] = {
+    "slurm": "slurm",
+    "ssh": "slurm",
+    "kubernetes": "kubernetes",
+    "aws": "aws",
+}
+
+
+def register_backend(name: str, target: str, conn_types: Iterable[str] = ()) -> None:
+    """Add a backend (``target`` is ``"module:Class"``) and the connection types it serves."""
+    _BACKENDS[name] = target
+    for conn_type in conn_types:
+        _CONN_TYPES[conn_type] = name
+
+
+def backend_name_for_conn_type(conn_type: str) -> str:
+    try:
+        return _CONN_TYPES[conn_type]
+    except KeyError:
+        known = ", ".join(sorted(_CONN_TYPES))
+        raise ValueError(
+            f"connection type {conn_type!r} is not served by any backend (known: {known})"
+        ) from None
+
+
+def backend_class(name: str) -> type[Backend]:
+    try:
+        target = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}") from None
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def backend_for_connection(conn_id: str, conn_type: str | None = None) -> Backend:
+    """The backend instance for an Airflow connection id (its type picks the backend)."""
+    if conn_type is None:
+        from airflow_skypilot.compat import get_connection
+
+        conn_type = get_connection(conn_id).conn_type or ""
+    return backend_class(backend_name_for_conn_type(conn_type))(conn_id)
+
+
+def backend_for_handle(handle: JobHandle) -> Backend:
+    return backend_class(handle.backend)(handle.connection)

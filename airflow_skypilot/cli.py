@@ -1,0 +1,162 @@
+"""``airflow-skypilot``: validate a task YAML, show live GPU capacity, plan a placement.
+
+Exit codes: 0 ok; 2 the task is invalid (one ``FILE:LINE: field: problem`` line per problem on
+stderr) or the command line is wrong; 1 anything else (e.g. no connection could be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from airflow_skypilot.spec import TaskValidationError, load_task
+
+
+def _pairs(items: Sequence[str] | None, flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(_usage_error(f"{flag} expects KEY=VALUE, got {item!r}"))
+        out[key] = value
+    return out
+
+
+def _usage_error(message: str) -> int:
+    print(f"airflow-skypilot: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _load(args: argparse.Namespace):
+    """The task, or None after printing one line per problem to stderr (exit 2)."""
+    try:
+        return load_task(args.file, envs=_pairs(args.env, "--env"),
+                         secrets=_pairs(getattr(args, "secret", None), "--secret"))
+    except TaskValidationError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    task = _load(args)
+    if task is None:
+        return 2
+    for warning in task.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(task.to_json(), indent=2))
+        return 0
+    print(f"{args.file}: valid")
+    print(f"  name:      {task.name or '-'}")
+    print(f"  num_nodes: {task.num_nodes}")
+    if task.envs:
+        print(f"  envs:      {', '.join(sorted(task.envs))}")
+    if task.secrets:
+        print(f"  secrets:   {', '.join(sorted(task.secrets))} (values hidden)")
+    recovery = task.job_recovery
+    print(f"  recovery:  {recovery['strategy'] or 'EAGER_NEXT_REGION (default)'}, "
+          f"max_restarts_on_errors={recovery['max_restarts_on_errors']}"
+          + (f", recover_on_exit_codes={recovery['recover_on_exit_codes']}"
+             if recovery["recover_on_exit_codes"] else ""))
+    kind = " (in this order)" if task.ordered else " (any of)" if len(task.candidates) > 1 else ""
+    print(f"  candidates{kind}:")
+    for cand in task.candidates:
+        print(f"    {cand.index + 1}. {cand.describe()}")
+    return 0
+
+
+def _hook(args: argparse.Namespace):
+    from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+
+    return SkyPilotCapacityHook(args.conn, timeout=args.timeout)
+
+
+def cmd_show_gpus(args: argparse.Namespace) -> int:
+    rows = _hook(args).capacity()
+    if args.json:
+        print(json.dumps([r.to_json() for r in rows], indent=2))
+        return 0
+    table: list[list[Any]] = [["CONNECTION", "LOCATION", "ACCELERATOR", "FREE", "TOTAL",
+                               "PENDING", "$/H", "NOTE"]]
+    for r in rows:
+        table.append([r.connection, r.location, r.accelerator or "-",
+                      "-" if r.free is None else r.free, "-" if r.total is None else r.total,
+                      "-" if r.pending is None else r.pending,
+                      "-" if r.price_per_hour is None else f"{r.price_per_hour:g}",
+                      f"error: {r.error}" if r.error else ""])
+    _print_table(table)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from airflow_skypilot import placement
+
+    task = _load(args)
+    if task is None:
+        return 2
+    result = _hook(args).probe(task)
+    plan = placement.rank(result.offers, args.policy, ordered=task.ordered,
+                          unreachable=result.errors)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2, default=str))
+        return 0
+    print(plan.table())
+    print()
+    print(plan.summary)
+    return 0
+
+
+def _print_table(rows: list[list[Any]]) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="airflow-skypilot",
+        description="SkyPilot task YAMLs on Slurm, Kubernetes and AWS, from Airflow.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="check a task YAML and list its candidates")
+    p.add_argument("file")
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="override an env")
+    p.add_argument("--secret", action="append", metavar="KEY=VALUE", help="supply a secret")
+    p.add_argument("--json", action="store_true", help="print the contract JSON")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("show-gpus", help="live GPU capacity of Airflow connections")
+    p.add_argument("--conn", action="append", required=True, metavar="CONN_ID")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show_gpus)
+
+    p = sub.add_parser("plan", help="explain where a task would be placed (submits nothing)")
+    p.add_argument("file")
+    p.add_argument("--conn", action="append", required=True, metavar="CONN_ID")
+    p.add_argument("--env", action="append", metavar="KEY=VALUE")
+    p.add_argument("--secret", action="append", metavar="KEY=VALUE")
+    p.add_argument("--policy", choices=("fastest", "cheapest"), default="fastest")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except Exception as exc:  # a clear one-line error instead of a traceback
+        print(f"airflow-skypilot: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Hooks: the capacity-probing hook across connections, and the Slurm connection type."""

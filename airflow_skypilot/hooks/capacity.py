@@ -1,0 +1,118 @@
+"""The capacity-probing hook: ask every connection, at once, what it can offer now.
+
+Each connection is probed in its own daemon thread with a deadline. A backend that cannot be
+reached, or does not answer in time, is reported and skipped; it never fails the probe alone
+(a hung login node must not hold the whole placement, nor the process's exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from airflow_skypilot.backends.base import Backend, CapacityRow, Offer, backend_for_connection
+from airflow_skypilot.spec.task import Task
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+try:  # Airflow's BaseHook when available; the CLI and pure tests work without a running Airflow
+    from airflow.sdk import BaseHook as _HookBase
+except Exception:  # pragma: no cover - only when Airflow is absent
+    _HookBase = object  # type: ignore[assignment,misc]
+
+
+@dataclass
+class ProbeResult:
+    """Offers from every connection that answered; errors from those that did not."""
+
+    offers: list[Offer] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class SkyPilotCapacityHook(_HookBase):  # type: ignore[misc,valid-type]
+    """Probe live capacity across Slurm, Kubernetes and AWS connections concurrently.
+
+    :param connections: Airflow connection ids; their connection types pick the backends.
+    :param timeout: seconds each connection gets before it is reported as unreachable.
+    """
+
+    hook_name = "SkyPilot capacity"
+
+    def __init__(self, connections: Iterable[str], timeout: float = 60.0,
+                 backend_factory: Callable[[str], Backend] | None = None, **kwargs: Any):
+        if _HookBase is not object:
+            super().__init__(**kwargs)
+        self.connections = list(dict.fromkeys(connections))
+        self.timeout = timeout
+        self._factory = backend_factory or backend_for_connection
+        self._backends: dict[str, Backend] = {}
+
+    def backend(self, conn_id: str) -> Backend:
+        if conn_id not in self._backends:
+            self._backends[conn_id] = self._factory(conn_id)
+        return self._backends[conn_id]
+
+    def probe(self, task: Task) -> ProbeResult:
+        """Offers for ``task`` from every connection (concurrently, each with the timeout)."""
+        results = self._each(lambda b: b.probe(task))
+        out = ProbeResult()
+        for conn_id, (value, error, seconds) in results.items():
+            out.seconds[conn_id] = seconds
+            if error is not None:
+                out.errors[conn_id] = error
+                log.warning("Connection %s skipped: %s", conn_id, error)
+            else:
+                out.offers.extend(value)
+        return out
+
+    def capacity(self) -> list[CapacityRow]:
+        """``show-gpus`` rows from every connection; an unreachable one gives an error row."""
+        rows: list[CapacityRow] = []
+        for conn_id, (value, error, _) in self._each(lambda b: b.capacity()).items():
+            if error is not None:
+                rows.append(CapacityRow(connection=conn_id, location="", accelerator=None,
+                                        error=error))
+            else:
+                rows.extend(value)
+        return rows
+
+    def _each(self, call: Callable[[Backend], T]) -> dict[str, tuple[Any, str | None, float]]:
+        results: dict[str, tuple[Any, str | None, float]] = {}
+        lock = threading.Lock()
+
+        def work(conn_id: str) -> None:
+            start = time.monotonic()
+            try:
+                value = call(self.backend(conn_id))
+                outcome: tuple[Any, str | None, float] = (value, None, 0.0)
+            except Exception as exc:  # any failure of one backend is reported, not raised
+                outcome = (None, _error_text(exc), 0.0)
+            with lock:
+                results.setdefault(conn_id, (outcome[0], outcome[1],
+                                             time.monotonic() - start))
+
+        threads = {c: threading.Thread(target=work, args=(c,), daemon=True,
+                                       name=f"probe-{c}") for c in self.connections}
+        for t in threads.values():
+            t.start()
+        deadline = time.monotonic() + self.timeout
+        for conn_id, thread in threads.items():
+            thread.join(max(0.0, deadline - time.monotonic()))
+            with lock:
+                if conn_id not in results:
+                    results[conn_id] = (None, f"no answer within {self.timeout:g}s",
+                                        self.timeout)
+        return {c: results[c] for c in self.connections}
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

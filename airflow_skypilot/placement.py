@@ -1,0 +1,310 @@
+"""Rank offers and explain the choice: pure functions, no I/O.
+
+Policies:
+
+``fastest`` (default)
+    Free now first; then the soonest estimated start; then the lower price.
+``cheapest``
+    Lowest price per hour first; then free now; then the soonest start.
+
+``ordered`` candidates (SkyPilot's ``ordered:`` or an accelerator list) keep the user's order
+as the preference: with ``fastest``, an earlier candidate that can start now beats a later
+one; when no candidate can start now, the earliest candidate in the list waits where it will
+start soonest. With ``cheapest``, the list order comes before the price.
+
+Every offer gets a row in the explanation table with why it won or lost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from airflow_skypilot.backends.base import Offer
+
+POLICIES = ("fastest", "cheapest")
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A place that failed during this run: ``connection/location`` (``connection/*``: all)."""
+
+    place: str
+    reason: str
+    at: float = field(default_factory=time.time)
+
+    def covers(self, offer: Offer) -> bool:
+        conn, _, loc = self.place.partition("/")
+        return conn == offer.connection and loc in ("*", offer.location)
+
+    def describe(self) -> str:
+        return f"blocked: {self.reason} at {time.strftime('%H:%M', time.gmtime(self.at))}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Blocked:
+        return cls(place=data["place"], reason=data["reason"], at=data.get("at", time.time()))
+
+
+@dataclass
+class Row:
+    """One line of the explanation table."""
+
+    verdict: str  # chosen | candidate | queued | blocked | no fit | over budget | unreachable
+    connection: str
+    location: str = ""
+    request: str = ""
+    free: str = ""
+    start: str = ""
+    price: str = ""
+    reason: str = ""
+    rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Placement:
+    """The outcome of ranking: the chosen offer (or None) and the table that explains it."""
+
+    chosen: Offer | None
+    rows: list[Row]
+    policy: str
+    ranked: list[Offer] = field(default_factory=list)
+
+    @property
+    def summary(self) -> str:
+        if self.chosen is None:
+            return "no placement: " + (_no_fit_summary(self.rows) or "no offers")
+        c = self.chosen
+        how = "free now" if c.free_now else f"queued, est. start {_start_text(c)}"
+        return (f"placed on {c.connection} ({c.location}) as {c.request.describe()} x "
+                f"{c.num_nodes} node(s): {how}, {_price_text(c.price_per_hour)}")
+
+    def table(self) -> str:
+        """The explanation table as fixed-width text, for the task log and the CLI."""
+        headers = ["", "connection", "location", "request", "free", "start", "price", "why"]
+        lines = [[_mark(r), r.connection, r.location, r.request, r.free, r.start, r.price,
+                  r.reason] for r in self.rows]
+        widths = [max(len(h), *(len(str(line[i])) for line in lines)) if lines else len(h)
+                  for i, h in enumerate(headers)]
+        out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+        out.append("  ".join("-" * w for w in widths))
+        for line in lines:
+            out.append("  ".join(str(v).ljust(w)
+                                 for v, w in zip(line, widths, strict=True)).rstrip())
+        return "\n".join(out)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "summary": self.summary,
+            "chosen": self.chosen.to_dict() if self.chosen else None,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+
+def _mark(row: Row) -> str:
+    return {"chosen": "*"}.get(row.verdict, "")
+
+
+def rank(
+    offers: Iterable[Offer],
+    policy: str = "fastest",
+    *,
+    ordered: bool = False,
+    blocked: Iterable[Blocked] = (),
+    unreachable: dict[str, str] | None = None,
+    prefer: str | None = None,
+) -> Placement:
+    """Pick the best offer under ``policy`` and explain every other one.
+
+    ``blocked`` places are skipped; ``unreachable`` maps connection -> error (shown as rows);
+    ``prefer`` (a ``connection/location``) wins among offers that can start now: the FAILOVER
+    recovery strategy tries the same place first.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown placement policy {policy!r}; expected one of {POLICIES}")
+    blocked = list(blocked)
+    viable: list[Offer] = []
+    rows_by_id: dict[int, Row] = {}
+    rest: list[Row] = []
+    for offer in offers:
+        block = next((b for b in blocked if b.covers(offer)), None)
+        row = _row(offer)
+        if block is not None:
+            row.verdict, row.reason = "blocked", block.describe()
+        elif not offer.fits:
+            row.verdict, row.reason = "no fit", offer.reason or "does not fit"
+        elif (offer.request.max_hourly_cost is not None
+              and offer.price_per_hour > offer.request.max_hourly_cost):
+            row.verdict = "over budget"
+            row.reason = (f"{_price_text(offer.price_per_hour)} is over max_hourly_cost "
+                          f"{_price_text(offer.request.max_hourly_cost)}")
+        else:
+            viable.append(offer)
+            rows_by_id[id(offer)] = row
+            continue
+        rest.append(row)
+    for conn, error in sorted((unreachable or {}).items()):
+        rest.append(Row(verdict="unreachable", connection=conn, reason=f"unreachable: {error}"))
+
+    viable.sort(key=lambda o: _key(o, policy, ordered, prefer))
+    chosen = viable[0] if viable else None
+    ranked_rows = []
+    for i, offer in enumerate(viable):
+        row = rows_by_id[id(offer)]
+        row.rank = i + 1
+        if offer is chosen:
+            row.verdict = "chosen"
+            row.reason = _why_chosen(offer, viable[1:], policy, ordered, prefer)
+        else:
+            row.verdict = "candidate" if offer.free_now else "queued"
+            row.reason = _why_lost(offer, chosen, policy, ordered)  # type: ignore[arg-type]
+        ranked_rows.append(row)
+    order = {"no fit": 2, "over budget": 1, "blocked": 0, "unreachable": 3}
+    rest.sort(key=lambda r: (order.get(r.verdict, 9), r.connection, r.location))
+    return Placement(chosen=chosen, rows=ranked_rows + rest, policy=policy, ranked=viable)
+
+
+def _key(o: Offer, policy: str, ordered: bool, prefer: str | None) -> tuple[Any, ...]:
+    wait = o.wait_seconds
+    wait_key = math.inf if wait is None else wait
+    not_free = 0 if o.free_now else 1
+    preferred = 0 if (prefer and o.place_key == prefer and o.free_now) else 1
+    spare = -(o.gpus_free or 0)
+    tie = (o.connection, o.location, o.request.index)
+    if policy == "fastest":
+        if ordered:
+            return (preferred, not_free, o.request.index, wait_key, o.price_per_hour, spare, tie)
+        return (preferred, not_free, wait_key, o.price_per_hour, spare, tie)
+    if ordered:
+        return (preferred, o.request.index, o.price_per_hour, not_free, wait_key, spare, tie)
+    return (preferred, o.price_per_hour, not_free, wait_key, spare, tie)
+
+
+def _row(o: Offer) -> Row:
+    return Row(
+        verdict="", connection=o.connection, location=o.location,
+        request=f"{o.request.describe()} x{o.num_nodes}" if o.num_nodes > 1
+        else o.request.describe(),
+        free=_free_text(o), start=_start_text(o) if o.fits else "",
+        price=_price_text(o.price_per_hour) if o.fits else "",
+    )
+
+
+def _free_text(o: Offer) -> str:
+    acc = o.request.accelerator
+    if acc and o.gpus_total is not None:
+        free = "?" if o.gpus_free is None else str(o.gpus_free)
+        return f"{free}/{o.gpus_total} {acc}"
+    if o.nodes_total is not None:
+        free = "?" if o.nodes_free is None else str(o.nodes_free)
+        return f"{free}/{o.nodes_total} nodes"
+    return ""
+
+
+def _start_text(o: Offer) -> str:
+    if o.free_now:
+        return "now"
+    wait = o.wait_seconds
+    if wait is None:
+        return "unknown"
+    return f"in {_duration(wait)}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, _ = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    return f"{hours // 24}d{hours % 24}h"
+
+
+def _price_text(price: float) -> str:
+    return f"${price:.3g}/h" if price else "$0/h"
+
+
+def _need_text(o: Offer) -> str:
+    req = o.request
+    if req.accelerator:
+        n = req.accelerator_count
+        n_text = int(n) if float(n).is_integer() else n
+        per = f"{n_text} {req.accelerator}"
+        return per if o.num_nodes == 1 else f"{per} on each of {o.num_nodes} nodes"
+    return f"{o.num_nodes} node(s)"
+
+
+def _capacity_text(o: Offer) -> str:
+    """``2 of 8 A100 free, need 4``; or the queue depth and estimated start."""
+    parts = []
+    if o.request.accelerator and o.gpus_total is not None and o.gpus_free is not None:
+        parts.append(f"{o.gpus_free} of {o.gpus_total} {o.request.accelerator} free, "
+                     f"need {_need_text(o)}")
+    elif o.nodes_free is not None and o.nodes_total is not None:
+        parts.append(f"{o.nodes_free} of {o.nodes_total} nodes free, need {o.num_nodes}")
+    if o.pending_jobs:
+        parts.append(f"{o.pending_jobs} job(s) pending")
+    if not o.free_now:
+        parts.append(f"est. start {_start_text(o)}")
+    return "; ".join(parts)
+
+
+def _why_chosen(o: Offer, others: list[Offer], policy: str, ordered: bool,
+                prefer: str | None) -> str:
+    bits = []
+    if prefer and o.place_key == prefer and o.free_now:
+        bits.append("same place first (job_recovery FAILOVER)")
+    if o.free_now:
+        bits.append("free now" + (f" ({_capacity_text(o)})" if o.gpus_total is not None else ""))
+    else:
+        bits.append("nothing free now anywhere; soonest: " + _capacity_text(o))
+    if ordered:
+        bits.append(f"candidate #{o.request.index + 1} in your order")
+    if policy == "cheapest" or any(x.price_per_hour != o.price_per_hour for x in others):
+        bits.append(_price_text(o.price_per_hour))
+    return "; ".join(bits)
+
+
+def _why_lost(o: Offer, chosen: Offer, policy: str, ordered: bool) -> str:
+    if o.free_now and not chosen.free_now:
+        if ordered and o.request.index > chosen.request.index and policy == "cheapest":
+            return "free now, but later in your order"
+        if policy == "cheapest":
+            return (f"free now, but {_price_text(o.price_per_hour)} vs "
+                    f"{_price_text(chosen.price_per_hour)}")
+        return "free now, but another place was preferred"
+    if not o.free_now and chosen.free_now:
+        return _capacity_text(o) or "cannot start now"
+    if ordered and o.request.index != chosen.request.index:
+        if policy == "fastest" and o.free_now == chosen.free_now or policy == "cheapest":
+            return (f"candidate #{o.request.index + 1}; #{chosen.request.index + 1} comes "
+                    "first in your order")
+    if policy == "cheapest" and o.price_per_hour != chosen.price_per_hour:
+        return f"{_price_text(o.price_per_hour)} vs {_price_text(chosen.price_per_hour)}"
+    wo, wc = o.wait_seconds, chosen.wait_seconds
+    if not o.free_now and wo != wc:
+        return f"starts later: {_capacity_text(o)}"
+    if o.price_per_hour != chosen.price_per_hour:
+        return f"{_price_text(o.price_per_hour)} vs {_price_text(chosen.price_per_hour)}"
+    if (o.gpus_free or 0) != (chosen.gpus_free or 0):
+        return f"fewer spare GPUs ({o.gpus_free} vs {chosen.gpus_free})"
+    return "tie; broken by name"
+
+
+def _no_fit_summary(rows: list[Row]) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.verdict] = counts.get(r.verdict, 0) + 1
+    return ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))

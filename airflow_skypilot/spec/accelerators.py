@@ -1,0 +1,139 @@
+"""Accelerator names: SkyPilot's canonical spelling, GPU memory, and matching backend labels.
+
+SkyPilot canonicalises ``a100`` to ``A100`` from its catalog; we ship the common names so this
+works offline. A name we do not know is kept as written (SkyPilot does the same, for custom
+accelerators on Kubernetes). Backends report GPUs in their own words (Slurm GRES ``a100``,
+node label ``NVIDIA-A100-SXM4-80GB``, EC2 GpuInfo ``A10G``); :func:`canonical_from_label`
+turns those into the same canonical names so a request and an offer can be compared.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: canonical name -> (manufacturer, memory in GB). Source: SkyPilot's catalog
+#: common/metadata.csv and vendor data sheets, 2026.
+GPUS: dict[str, tuple[str, float]] = {
+    "B200": ("NVIDIA", 180),
+    "B300": ("NVIDIA", 288),
+    "GB200": ("NVIDIA", 186),
+    "H200": ("NVIDIA", 141),
+    "H100": ("NVIDIA", 80),
+    "H100-MEGA": ("NVIDIA", 80),
+    "GH200": ("NVIDIA", 96),
+    "A100-80GB": ("NVIDIA", 80),
+    "A100": ("NVIDIA", 40),
+    "L40S": ("NVIDIA", 48),
+    "L40": ("NVIDIA", 48),
+    "L4": ("NVIDIA", 24),
+    "A40": ("NVIDIA", 48),
+    "A30": ("NVIDIA", 24),
+    "A10G": ("NVIDIA", 24),
+    "A10": ("NVIDIA", 24),
+    "RTXA6000": ("NVIDIA", 48),
+    "RTX6000-Ada": ("NVIDIA", 48),
+    "A6000": ("NVIDIA", 48),
+    "A5000": ("NVIDIA", 24),
+    "A4000": ("NVIDIA", 16),
+    "RTX4090": ("NVIDIA", 24),
+    "RTX3090": ("NVIDIA", 24),
+    "V100-32GB": ("NVIDIA", 32),
+    "V100": ("NVIDIA", 16),
+    "T4": ("NVIDIA", 16),
+    "T4g": ("NVIDIA", 16),
+    "P100": ("NVIDIA", 16),
+    "P4": ("NVIDIA", 8),
+    "K80": ("NVIDIA", 12),
+    "M60": ("NVIDIA", 8),
+    "MI300X": ("AMD", 192),
+    "MI325X": ("AMD", 256),
+    "MI250X": ("AMD", 128),
+    "Gaudi2": ("Intel", 96),
+    "Gaudi3": ("Intel", 128),
+    "Inferentia2": ("AWS", 32),
+    "Trainium": ("AWS", 32),
+    "Trainium2": ("AWS", 96),
+}
+
+_BY_LOWER = {name.lower(): name for name in GPUS}
+# Longest names first, so "A100-80GB" is tried before "A100" and "L40S" before "L40".
+_MATCH_ORDER = sorted(GPUS, key=len, reverse=True)
+_MEMORY_RE = re.compile(r"^([0-9]+)([GgMmTt][Bb])(\+?)$")
+
+
+def canonical(name: str) -> str:
+    """SkyPilot's spelling of an accelerator name; TPUs lower-case; unknown names unchanged."""
+    if name.lower().startswith("tpu-"):
+        return name.lower()
+    return _BY_LOWER.get(name.lower(), name)
+
+
+def is_known(name: str) -> bool:
+    return name.lower() in _BY_LOWER or name.lower().startswith("tpu-")
+
+
+def memory_spec(text: str) -> tuple[float, bool] | None:
+    """``80GB+`` -> (80.0, True); ``None`` when ``text`` is not a memory size."""
+    match = _MEMORY_RE.match(text)
+    if not match:
+        return None
+    value = float(match.group(1))
+    unit = match.group(2).lower()
+    value *= {"mb": 1 / 1024, "gb": 1, "tb": 1024}[unit]
+    return value, bool(match.group(3))
+
+
+def devices_by_memory(memory_gb: float, at_least: bool, manufacturer: str | None) -> list[str]:
+    """GPUs with exactly (or at least) that much memory, as SkyPilot's ``80GB+:8`` form means."""
+    out = []
+    for name, (maker, mem) in GPUS.items():
+        if manufacturer and maker.lower() != manufacturer.lower():
+            continue
+        if (mem >= memory_gb) if at_least else (mem == memory_gb):
+            out.append(name)
+    return out
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def canonical_from_label(value: str) -> str:
+    """Canonical name for a backend's own GPU label (GRES type, node label, EC2 GpuInfo name).
+
+    ``a100`` -> A100, ``NVIDIA-A100-SXM4-80GB`` -> A100-80GB, ``nvidia-tesla-t4`` -> T4,
+    ``nvidia-h100-80gb`` -> H100, ``NVIDIA-L40S`` -> L40S. Unknown labels come back unchanged.
+    """
+    if not value:
+        return value
+    if value.lower() in _BY_LOWER:
+        return _BY_LOWER[value.lower()]
+    squashed = _squash(value)
+    for prefix in ("nvidia", "tesla", "amd", "instinct", "geforce", "intel", "habana"):
+        if squashed.startswith(prefix):
+            squashed = squashed[len(prefix):]
+    for prefix in ("tesla", "geforce", "instinct"):
+        if squashed.startswith(prefix):
+            squashed = squashed[len(prefix):]
+    for name in _MATCH_ORDER:
+        key = _squash(name)
+        if not squashed.startswith(key):
+            continue
+        rest = squashed[len(key):]
+        # "A100" followed by a memory suffix that names the 80GB part.
+        if name == "A100" and "80gb" in rest:
+            return "A100-80GB"
+        if name == "V100" and "32gb" in rest:
+            return "V100-32GB"
+        # "A10" must not swallow "A100"; "L4" must not swallow "L40".
+        if rest[:1].isdigit():
+            continue
+        return name
+    return value
+
+
+def same_accelerator(requested: str, offered_label: str) -> bool:
+    """Does a backend GPU label satisfy a requested (canonical or custom) accelerator name?"""
+    want = canonical(requested)
+    have = canonical_from_label(offered_label)
+    return want.lower() == have.lower() or _squash(want) == _squash(offered_label)

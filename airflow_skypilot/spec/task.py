@@ -1,0 +1,496 @@
+"""The loaded task: what to run, and the candidate resource requests it may run on.
+
+``load_task`` is the one entry point: YAML file, YAML text or dict in; a :class:`Task` out, or a
+:class:`TaskValidationError` listing every problem (file, line, field) before anything runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import string
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path as FsPath
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from airflow_skypilot.spec import fields as f
+from airflow_skypilot.spec.errors import Problem, TaskValidationError
+from airflow_skypilot.spec.model import ResourceFields, ResourceOverride, ResourcesSpec, TaskSpec
+from airflow_skypilot.spec.source import Source, dotted, load_yaml
+
+#: Top-level keys SkyPilot accepts that a batch job here does not use; they load with a warning.
+IGNORED_KEYS = {
+    "service": "SkyServe services are not run by airflow-skypilot; 'service' is ignored",
+    "pool": "worker pools are not used by airflow-skypilot; 'pool' is ignored",
+    "event_callback": "'event_callback' is ignored; use Airflow callbacks instead",
+    "inputs": "'inputs' (experimental in SkyPilot) is ignored",
+    "outputs": "'outputs' (experimental in SkyPilot) is ignored",
+    "managed_secrets": "SkyPilot managed secrets are not available; pass secrets through the "
+                       "operator's 'secrets' argument",
+    "api_server_access": "'api_server_access' is ignored (there is no SkyPilot API server)",
+    "file_mounts_mapping": "'file_mounts_mapping' is internal to SkyPilot and ignored",
+}
+
+
+@dataclass(frozen=True)
+class ResourceRequest:
+    """One candidate: what a single node of the job needs, and where it may go."""
+
+    index: int
+    accelerator: str | None = None
+    accelerator_count: float = 0
+    cpus: str | None = None
+    memory: str | None = None
+    use_spot: bool = False
+    infra: str | None = None
+    instance_type: str | None = None
+    disk_size: int | None = None
+    disk_tier: str | None = None
+    image_id: str | dict[str, str] | None = None
+    ports: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    max_hourly_cost: float | None = None
+    priority: int | None = None
+    job_recovery: Mapping[str, Any] = field(default_factory=lambda: f.parse_job_recovery(None))
+
+    @property
+    def cloud(self) -> str | None:
+        """First part of ``infra`` (``slurm``, ``kubernetes``, ``aws``...), None for any."""
+        if not self.infra or self.infra.startswith("*"):
+            return None
+        return self.infra.split("/")[0]
+
+    @property
+    def container_image(self) -> str | None:
+        return f.docker_image(self.image_id)
+
+    def cpus_needed(self) -> tuple[float | None, bool]:
+        return f.split_at_least(self.cpus)
+
+    def memory_needed_gb(self) -> tuple[float | None, bool]:
+        return f.split_at_least(self.memory)
+
+    def gpus_per_node(self) -> float:
+        return self.accelerator_count if self.accelerator else 0
+
+    def describe(self) -> str:
+        """Short human text: ``A100:4, 8+ CPUs, 32+ GB, spot, infra=slurm/alpha``."""
+        parts = []
+        if self.accelerator:
+            count = self.accelerator_count
+            parts.append(f"{self.accelerator}:{int(count) if float(count).is_integer() else count}")
+        if self.instance_type:
+            parts.append(self.instance_type)
+        if self.cpus:
+            parts.append(f"{self.cpus} CPUs")
+        if self.memory:
+            parts.append(f"{self.memory} GB")
+        if self.use_spot:
+            parts.append("spot")
+        if self.infra:
+            parts.append(f"infra={self.infra}")
+        return ", ".join(parts) or "CPU only"
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``validate --json`` candidate object (DESIGN.md contract), plus extra fields."""
+        return {
+            "accelerator": self.accelerator,
+            "accelerator_count": self.accelerator_count if self.accelerator else 0,
+            "cpus": self.cpus,
+            "memory": self.memory,
+            "use_spot": self.use_spot,
+            "infra": self.infra,
+            "instance_type": self.instance_type,
+            "disk_size": self.disk_size,
+            "disk_tier": self.disk_tier,
+            "image_id": self.image_id,
+            "ports": list(self.ports),
+            "labels": dict(self.labels),
+            "job_recovery": dict(self.job_recovery),
+        }
+
+
+class _SecretDict(dict):
+    """A dict whose repr never shows values: secrets must not reach logs by accident."""
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
+
+    __str__ = __repr__
+
+
+@dataclass
+class Task:
+    """A validated SkyPilot task, with every override applied."""
+
+    name: str | None
+    num_nodes: int
+    candidates: list[ResourceRequest]
+    ordered: bool = False
+    envs: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=_SecretDict)
+    workdir: str | dict[str, Any] | None = None
+    file_mounts: dict[str, Any] = field(default_factory=dict)
+    volumes: dict[str, Any] = field(default_factory=dict)
+    setup: str | None = None
+    run: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    source: str = "<task>"
+    base_dir: str | None = None
+    warnings: list[Problem] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secrets, _SecretDict):
+            self.secrets = _SecretDict(self.secrets)
+
+    @property
+    def job_recovery(self) -> Mapping[str, Any]:
+        """The task's recovery settings (SkyPilot keeps them per resource; the first wins)."""
+        return self.candidates[0].job_recovery
+
+    def to_json(self) -> dict[str, Any]:
+        """``airflow-skypilot validate --json``: the DESIGN.md contract. Secret values omitted."""
+        return {
+            "name": self.name,
+            "num_nodes": self.num_nodes,
+            "envs": dict(self.envs),
+            "secrets": sorted(self.secrets),
+            "ordered": self.ordered,
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+    def resolved_workdir(self) -> str | None:
+        """Absolute local workdir (relative paths are relative to the YAML file), if local."""
+        if not isinstance(self.workdir, str):
+            return None
+        path = os.path.expanduser(self.workdir)
+        if not os.path.isabs(path) and self.base_dir:
+            path = os.path.join(self.base_dir, path)
+        return os.path.normpath(path)
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def load_task(
+    task: str | os.PathLike[str] | Mapping[str, Any],
+    envs: Mapping[str, Any] | None = None,
+    secrets: Mapping[str, Any] | None = None,
+    *,
+    file: str | None = None,
+) -> Task:
+    """Load and validate a task from a YAML path, YAML text or a dict.
+
+    ``envs``/``secrets`` override (and add to) the YAML's, as ``sky launch --env/--secret`` do;
+    an env or secret left without a value is an error. Raises TaskValidationError.
+    """
+    base_dir = None
+    if isinstance(task, Mapping):
+        src = Source(data=dict(task), file=file or "<dict>")
+    else:
+        text, name = _read(task)
+        file = file or name
+        if name != "<inline>":
+            base_dir = os.path.dirname(os.path.abspath(name))
+        sources = load_yaml(text, file=file)
+        if len(sources) > 1:
+            second = sources[1]
+            raise TaskValidationError([Problem(
+                path="", file=file, line=second.line_of(()),
+                message="multi-document YAML (a SkyPilot pipeline) is not supported: declare "
+                        "each task as its own operator in the DAG")])
+        src = sources[0] if sources else Source(data=None, file=file)
+    return _build(src, envs or {}, secrets or {}, base_dir)
+
+
+def _read(task: str | os.PathLike[str]) -> tuple[str, str]:
+    """(text, file name). A string that names an existing file, or ends in .yaml/.yml, is a
+    path; anything else is YAML text."""
+    text = os.fspath(task)
+    looks_like_path = "\n" not in text and (
+        text.endswith((".yaml", ".yml")) or os.path.isfile(text))
+    if looks_like_path:
+        try:
+            return FsPath(text).read_text(encoding="utf-8"), text
+        except OSError as exc:
+            raise TaskValidationError(
+                [Problem(path="", file=text, message=f"cannot read task file: {exc.strerror}")]
+            ) from None
+    return text, "<inline>"
+
+
+def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any],
+           base_dir: str | None) -> Task:
+    data = src.data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise TaskValidationError([src.problem(
+            (), f"a task must be a mapping of fields (name, resources, run, ...); "
+                f"got {type(data).__name__}")])
+    problems: list[Problem] = []
+    try:
+        spec = TaskSpec.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(_pydantic_problems(exc, src, TaskSpec, data))
+        # Still report values that are missing, so one run shows every problem.
+        for section, over in (("envs", env_over), ("secrets", sec_over)):
+            raw = data.get(section)
+            if isinstance(raw, dict):
+                problems.extend(_missing(src, section, {**raw, **over}))
+        raise TaskValidationError(_sorted(problems)) from None
+
+    warnings = list(src.warnings)
+    for key, why in IGNORED_KEYS.items():
+        if getattr(spec, key, None) is not None:
+            warnings.append(src.problem((key,), why))
+
+    envs = dict(spec.envs or {})
+    for key, value in env_over.items():
+        envs[str(key)] = _override_value(value)
+    problems.extend(_missing(src, "envs", envs))
+
+    secrets: dict[str, str | None] = {}
+    if isinstance(spec.secrets, list):
+        secrets = {name: None for name in spec.secrets}
+    elif isinstance(spec.secrets, dict):
+        secrets = dict(spec.secrets)
+    for key, value in sec_over.items():
+        secrets[str(key)] = _override_value(value)
+    problems.extend(_missing(src, "secrets", secrets))
+    overlap = sorted(set(envs) & set(secrets))
+    for key in overlap:
+        problems.append(src.problem(("secrets", key), "is also in envs; give it in one place"))
+
+    candidates, ordered = [], False
+    try:
+        candidates, ordered = _expand(data.get("resources"), src)
+    except TaskValidationError as exc:
+        problems.extend(exc.problems)
+
+    num_nodes = spec.num_nodes or 1
+    for cand in candidates:
+        if cand.accelerator and num_nodes > 1 and not float(cand.accelerator_count).is_integer():
+            problems.append(src.problem(
+                ("resources", "accelerators"),
+                "fractional accelerators cannot be used with num_nodes > 1"))
+            break
+
+    if problems:
+        raise TaskValidationError(_sorted(problems))
+
+    substitutions = {**envs, **{k: v for k, v in secrets.items() if v is not None}}
+    workdir: Any = spec.workdir.model_dump() if isinstance(spec.workdir, BaseModel) \
+        else spec.workdir
+    return Task(
+        name=spec.name,
+        num_nodes=num_nodes,
+        candidates=candidates,
+        ordered=ordered,
+        envs={k: v for k, v in envs.items() if v is not None},
+        secrets=_SecretDict({k: v for k, v in secrets.items() if v is not None}),
+        workdir=_substitute(workdir, substitutions),
+        file_mounts=_substitute(dict(spec.file_mounts or {}), substitutions),
+        volumes=_substitute(dict(spec.volumes or {}), substitutions),
+        setup=spec.setup,
+        run=spec.run,
+        config=dict(spec.config or {}),
+        source=src.file,
+        base_dir=base_dir,
+        warnings=warnings,
+    )
+
+
+def _missing(src: Source, section: str, values: Mapping[str, Any]) -> list[Problem]:
+    flag = "--env" if section == "envs" else "--secret"
+    return [src.problem((section, key), (
+        f"has no value: supply it as an override ({flag} {key}=VALUE, or the operator's "
+        f"{section}={{'{key}': ...}})")) for key, value in values.items() if value is None]
+
+
+def _override_value(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _substitute(value: Any, env: Mapping[str, str]) -> Any:
+    """SkyPilot fills ``${VAR}`` from envs into file_mounts and workdir; we do the same."""
+    if isinstance(value, str):
+        return string.Template(value).safe_substitute(env)
+    if isinstance(value, dict):
+        return {_substitute(k, env): _substitute(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, env) for v in value]
+    return value
+
+
+def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
+    """The candidates of ``resources:`` as SkyPilot expands them (any_of/ordered/accelerators)."""
+    if raw is None:
+        return [ResourceRequest(index=0)], False
+    raw = dict(raw)
+    if "gpus" in raw:
+        raw["accelerators"] = raw.pop("gpus")
+    base_spec = ResourcesSpec.model_validate(raw)
+    any_of, ordered_list = raw.pop("any_of", None), raw.pop("ordered", None)
+    entries = any_of if any_of is not None else ordered_list
+    out: list[ResourceRequest] = []
+    is_ordered = False
+    if entries is None:
+        pairs, kind = base_spec.accelerators or ([], "one")
+        out.extend(_requests(base_spec, pairs))
+        is_ordered = kind == "ordered"
+    else:
+        key = "any_of" if any_of is not None else "ordered"
+        is_ordered = key == "ordered"
+        for i, entry in enumerate(entries):
+            entry = dict(entry)
+            if "gpus" in entry:
+                entry["accelerators"] = entry.pop("gpus")
+            merged = {**raw}
+            labels = dict(raw.get("labels") or {})
+            merged.update(entry)
+            if "labels" in entry and entry["labels"] is not None:
+                labels.update(entry["labels"])
+                merged["labels"] = labels
+            if "infra" in entry and any(k in raw for k in ("cloud", "region", "zone")):
+                # SkyPilot merges then validates; an override's infra beside the base's legacy
+                # cloud/region/zone would fail there. Say where, clearly.
+                raise TaskValidationError([src.problem(
+                    ("resources", key, i, "infra"),
+                    "cannot override with 'infra' when the base resources use "
+                    "'cloud'/'region'/'zone'")])
+            try:
+                spec = ResourcesSpec.model_validate(merged)
+            except ValidationError as exc:
+                raise TaskValidationError(
+                    _pydantic_problems(exc, src, ResourcesSpec, merged,
+                                       prefix=("resources", key, i))) from None
+            pairs, _ = spec.accelerators or ([], "one")
+            out.extend(_requests(spec, pairs))
+    # Drop exact duplicates (SkyPilot keeps candidates in a set or list of unique Resources).
+    unique: list[ResourceRequest] = []
+    for req in out:
+        if all(replace(req, index=0) != replace(u, index=0) for u in unique):
+            unique.append(replace(req, index=len(unique)))
+    return unique, is_ordered and len(unique) > 1
+
+
+def _requests(spec: ResourceFields, pairs: list[tuple[str, float]]) -> list[ResourceRequest]:
+    infra = spec.infra or f.infra_from_legacy(spec.cloud, spec.region, spec.zone)
+    common = dict(
+        cpus=spec.cpus, memory=spec.memory, use_spot=bool(spec.use_spot), infra=infra,
+        instance_type=spec.instance_type, disk_size=spec.disk_size or spec.ephemeral_storage,
+        disk_tier=spec.disk_tier, image_id=spec.image_id, ports=spec.ports or (),
+        labels=dict(spec.labels or {}), max_hourly_cost=spec.max_hourly_cost,
+        priority=spec.priority,
+        job_recovery=spec.job_recovery or f.parse_job_recovery(None),
+    )
+    if not pairs:
+        return [ResourceRequest(index=0, **common)]
+    return [ResourceRequest(index=0, accelerator=name, accelerator_count=count, **common)
+            for name, count in pairs]
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def _pydantic_problems(exc: ValidationError, src: Source, root: type[BaseModel], data: Any,
+                       prefix: tuple[Any, ...] = ()) -> list[Problem]:
+    out: list[Problem] = []
+    seen: set[tuple[str, str]] = set()
+    for err in exc.errors():
+        loc = _real_loc(err["loc"], data)
+        path = (*prefix, *loc)
+        if err["type"] == "extra_forbidden":
+            key = loc[-1] if loc else ""
+            message = f"unknown field {key!r}"
+            allowed = _allowed_keys(root, loc[:-1])
+            close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+            elif allowed:
+                message += f" (allowed here: {', '.join(sorted(allowed))})"
+        else:
+            message = err["msg"]
+            if err["type"] == "skypilot":
+                message = err["ctx"]["error"] if "ctx" in err and "error" in err["ctx"] else \
+                    message
+            message = message[0].lower() + message[1:] if message else message
+            if "input" in err and err["type"] not in ("skypilot", "missing"):
+                message += f"; got {err['input']!r}"
+        key2 = (dotted(path), message)
+        if key2 in seen:
+            continue
+        seen.add(key2)
+        out.append(src.problem(path, message))
+    return out
+
+
+def _real_loc(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
+    """Pydantic locs may contain union tags and aliases; keep the parts that are real keys."""
+    out: list[Any] = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            out.append(part)
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            out.append(part)
+            node = node[part]
+        elif isinstance(node, dict) and not out and part not in node:
+            out.append(part)  # a missing field at this level: still name it
+            node = None
+        elif node is None or not isinstance(node, (dict, list)):
+            break
+    return tuple(out)
+
+
+_MODEL_AT: dict[tuple[str, ...], type[BaseModel]] = {
+    (): TaskSpec,
+    ("resources",): ResourcesSpec,
+    ("resources", "any_of"): ResourceOverride,
+    ("resources", "ordered"): ResourceOverride,
+}
+
+
+def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    if root is not TaskSpec:
+        model = root
+    else:
+        model = _MODEL_AT.get(tuple(p for p in loc if isinstance(p, str)))
+        if model is None:
+            return []
+    keys = []
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        if not key.startswith("_"):
+            keys.append(key)
+    if model is ResourcesSpec or model is ResourceOverride or model is ResourceFields:
+        keys.append("gpus")
+    return keys
+
+
+def _sorted(problems: list[Problem]) -> list[Problem]:
+    return sorted(problems, key=lambda p: (p.line or 0, p.path))
+
+
+def problems_to_text(problems: list[Problem]) -> str:
+    return "\n".join(str(p) for p in problems)
+
+
+def request_from_json(data: Mapping[str, Any]) -> ResourceRequest:
+    """Rebuild a ResourceRequest from :meth:`ResourceRequest.to_json` plus ``index``."""
+    known = {k: v for k, v in data.items() if k in ResourceRequest.__dataclass_fields__}
+    known["ports"] = tuple(known.get("ports") or ())
+    known.setdefault("index", 0)
+    return ResourceRequest(**known)
+
+
+__all__ = ["ResourceRequest", "Task", "load_task", "request_from_json", "asdict"]

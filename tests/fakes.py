@@ -1,0 +1,94 @@
+"""A backend that lives in memory, for tests of what sits above the backend protocol."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from airflow_skypilot.backends.base import (
+    Backend,
+    CapacityRow,
+    JobHandle,
+    JobState,
+    JobStatus,
+    Offer,
+)
+from airflow_skypilot.exceptions import BackendUnreachable
+from airflow_skypilot.spec.task import ResourceRequest, Task
+
+
+def offer(conn: str = "c1", location: str = "p", *, acc: str | None = "A100", count: float = 1,
+          gpus_free: int | None = 8, gpus_total: int | None = 8, nodes_free: int | None = 1,
+          num_nodes: int = 1, price: float = 0.0, est_in: float | None = None,
+          fits: bool = True, reason: str = "", index: int = 0, pending: int | None = None,
+          max_cost: float | None = None) -> Offer:
+    """An Offer built from keyword arguments, with est_start relative to now."""
+    now = time.time()
+    req = ResourceRequest(index=index, accelerator=acc, accelerator_count=count if acc else 0,
+                          max_hourly_cost=max_cost)
+    return Offer(connection=conn, backend="fake", location=location,
+                 infra=f"fake/{conn}/{location}", request=req, num_nodes=num_nodes, fits=fits,
+                 reason=reason, accelerator=acc, gpus_per_node=count, gpus_total=gpus_total,
+                 gpus_free=gpus_free, nodes_total=2, nodes_free=nodes_free,
+                 pending_jobs=pending, est_start=None if est_in is None else now + est_in,
+                 price_per_hour=price, probed_at=now)
+
+
+class FakeBackend(Backend):
+    """Offers what it is told; jobs go through states when told. Shared class-level state."""
+
+    name = "fake"
+    conn_types = ("fake",)
+    offers: dict[str, list[Offer]] = {}
+    down: set[str] = set()
+    delay: dict[str, float] = {}
+    jobs: dict[str, dict] = {}
+
+    def probe(self, task: Task) -> list[Offer]:
+        time.sleep(self.delay.get(self.conn_id, 0))
+        if self.conn_id in self.down:
+            raise BackendUnreachable(f"{self.conn_id} is down")
+        return list(self.offers.get(self.conn_id, []))
+
+    def capacity(self) -> list[CapacityRow]:
+        if self.conn_id in self.down:
+            raise BackendUnreachable(f"{self.conn_id} is down")
+        return [CapacityRow(connection=self.conn_id, location=o.location,
+                            accelerator=o.accelerator, total=o.gpus_total, free=o.gpus_free)
+                for o in self.offers.get(self.conn_id, [])]
+
+    def submit(self, task: Task, offer: Offer, job_name: str,
+               env: Mapping[str, str]) -> JobHandle:
+        existing = self.find(job_name)
+        if existing:
+            existing.adopted = True
+            return existing
+        job_id = str(len(self.jobs) + 1)
+        self.jobs[job_id] = {"name": job_name, "conn": self.conn_id, "env": dict(env),
+                             "status": JobStatus(JobState.PENDING), "location": offer.location}
+        return JobHandle(backend="fake", connection=self.conn_id, job_id=job_id,
+                         job_name=job_name, location=offer.location, infra=offer.infra)
+
+    def find(self, job_name: str) -> JobHandle | None:
+        for job_id, job in self.jobs.items():
+            if job["name"] == job_name and job["conn"] == self.conn_id:
+                return JobHandle(backend="fake", connection=self.conn_id, job_id=job_id,
+                                 job_name=job_name, location=job["location"], infra="fake")
+        return None
+
+    def cancel(self, handle: JobHandle) -> None:
+        self.jobs[handle.job_id]["status"] = JobStatus(JobState.CANCELLED)
+
+    async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+        if self.conn_id in self.down:
+            raise BackendUnreachable(f"{self.conn_id} is down")
+        return {h.job_id: self.jobs[h.job_id]["status"] if h.job_id in self.jobs
+                else JobStatus(JobState.LOST) for h in handles}
+
+    def read_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+        text = self.jobs.get(handle.job_id, {}).get("log", "")
+        return text[offset:], len(text)
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.offers, cls.down, cls.delay, cls.jobs = {}, set(), {}, {}

@@ -1,0 +1,58 @@
+"""Handles, statuses and offers survive JSON (they travel through triggers and XCom)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from airflow_skypilot.backends import base
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, Offer
+from tests.fakes import FakeBackend, offer
+
+
+def test_handle_round_trips_through_json():
+    h = JobHandle(backend="slurm", connection="slurm_alpha", job_id="42", job_name="sky-x",
+                  location="batch", infra="slurm/alpha/batch", num_nodes=2, accelerator="A100",
+                  gpus_per_node=4, extra={"log": "/home/u/x.log"})
+    again = JobHandle.from_dict(json.loads(json.dumps(h.to_dict())))
+    assert again == h
+    assert again.key == "slurm_alpha:42"
+
+
+def test_status_round_trips_through_json():
+    s = JobStatus(JobState.FAILED, reason="exit 3", exit_code=3, nodes=["a1"])
+    assert JobStatus.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+def test_offer_round_trips_through_json():
+    o = offer("alpha", "batch", est_in=60, price=1.5, index=2)
+    again = Offer.from_dict(json.loads(json.dumps(o.to_dict())))
+    assert again.request.index == 2 and again.price_per_hour == 1.5
+    assert again.request.accelerator == "A100"
+
+
+@pytest.mark.parametrize(("state", "terminal", "infra"), [
+    (JobState.PENDING, False, False), (JobState.RUNNING, False, False),
+    (JobState.SUCCEEDED, True, False), (JobState.FAILED, True, False),
+    (JobState.PREEMPTED, True, True), (JobState.INFRA_FAILED, True, True),
+    (JobState.LOST, True, True), (JobState.CANCELLED, True, False),
+])
+def test_state_classes(state, terminal, infra):
+    assert state.terminal is terminal
+    assert state.infra_failure is infra
+
+
+def test_registry_maps_connection_types_to_backends():
+    assert base.backend_name_for_conn_type("ssh") == "slurm"
+    assert base.backend_name_for_conn_type("slurm") == "slurm"
+    assert base.backend_name_for_conn_type("kubernetes") == "kubernetes"
+    assert base.backend_name_for_conn_type("aws") == "aws"
+    with pytest.raises(ValueError, match="not served by any backend"):
+        base.backend_name_for_conn_type("ftp")
+
+
+def test_register_a_new_backend_without_touching_the_rest():
+    base.register_backend("fake", "tests.fakes:FakeBackend", conn_types=["fake"])
+    backend = base.backend_for_connection("c1", conn_type="fake")
+    assert isinstance(backend, FakeBackend) and backend.conn_id == "c1"

@@ -1,0 +1,104 @@
+"""The CLI's contract: validate --json shape, error lines and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from airflow_skypilot.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "airflow_skypilot.cli"]
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "task.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_validate_json_contract(tmp_path, capsys):
+    path = _write(tmp_path, "name: t\nnum_nodes: 2\nresources:\n  accelerators: {A100: 8, "
+                            "H100: 8}\n  cpus: 8+\n  memory: 32+\n  infra: k8s\nenvs:\n  X: null\n")
+    assert main(["validate", path, "--env", "X=1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) >= {"name", "num_nodes", "envs", "ordered", "candidates"}
+    assert data["name"] == "t" and data["num_nodes"] == 2 and data["envs"] == {"X": "1"}
+    assert data["ordered"] is False
+    first = data["candidates"][0]
+    assert {k: first[k] for k in ("accelerator", "accelerator_count", "cpus", "memory",
+                                  "use_spot", "infra", "instance_type")} == {
+        "accelerator": "A100", "accelerator_count": 8, "cpus": "8+", "memory": "32+",
+        "use_spot": False, "infra": "kubernetes", "instance_type": None}
+
+
+def test_validate_invalid_exits_2_with_one_line_per_problem(tmp_path, capsys):
+    path = _write(tmp_path, "resurces:\n  cpus: 1\nnum_nodes: 0\n")
+    assert main(["validate", path, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"{path}:1: resurces: unknown field 'resurces'; did you mean 'resources'?",
+        f"{path}:3: num_nodes: must be a positive whole number; got 0",
+    ]
+
+
+def test_validate_missing_file_exits_2(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read task file" in capsys.readouterr().err
+
+
+def test_validate_bad_env_flag_exits_2(tmp_path, capsys):
+    path = _write(tmp_path, "run: x\n")
+    assert main(["validate", path, "--env", "NOEQUALS"]) == 2
+    assert "--env expects KEY=VALUE" in capsys.readouterr().err
+
+
+def test_validate_human_output_and_warnings(tmp_path, capsys):
+    path = _write(tmp_path, "resources:\n  accelerators: [H100:1, A100:1]\nservice: {}\n")
+    assert main(["validate", path]) == 0
+    out, err = capsys.readouterr()
+    assert "candidates (in this order):" in out
+    assert "1. H100:1" in out and "2. A100:1" in out
+    assert f"warning: {path}:3: service:" in err
+
+
+def test_secrets_never_printed(tmp_path, capsys):
+    path = _write(tmp_path, "secrets:\n  TOKEN: null\n")
+    assert main(["validate", path, "--secret", "TOKEN=s3cr3t", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cr3t" not in out
+    assert json.loads(out)["secrets"] == ["TOKEN"]
+
+
+def test_console_script_runs_the_same(tmp_path):
+    """The installed `airflow-skypilot` entry point, as users run it."""
+    path = _write(tmp_path, "resources:\n  accelerators: A100:x\n")
+    exe = Path(sys.executable).parent / "airflow-skypilot"
+    cmd = [str(exe)] if exe.exists() else CLI
+    proc = subprocess.run([*cmd, "validate", path, "--json"], capture_output=True, text=True,
+                          env={**os.environ}, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"{path}:2: resources.accelerators: 'A100:x' should be <name> or <name>:<count>")
+
+
+@pytest.mark.parametrize("task", sorted((REPO / "dags" / "tasks").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_tasks_validate(task, capsys):
+    args = ["validate", str(task), "--json"]
+    for key in ("DATA_DIR", "CKPT_DIR", "OUT_DIR"):
+        args += ["--env", f"{key}=/tmp/x"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["candidates"]
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2

@@ -1,0 +1,151 @@
+"""Placement: free vs queued vs blocked vs price, ordered vs any-of, and the explanation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from airflow_skypilot.placement import Blocked, rank
+from tests.fakes import offer
+
+
+def _verdicts(plan):
+    return [(r.connection, r.location, r.verdict) for r in plan.rows]
+
+
+def test_free_now_beats_queued_even_if_queued_is_cheaper():
+    queued = offer("alpha", "batch", gpus_free=2, nodes_free=0, est_in=3600, count=4)
+    free = offer("beta", "main", gpus_free=8, price=3.0, count=4)
+    plan = rank([queued, free])
+    assert plan.chosen is free
+    row = next(r for r in plan.rows if r.connection == "alpha")
+    assert row.verdict == "queued"
+    assert row.reason == "2 of 8 A100 free, need 4 A100; est. start in 1h00m"
+
+
+def test_soonest_start_wins_among_queued():
+    late = offer("a", nodes_free=0, est_in=7200)
+    soon = offer("b", nodes_free=0, est_in=600)
+    unknown = offer("c", nodes_free=0, est_in=None)
+    plan = rank([late, unknown, soon])
+    assert [o.connection for o in plan.ranked] == ["b", "a", "c"]
+    assert plan.rows[0].reason.startswith("nothing free now anywhere; soonest:")
+
+
+def test_price_breaks_ties_between_free_offers():
+    plan = rank([offer("cloud", price=32.8), offer("onprem", price=0.0)])
+    assert plan.chosen.connection == "onprem"
+    assert plan.rows[1].reason == "$32.8/h vs $0/h"
+
+
+def test_cheapest_policy_prefers_price_over_speed():
+    free_dear = offer("cloud", price=10.0)
+    queued_cheap = offer("hpc", nodes_free=0, est_in=600, price=0.0)
+    plan = rank([free_dear, queued_cheap], "cheapest")
+    assert plan.chosen is queued_cheap
+    assert plan.rows[1].reason == "free now, but $10/h vs $0/h"
+
+
+def test_blocked_places_are_skipped_and_explained():
+    at = time.mktime((2026, 1, 1, 12, 3, 0, 0, 0, -1)) - time.timezone
+    bad = offer("alpha", "batch")
+    plan = rank([bad, offer("beta", "main", price=1.0)],
+                blocked=[Blocked("alpha/batch", "node failure", at=at)])
+    assert plan.chosen.connection == "beta"
+    assert ("alpha", "batch", "blocked") in _verdicts(plan)
+    assert "blocked: node failure at 12:03" in plan.table()
+
+
+def test_blocking_a_whole_connection():
+    plan = rank([offer("alpha", "batch"), offer("alpha", "short")],
+                blocked=[Blocked("alpha/*", "cluster unreachable")])
+    assert plan.chosen is None
+    assert plan.summary.startswith("no placement: 2 blocked")
+
+
+def test_no_fit_offers_are_explained_not_chosen():
+    plan = rank([offer("alpha", fits=False, reason="needs 16 GPUs per node, nodes have 4")])
+    assert plan.chosen is None
+    assert plan.rows[0].verdict == "no fit"
+    assert plan.rows[0].reason == "needs 16 GPUs per node, nodes have 4"
+
+
+def test_unreachable_connections_get_rows():
+    plan = rank([offer("beta")], unreachable={"alpha": "connection refused"})
+    assert plan.chosen.connection == "beta"
+    assert ("alpha", "", "unreachable") in _verdicts(plan)
+
+
+def test_any_of_picks_free_then_cheapest_candidate():
+    h100 = offer("c", "h", acc="H100", index=1, price=4.0)
+    a100 = offer("c", "a", acc="A100", index=0, price=2.0)
+    assert rank([h100, a100]).chosen is a100
+
+
+def test_ordered_prefers_earlier_candidate_when_free():
+    first = offer("c", "x", acc="H100", index=0, price=9.0)
+    second = offer("c", "y", acc="A100", index=1, price=1.0)
+    plan = rank([second, first], ordered=True)
+    assert plan.chosen is first
+    assert plan.rows[1].reason == "candidate #2; #1 comes first in your order"
+
+
+def test_ordered_falls_to_a_later_candidate_that_is_free_now():
+    first_busy = offer("c", "x", acc="H100", index=0, nodes_free=0, est_in=3600)
+    second_free = offer("c", "y", acc="A100", index=1)
+    assert rank([first_busy, second_free], ordered=True).chosen is second_free
+
+
+def test_ordered_cheapest_keeps_order_before_price():
+    first = offer("c", "x", index=0, price=9.0)
+    second = offer("c", "y", index=1, price=1.0)
+    assert rank([second, first], "cheapest", ordered=True).chosen is first
+
+
+def test_prefer_same_place_first_for_failover_strategy():
+    same = offer("alpha", "batch", price=1.0)
+    other = offer("beta", "main", price=0.0)
+    assert rank([same, other]).chosen is other
+    assert rank([same, other], prefer="alpha/batch").chosen is same
+
+
+def test_prefer_does_not_wait_on_a_busy_place():
+    same = offer("alpha", "batch", nodes_free=0, est_in=600)
+    other = offer("beta", "main")
+    assert rank([same, other], prefer="alpha/batch").chosen is other
+
+
+def test_multi_node_needs_enough_free_nodes():
+    one_free = offer("a", num_nodes=2, nodes_free=1, est_in=300)
+    two_free = offer("b", num_nodes=2, nodes_free=2, price=5)
+    assert rank([one_free, two_free]).chosen is two_free
+
+
+def test_max_hourly_cost_excludes_dear_offers():
+    plan = rank([offer("cloud", price=40.0, max_cost=10.0)])
+    assert plan.chosen is None
+    assert plan.rows[0].verdict == "over budget"
+    assert plan.rows[0].reason == "$40/h is over max_hourly_cost $10/h"
+
+
+def test_unknown_policy_is_an_error():
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        rank([], "random")
+
+
+def test_table_and_json_list_every_offer():
+    plan = rank([offer("a"), offer("b", fits=False, reason="no GPUs")],
+                unreachable={"c": "timeout"})
+    table = plan.table().splitlines()
+    assert table[0].split()[:3] == ["connection", "location", "request"]
+    assert len(table) == 2 + 3
+    assert table[2].startswith("*")
+    data = plan.to_json()
+    assert [r["verdict"] for r in data["rows"]] == ["chosen", "no fit", "unreachable"]
+    assert data["chosen"]["connection"] == "a"
+
+
+def test_blocked_round_trips():
+    b = Blocked("a/b", "preempted", at=5.0)
+    assert Blocked.from_dict(b.to_dict()) == b

@@ -1,0 +1,392 @@
+"""The task YAML: every field and form, every error path (file:line: field: problem)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from airflow_skypilot.spec import TaskValidationError, load_task
+
+
+def _load(text: str, **kw):
+    return load_task(textwrap.dedent(text).lstrip("\n"), file="t.yaml", **kw)
+
+
+def _cands(text: str, **kw):
+    return [c.to_json() for c in _load(text, **kw).candidates]
+
+
+def _errors(text: str, **kw) -> list[str]:
+    with pytest.raises(TaskValidationError) as info:
+        _load(text, **kw)
+    return [str(p) for p in info.value.problems]
+
+
+# --- accelerators: every form --------------------------------------------------------------
+
+ACCELERATOR_FORMS = [
+    ("A100", [("A100", 1)], False),
+    ("A100:8", [("A100", 8)], False),
+    ("a100:8", [("A100", 8)], False),
+    ("'A100:0.5'", [("A100", 0.5)], False),
+    ("{A100: 8}", [("A100", 8)], False),
+    ("{A100: 0.25}", [("A100", 0.25)], False),
+    ("{A100: 8, H100: 8}", [("A100", 8), ("H100", 8)], False),
+    ("'{A100:8, H100:8}'", [("A100", 8), ("H100", 8)], False),
+    ("[L4:1, A100:1]", [("L4", 1), ("A100", 1)], True),
+    ("['H100', 'A100:2']", [("H100", 1), ("A100", 2)], True),
+    ("tpu-v4-8", [("tpu-v4-8", 1)], False),
+    ("MyCustomGPU:2", [("MyCustomGPU", 2)], False),
+    ("{A100: null}", [("A100", 1)], False),
+    ("'141GB:1'", [("H200", 1)], False),
+]
+
+
+@pytest.mark.parametrize(("value", "expected", "ordered"), ACCELERATOR_FORMS)
+def test_accelerator_forms(value, expected, ordered):
+    task = _load(f"resources:\n  accelerators: {value}\nrun: x\n")
+    assert [(c.accelerator, c.accelerator_count) for c in task.candidates] == expected
+    assert task.ordered is ordered
+
+
+def test_gpus_is_an_alias_of_accelerators():
+    assert _cands("resources:\n  gpus: H100:4\n")[0]["accelerator"] == "H100"
+
+
+def test_memory_form_expands_to_devices():
+    names = {c["accelerator"] for c in _cands("resources:\n  accelerators: '80GB+:8'\n")}
+    assert {"H100", "A100-80GB", "H200"} <= names and "A100" not in names
+
+
+# --- cpus / memory / disk / ports / misc fields ----------------------------------------------
+
+FIELD_FORMS = [
+    ("cpus: 8", "cpus", "8"),
+    ("cpus: '8+'", "cpus", "8+"),
+    ("cpus: 0.5", "cpus", "0.5"),
+    ("memory: 32", "memory", "32"),
+    ("memory: 32+", "memory", "32+"),
+    ("memory: 16GB", "memory", "16"),
+    ("memory: 1TB+", "memory", "1024+"),
+    ("memory: 512MB", "memory", "0.5"),
+    ("disk_size: 256", "disk_size", 256),
+    ("disk_size: 256GB", "disk_size", 256),
+    ("disk_size: 1TB", "disk_size", 1024),
+    ("disk_tier: HIGH", "disk_tier", "high"),
+    ("ports: 8080", "ports", ["8080"]),
+    ("ports: '10000-10010'", "ports", ["10000-10010"]),
+    ("ports: [8080, '9000-9001']", "ports", ["8080", "9000-9001"]),
+    ("use_spot: true", "use_spot", True),
+    ("instance_type: p4d.24xlarge", "instance_type", "p4d.24xlarge"),
+    ("image_id: docker:nvcr.io/nvidia/pytorch:24.01-py3", "image_id",
+     "docker:nvcr.io/nvidia/pytorch:24.01-py3"),
+    ("image_id: {us-east-1: ami-1, us-west-2: ami-2}", "image_id",
+     {"us-east-1": "ami-1", "us-west-2": "ami-2"}),
+    ("labels: {team: ml}", "labels", {"team": "ml"}),
+    ("infra: k8s", "infra", "kubernetes"),
+    ("infra: K8S/my-ctx", "infra", "kubernetes/my-ctx"),
+    ("infra: k8s/arn:aws:eks:us-east-1:1:cluster/x", "infra",
+     "kubernetes/arn:aws:eks:us-east-1:1:cluster/x"),
+    ("infra: slurm", "infra", "slurm"),
+    ("infra: slurm/alpha/batch", "infra", "slurm/alpha/batch"),
+    ("infra: AWS/us-east-1/us-east-1a", "infra", "aws/us-east-1/us-east-1a"),
+    ("infra: '*/us-east-1'", "infra", "*/us-east-1"),
+    ("cloud: aws", "infra", "aws"),
+    ("{cloud: aws, region: us-west-2}", "infra", "aws/us-west-2"),
+    ("{cloud: aws, region: us-west-2, zone: us-west-2a}", "infra", "aws/us-west-2/us-west-2a"),
+    ("{cloud: kubernetes}", "infra", "kubernetes"),
+]
+
+
+@pytest.mark.parametrize(("snippet", "key", "expected"), FIELD_FORMS)
+def test_resource_field_forms(snippet, key, expected):
+    if snippet.startswith("{"):
+        text = f"resources: {snippet}\n"
+    else:
+        text = f"resources:\n  {snippet}\n"
+    assert _cands(text)[0][key] == expected
+
+
+def test_fields_accepted_for_fidelity_load():
+    task = _load("""
+        resources:
+          autostop: 10m
+          network_tier: best
+          max_hourly_cost: 12.5
+          priority: 10
+          accelerator_args: {tpu_vm: true}
+          disk_tier: best
+        """)
+    assert task.candidates[0].max_hourly_cost == 12.5
+
+
+@pytest.mark.parametrize("value", ["true", "5", "'1h'", "{idle_minutes: 10, down: true}"])
+def test_autostop_forms(value):
+    _load(f"resources:\n  autostop: {value}\n")
+
+
+# --- job_recovery --------------------------------------------------------------------------
+
+RECOVERY_FORMS = [
+    ("FAILOVER", {"strategy": "FAILOVER", "max_restarts_on_errors": 0,
+                  "recover_on_exit_codes": []}),
+    ("eager_next_region", {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0,
+                           "recover_on_exit_codes": []}),
+    ("none", {"strategy": None, "max_restarts_on_errors": 0, "recover_on_exit_codes": []}),
+    ("{max_restarts_on_errors: 3}", {"strategy": None, "max_restarts_on_errors": 3,
+                                     "recover_on_exit_codes": []}),
+    ("{strategy: FAILOVER, recover_on_exit_codes: 33}",
+     {"strategy": "FAILOVER", "max_restarts_on_errors": 0, "recover_on_exit_codes": [33]}),
+    ("{recover_on_exit_codes: [29, 33], max_restarts_on_errors: 1}",
+     {"strategy": None, "max_restarts_on_errors": 1, "recover_on_exit_codes": [29, 33]}),
+]
+
+
+@pytest.mark.parametrize(("value", "expected"), RECOVERY_FORMS)
+def test_job_recovery_forms(value, expected):
+    task = _load(f"resources:\n  job_recovery: {value}\n")
+    assert dict(task.job_recovery) == expected
+
+
+# --- any_of / ordered ------------------------------------------------------------------------
+
+
+def test_any_of_overrides_base_fields_and_merges_labels():
+    task = _load("""
+        resources:
+          cpus: 4+
+          labels: {team: ml}
+          any_of:
+            - infra: slurm
+              accelerators: A100:4
+            - infra: aws
+              accelerators: H100:8
+              use_spot: true
+              labels: {spot: "yes"}
+        """)
+    assert task.ordered is False
+    a, b = task.candidates
+    assert (a.infra, a.accelerator, a.accelerator_count, a.cpus) == ("slurm", "A100", 4, "4+")
+    assert (b.infra, b.accelerator, b.use_spot) == ("aws", "H100", True)
+    assert dict(b.labels) == {"team": "ml", "spot": "yes"}
+
+
+def test_ordered_keeps_order():
+    task = _load("""
+        resources:
+          ordered:
+            - accelerators: H100:1
+            - accelerators: A100:1
+              infra: k8s
+        """)
+    assert task.ordered is True
+    assert [c.accelerator for c in task.candidates] == ["H100", "A100"]
+    assert [c.index for c in task.candidates] == [0, 1]
+
+
+def test_any_of_with_an_accelerator_set_in_base_multiplies():
+    task = _load("""
+        resources:
+          accelerators: {A100: 1, H100: 1}
+          any_of:
+            - infra: slurm
+            - infra: k8s
+        """)
+    assert {(c.infra, c.accelerator) for c in task.candidates} == {
+        ("slurm", "A100"), ("slurm", "H100"), ("kubernetes", "A100"), ("kubernetes", "H100")}
+
+
+def test_duplicate_candidates_collapse():
+    task = _load("resources:\n  any_of:\n    - cpus: 2\n    - cpus: 2\n")
+    assert len(task.candidates) == 1
+
+
+# --- top-level fields -------------------------------------------------------------------------
+
+
+def test_full_task_loads():
+    task = _load("""
+        name: llm-train
+        workdir: .
+        num_nodes: 2
+        resources:
+          accelerators: A100:8
+        envs:
+          MODEL: llama
+          EPOCHS: 3
+          DEBUG: false
+        secrets:
+          HF_TOKEN: null
+        file_mounts:
+          /data: s3://bucket/data
+          /ckpt:
+            name: my-ckpt
+            mode: MOUNT
+        volumes:
+          /mnt/vol: my-pvc
+        setup: pip install -r requirements.txt
+        run: torchrun train.py
+        config:
+          kubernetes:
+            pod_config: {}
+        """, secrets={"HF_TOKEN": "hf_abc"})
+    assert task.num_nodes == 2
+    assert task.envs == {"MODEL": "llama", "EPOCHS": "3", "DEBUG": "false"}
+    assert task.secrets == {"HF_TOKEN": "hf_abc"}
+    assert "hf_abc" not in repr(task.secrets) and "hf_abc" not in str(task.to_json())
+    assert task.file_mounts["/ckpt"]["name"] == "my-ckpt"
+    assert task.config["kubernetes"] == {"pod_config": {}}
+
+
+def test_workdir_git_form():
+    task = _load("workdir:\n  url: https://github.com/x/y\n  ref: main\n")
+    assert task.workdir == {"url": "https://github.com/x/y", "ref": "main"}
+
+
+def test_env_overrides_replace_and_add():
+    task = _load("envs:\n  A: '1'\n  B: null\n", envs={"B": "2", "C": 3})
+    assert task.envs == {"A": "1", "B": "2", "C": "3"}
+
+
+def test_envs_fill_file_mounts_and_workdir():
+    task = _load("workdir: ${SRC}\nfile_mounts:\n  /data/${NAME}: ./x\nenvs:\n  NAME: d1\n",
+                 envs={"SRC": "/code"})
+    assert task.workdir == "/code"
+    assert "/data/d1" in task.file_mounts
+
+
+def test_secret_list_form_needs_overrides():
+    assert _errors("secrets: [HF_TOKEN]\n") == [
+        "t.yaml:1: secrets.HF_TOKEN: has no value: supply it as an override "
+        "(--secret HF_TOKEN=VALUE, or the operator's secrets={'HF_TOKEN': ...})"]
+    task = _load("secrets: [HF_TOKEN]\n", secrets={"HF_TOKEN": "x"})
+    assert task.secrets == {"HF_TOKEN": "x"}
+
+
+def test_ignored_keys_warn_with_line():
+    task = _load("run: x\nservice:\n  readiness_probe: /\n")
+    assert [str(w) for w in task.warnings] == [
+        "t.yaml:2: service: SkyServe services are not run by airflow-skypilot; "
+        "'service' is ignored"]
+
+
+def test_empty_file_is_a_cpu_task():
+    task = _load("")
+    assert task.num_nodes == 1 and task.candidates[0].accelerator is None
+
+
+def test_reads_a_file_and_reports_its_path(tmp_path):
+    path = tmp_path / "task.yaml"
+    path.write_text("name: x\nresources:\n  cpus: lots\n")
+    with pytest.raises(TaskValidationError) as info:
+        load_task(str(path))
+    assert str(info.value) == (
+        f"{path}:3: resources.cpus: must be a number (e.g. 8) or \"<number>+\" for at least; "
+        "got 'lots'")
+
+
+def test_dict_input():
+    task = load_task({"resources": {"accelerators": "H100:1"}, "run": "x"})
+    assert task.candidates[0].accelerator == "H100"
+
+
+# --- errors: every one names file:line: field ---------------------------------------------
+
+ERRORS = [
+    ("resurces:\n  cpus: 2\n", "t.yaml:1: resurces: unknown field 'resurces'; did you mean "
+                               "'resources'?"),
+    ("resources:\n  acelerators: A100\n", "t.yaml:2: resources.acelerators: unknown field "
+                                          "'acelerators'; did you mean 'accelerators'?"),
+    ("resources:\n  any_of:\n    - cpu: 2\n", "t.yaml:3: resources.any_of[0].cpu: unknown "
+                                              "field 'cpu'; did you mean 'cpus'?"),
+    ("num_nodes: 0\n", "t.yaml:1: num_nodes: must be a positive whole number; got 0"),
+    ("num_nodes: -1\n", "t.yaml:1: num_nodes: must be a positive whole number; got -1"),
+    ("num_nodes: '2'\n", "t.yaml:1: num_nodes: input should be a valid integer; got '2'"),
+    ("name: 3\n", "t.yaml:1: name: input should be a valid string; got 3"),
+    ("run: [a]\n", "t.yaml:1: run: input should be a valid string; got ['a']"),
+    ("resources:\n  cpus: -1\n", "t.yaml:2: resources.cpus: must be positive; got -1"),
+    ("resources:\n  memory: x\n", "t.yaml:2: resources.memory: must be a number of GB"),
+    ("resources:\n  memory: 0\n", "t.yaml:2: resources.memory: must be positive; got 0"),
+    ("resources:\n  accelerators: A100:0\n", "t.yaml:2: resources.accelerators: count of "
+                                             "'A100' must be a positive number; got 0.0"),
+    ("resources:\n  accelerators: A100:x\n", "t.yaml:2: resources.accelerators: 'A100:x' "
+                                             "should be <name> or <name>:<count>"),
+    ("resources:\n  accelerators: {A100: -2}\n", "count of 'A100' must be a positive number"),
+    ("resources:\n  accelerators: 5\n", "resources.accelerators: must be 'NAME'"),
+    ("resources:\n  use_spot: yes please\n", "t.yaml:2: resources.use_spot: input should be a "
+                                             "valid boolean"),
+    ("resources:\n  disk_size: lots\n", "t.yaml:2: resources.disk_size: must be a whole number"),
+    ("resources:\n  disk_tier: fastest\n", "t.yaml:2: resources.disk_tier: unknown disk tier"),
+    ("resources:\n  ports: 70000\n", "t.yaml:2: resources.ports: a port must be 1-65535"),
+    ("resources:\n  ports: '9-1'\n", "t.yaml:2: resources.ports: port range '9-1' ends before"),
+    ("resources:\n  infra: mars/x\n", "t.yaml:2: resources.infra: unknown cloud 'mars'"),
+    ("resources:\n  infra: aws//x\n", "t.yaml:2: resources.infra: 'aws//x' has an empty part"),
+    ("resources:\n  infra: aws/a/b/c\n", "resources.infra: 'aws/a/b/c' has too many parts"),
+    ("resources:\n  cloud: mars\n", "t.yaml:2: resources.cloud: unknown cloud 'mars'"),
+    ("resources:\n  infra: aws\n  cloud: aws\n", "t.yaml:1: resources: give either 'infra' or "
+                                                 "the older 'cloud'/'region'/'zone', not both"),
+    ("resources:\n  job_recovery: RESTART\n", "t.yaml:2: resources.job_recovery: unknown "
+                                              "recovery strategy 'RESTART'; expected one of "
+                                              "EAGER_NEXT_REGION, FAILOVER"),
+    ("resources:\n  job_recovery: {max_restarts_on_errors: -1}\n",
+     "max_restarts_on_errors must be a whole number >= 0"),
+    ("resources:\n  job_recovery: {recover_on_exit_codes: [300]}\n",
+     "recover_on_exit_codes must be an exit code 0-255"),
+    ("resources:\n  job_recovery: {stratgy: FAILOVER}\n", "unknown key 'stratgy'"),
+    ("resources:\n  any_of: [{cpus: 1}]\n  ordered: [{cpus: 2}]\n",
+     "t.yaml:1: resources: give either 'any_of' or 'ordered', not both"),
+    ("resources:\n  accelerators: {A100: 1, H100: 1}\n  ordered: [{cpus: 2}]\n",
+     "cannot give several 'accelerators' together with 'ordered'"),
+    ("resources:\n  accelerators: [A100, H100]\n  any_of: [{cpus: 2}]\n",
+     "cannot give an ordered list of 'accelerators' with 'any_of'"),
+    ("resources:\n  any_of:\n    - accelerators: {A100: 1, H100: 1}\n",
+     "t.yaml:3: resources.any_of[0].accelerators: inside any_of/ordered, name one accelerator"),
+    ("resources:\n  gpus: A100\n  accelerators: A100\n", "cannot give both 'gpus' and "
+                                                         "'accelerators'"),
+    ("resources:\n  any_of: []\n", "'any_of' must list at least one entry"),
+    ("envs:\n  1BAD: x\n", "t.yaml:1: envs: '1BAD' is not a valid environment variable name"),
+    ("envs:\n  A: [1]\n", "t.yaml:1: envs: value of 'A' must be a string, number or boolean"),
+    ("envs: [A]\n", "t.yaml:1: envs: input should be a valid dictionary"),
+    ("envs:\n  A: null\n", "t.yaml:2: envs.A: has no value: supply it as an override (--env "
+                           "A=VALUE"),
+    ("secrets:\n  T: null\n", "t.yaml:2: secrets.T: has no value"),
+    ("secrets:\n  T: x\nenvs:\n  T: y\n", "t.yaml:2: secrets.T: is also in envs"),
+    ("workdir: 3\n", "t.yaml:1: workdir: must be a local directory or a mapping {url, ref}"),
+    ("file_mounts:\n  /x: 3\n", "t.yaml:1: file_mounts: /x: source must be a path/URL"),
+    ("- a\n- b\n", "t.yaml:1: a task must be a mapping of fields"),
+    ("name: a\n---\nname: b\n", "t.yaml:3: multi-document YAML (a SkyPilot pipeline) is not "
+                                "supported"),
+    ("name: [a\n", "t.yaml:2:1: YAML syntax error:"),
+    ("resources:\n  cpus: 1\n   memory: 2\n", "t.yaml:3:"),
+    ("num_nodes: 2\nresources:\n  accelerators: A100:0.5\n",
+     "fractional accelerators cannot be used with num_nodes > 1"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), ERRORS)
+def test_errors_name_file_line_and_field(text, expected):
+    errors = _errors(text)
+    assert any(e.startswith(expected) or expected in e for e in errors), errors
+
+
+def test_every_problem_is_reported_at_once():
+    errors = _errors("""
+        nme: x
+        resources:
+          cpus: none
+          accelerators: A100:0
+        envs:
+          A: null
+        """)
+    assert [e.split(":")[1] for e in errors] == ["1", "3", "4", "6"]
+
+
+def test_override_supplies_a_null_env():
+    assert _load("envs:\n  A: null\n", envs={"A": "v"}).envs == {"A": "v"}
+
+
+def test_duplicate_keys_warn():
+    task = _load("name: a\nname: b\n")
+    assert task.name == "b"
+    assert "duplicate key" in str(task.warnings[0])
