@@ -57,6 +57,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"  envs:      {', '.join(sorted(task.envs))}")
     if task.secrets:
         print(f"  secrets:   {', '.join(sorted(task.secrets))} (values hidden)")
+    if task.missing_secrets:
+        print(f"  to supply: {', '.join(task.missing_secrets)} (secrets without a value: give "
+              "them with --secret or the operator's secrets=)")
     recovery = task.job_recovery
     print(f"  recovery:  {recovery['strategy'] or 'EAGER_NEXT_REGION (default)'}, "
           f"max_restarts_on_errors={recovery['max_restarts_on_errors']}"

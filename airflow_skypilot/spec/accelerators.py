@@ -55,17 +55,50 @@ GPUS: dict[str, tuple[str, float]] = {
     "Trainium2": ("AWS", 96),
 }
 
-_BY_LOWER = {name.lower(): name for name in GPUS}
+#: SkyPilot's canonical accelerator names (catalog v8, common/accelerators.csv), which is what
+#: it canonicalises against, offline. ``tpu-*`` names are separate (always lower-case).
+CATALOG_NAMES = (
+    "A10", "A100", "A100-80GB", "A100-80GB-SXM", "A10G", "A30", "A40", "A4000", "A6000", "A800",
+    "B200", "GH200", "GTX1660S", "Gaudi HL-205", "H100", "H100-MEGA", "H100-NVL", "H100-NVLINK",
+    "H100-SXM", "H200", "H200-SXM", "K80", "L4", "L40", "L40S", "M4000", "M60", "MI300X", "P100",
+    "P4", "P4000", "RTX3060", "RTX3070", "RTX3080", "RTX3090", "RTX4000-Ada", "RTX4090",
+    "RTX5060", "RTX5090", "RTX6000", "RTX6000-Ada", "RTX6000Ada", "RTXA4000", "RTXA4500",
+    "RTXA5000", "RTXA6000", "RTXPRO6000S", "RTXPRO6000WS", "Radeon MI25", "Radeon Pro V520",
+    "T4", "T4g", "V100", "V100-32GB",
+)
+_CATALOG_LOWER = {name.lower(): name for name in CATALOG_NAMES}
+_BY_LOWER = {name.lower(): name for name in (*GPUS, *CATALOG_NAMES)}
 # Longest names first, so "A100-80GB" is tried before "A100" and "L40S" before "L40".
 _MATCH_ORDER = sorted(GPUS, key=len, reverse=True)
 _MEMORY_RE = re.compile(r"^([0-9]+)([GgMmTt][Bb])(\+?)$")
 
 
+class AmbiguousAcceleratorError(ValueError):
+    """A partial name matches several catalog names (SkyPilot refuses these too)."""
+
+
 def canonical(name: str) -> str:
-    """SkyPilot's spelling of an accelerator name; TPUs lower-case; unknown names unchanged."""
+    """SkyPilot's spelling of an accelerator name (sky/utils/accelerator_registry.py).
+
+    ``tpu-*`` lower-case; an exact case-insensitive catalog match wins; else a unique
+    case-insensitive substring (regex) match (``MI300`` -> ``MI300X``); several matches are an
+    error; no match keeps the name as written (a custom accelerator, e.g. on Kubernetes).
+    """
     if name.lower().startswith("tpu-"):
         return name.lower()
-    return _BY_LOWER.get(name.lower(), name)
+    if name.lower() in _CATALOG_LOWER:
+        return _CATALOG_LOWER[name.lower()]
+    try:
+        pattern = re.compile(name, re.IGNORECASE)
+    except re.error:
+        pattern = re.compile(re.escape(name), re.IGNORECASE)
+    matches = [n for n in CATALOG_NAMES if pattern.search(n)]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        raise AmbiguousAcceleratorError(
+            f"accelerator name {name!r} is ambiguous; choose one of {matches}")
+    return name
 
 
 def is_known(name: str) -> bool:

@@ -27,7 +27,7 @@ ALL_CLOUDS = ("aws", "azure", "gcp", "ibm", "lambda", "scp", "oci", "kubernetes"
               "ssh", "slurm", "hyperbolic", "seeweb", "shadeform", "yotta", "mithril", "verda")
 SUPPORTED_CLOUDS = ("aws", "kubernetes", "slurm")
 
-DISK_TIERS = ("low", "medium", "high", "ultra", "best", "none")
+DISK_TIERS = ("low", "medium", "high", "ultra", "best")
 NETWORK_TIERS = ("standard", "best")
 RECOVERY_STRATEGIES = ("EAGER_NEXT_REGION", "FAILOVER")
 
@@ -58,33 +58,37 @@ def parse_cpus(value: Any) -> str:
 
 
 def parse_memory(value: Any) -> str:
-    """Memory in GB: ``16``, ``"16+"``, ``"16GB"``, ``"1TB+"`` -> ``"16"``, ``"16+"``,
-    ``"1024+"``."""
+    """Memory in GB, in SkyPilot's text form: ``16`` -> ``"16"``, ``"16+"``, ``"16GB"`` ->
+    ``"16.0"``, ``"1TB+"`` -> ``"1024.0+"``; ``"3x"`` (memory per CPU) is kept as is."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise FieldError(f'must be a number of GB or "<number><unit>"; got {value!r}')
     text = str(value).strip()
-    plus = ""
-    if text.endswith("+"):
-        text, plus = text[:-1], "+"
+    suffix = ""
+    if text.endswith(("+", "x")):
+        text, suffix = text[:-1], text[-1]
     number = _number(text)
-    if number is None:
+    if number is not None:
+        out = text
+    else:
+        out = None
         lower = text.lower()
         for unit, factor in _MEMORY_UNITS.items():
             if lower.endswith(unit) and (n := _number(lower[: -len(unit)])) is not None:
                 number = n * factor
+                out = str(float(number))
                 break
-    if number is None:
+    if number is None or out is None:
         raise FieldError(
             'must be a number of GB (e.g. 16) or "<number><unit>" with unit KB/MB/GB/TB/PB '
             f'(e.g. "16GB"), optionally ending in "+" for at least; got {value!r}')
-    if number <= 0:
+    if number < 0:
         raise FieldError(f"must be positive; got {value!r}")
-    return _num_text(number) + plus
+    return out + suffix
 
 
 def split_at_least(text: str | None) -> tuple[float | None, bool]:
-    """``"8+"`` -> (8.0, True); ``"8"`` -> (8.0, False); None -> (None, False)."""
-    if text is None:
+    """``"8+"`` -> (8.0, True); ``"8"`` -> (8.0, False); None or ``"3x"`` -> (None, False)."""
+    if text is None or text.endswith("x"):
         return None, False
     if text.endswith("+"):
         return float(text[:-1]), True
@@ -115,21 +119,34 @@ def parse_disk_size(value: Any) -> int:
 
 
 def parse_ports(value: Any) -> tuple[str, ...]:
-    """``8080`` / ``"8080"`` / ``"10000-10010"`` / a list of those -> tuple of strings."""
+    """``8080`` / ``"8080,9000"`` / ``"10000-10010"`` / a list -> sorted merged ranges, as
+    SkyPilot stores them (``[8080, "8079-8081"]`` -> ``("8079-8081",)``)."""
     if value is None:
         return ()
     items = value if isinstance(value, list) else [value]
-    out = []
+    ports: set[int] = set()
     for item in items:
         if isinstance(item, bool) or not isinstance(item, (int, str)):
             raise FieldError(f"a port must be a number or 'from-to'; got {item!r}")
-        text = str(item).strip()
-        parts = text.split("-")
-        if len(parts) > 2 or not all(p.isdigit() and 1 <= int(p) <= 65535 for p in parts):
-            raise FieldError(f"a port must be 1-65535 or a range 'from-to'; got {item!r}")
-        if len(parts) == 2 and int(parts[0]) > int(parts[1]):
-            raise FieldError(f"port range {item!r} ends before it starts")
-        out.append(text)
+        for token in str(item).split(","):
+            text = token.strip()
+            parts = text.split("-")
+            if len(parts) > 2 or not all(p.isdigit() for p in parts):
+                raise FieldError(f"a port must be a number or a range 'from-to'; got {text!r}")
+            if not all(1 <= int(p) <= 65535 for p in parts):
+                raise FieldError(f"a port must be between 1 and 65535; got {text!r}")
+            low, high = int(parts[0]), int(parts[-1])
+            if low > high:
+                raise FieldError(f"port range {text!r} ends before it starts")
+            ports.update(range(low, high + 1))
+    out: list[str] = []
+    for port in sorted(ports):
+        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == port - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{port}"
+        elif out and "-" not in out[-1] and int(out[-1]) == port - 1:
+            out[-1] = f"{out[-1]}-{port}"
+        else:
+            out.append(str(port))
     return tuple(out)
 
 
@@ -162,6 +179,8 @@ def parse_autostop(value: Any) -> dict[str, Any] | None:
     if isinstance(value, bool):
         return {"enabled": value}
     if isinstance(value, int):
+        if value < 0:
+            raise FieldError(f"must be >= 0 minutes; got {value!r}")
         return {"enabled": True, "idle_minutes": value}
     if isinstance(value, str):
         match = re.fullmatch(r"([0-9]+)([mhdwMHDW]?)", value.strip())
@@ -180,6 +199,9 @@ def parse_autostop(value: Any) -> dict[str, Any] | None:
         down = value.get("down")
         if down is not None and not isinstance(down, bool):
             raise FieldError(f"down must be true or false; got {down!r}")
+        wait_for = value.get("wait_for")
+        if wait_for is not None and str(wait_for).lower() not in ("jobs_and_ssh", "jobs", "none"):
+            raise FieldError(f"wait_for must be jobs_and_ssh, jobs or none; got {wait_for!r}")
         return {"enabled": True, **value}
     raise FieldError(f"must be true/false, minutes, a duration or a mapping; got {value!r}")
 
@@ -215,12 +237,12 @@ def parse_infra(value: Any) -> str:
     ``aws/<region>[/<zone>]``; ``*`` wildcards kept; clouds lower-case."""
     if not isinstance(value, str):
         raise FieldError(f"must be a string like 'aws/us-east-1' or 'k8s'; got {value!r}")
-    text = value.strip().strip("/")
+    text = value.strip()
     if not text:
         raise FieldError("must not be empty")
     parts = [p.strip() for p in text.split("/")]
     if "" in parts:
-        raise FieldError(f"{value!r} has an empty part ('//')")
+        raise FieldError(f"{value!r} has an empty part (like 'aws//x' or 'aws/')")
     cloud = parts[0].lower()
     if cloud in ("k8s", "kubernetes"):
         return "/".join(["kubernetes", *parts[1:]])  # the rest is the context, slashes and all
@@ -231,7 +253,10 @@ def parse_infra(value: Any) -> str:
                          f"{', '.join(sorted({*ALL_CLOUDS, 'k8s'}))} or '*'")
     if len(parts) > 3:
         raise FieldError(f"{value!r} has too many parts; expected cloud[/region[/zone]]")
-    return "/".join([cloud, *parts[1:]])
+    parts = [cloud, *parts[1:]]
+    while len(parts) > 1 and parts[-1] == "*":  # SkyPilot drops trailing wildcards
+        parts.pop()
+    return "/".join(parts)
 
 
 def infra_from_legacy(cloud: Any, region: Any, zone: Any) -> str | None:
@@ -243,8 +268,8 @@ def infra_from_legacy(cloud: Any, region: Any, zone: Any) -> str | None:
         parts.append(str(region) if region is not None else "*")
     if zone is not None:
         parts.append(str(zone))
-    if parts[0] == "k8s":
-        parts[0] = "kubernetes"
+    while len(parts) > 1 and parts[-1] == "*":
+        parts.pop()
     return "/".join(parts)
 
 
@@ -297,7 +322,7 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
     elif len(split) == 1 and acc.memory_spec(split[0]):
         memory = split[0]
     elif len(split) == 1:
-        return [(acc.canonical(split[0]), 1)]
+        return [(_canonical(split[0]), 1)]
     elif len(split) == 2:
         name, count = split
         if not name:
@@ -305,7 +330,7 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
         number = _number(count)
         if number is None:
             raise FieldError(f"{text!r} should be <name> or <name>:<count>")
-        return [(acc.canonical(name), _count(number, name))]
+        return [(_canonical(name), _count(number, name))]
     else:
         raise FieldError(f"{text!r} should be <name> or <name>:<count>")
     number = _number(str(count))
@@ -319,12 +344,11 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
     return [(d, _count(int(number), d)) for d in devices]
 
 
-def _set_string(text: str) -> list[str] | None:
-    """SkyPilot reads the one-line set ``"{A100:8, H100:8}"`` as text; unwrap it."""
-    stripped = text.strip()
-    if stripped.startswith("{") and stripped.endswith("}"):
-        return [p for p in (s.strip() for s in stripped[1:-1].split(",")) if p]
-    return None
+def _canonical(name: str) -> str:
+    try:
+        return acc.canonical(name)
+    except acc.AmbiguousAcceleratorError as exc:
+        raise FieldError(str(exc)) from None
 
 
 def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[str, float]], str]:
@@ -336,14 +360,10 @@ def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[
     """
     pairs: list[tuple[str, float]] = []
     if isinstance(value, str):
-        inner = _set_string(value)
-        if inner is not None:
-            for item in inner:
-                pairs.extend(_one_accelerator(item))
-            kind = "any_of"
-        else:
-            pairs = _one_accelerator(value)
-            kind = "one" if len(pairs) == 1 else "any_of"
+        # The quoted one-line set "{A100:8, H100:8}" is refused, as SkyPilot 0.14 does; the
+        # unquoted form is a YAML mapping and works.
+        pairs = _one_accelerator(value)
+        kind = "one" if len(pairs) == 1 else "any_of"
     elif isinstance(value, dict):
         if not value:
             raise FieldError("must name at least one accelerator")
@@ -367,7 +387,7 @@ def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[
             if not isinstance(item, str):
                 raise FieldError(f"list items must be strings like 'A100:1'; got {item!r}")
             pairs.extend(_one_accelerator(item))
-        kind = "ordered" if len(pairs) > 1 else "one"
+        kind = "ordered"  # even one entry: SkyPilot keeps a list as an ordered preference
     else:
         raise FieldError(
             f"must be 'NAME', 'NAME:COUNT', a mapping {{NAME: COUNT}} or a list; got {value!r}")
@@ -386,8 +406,9 @@ def parse_job_recovery(value: Any) -> dict[str, Any]:
     Stricter than SkyPilot, which checks the strategy name only when a managed job starts:
     an unknown strategy is an error here, at load time.
     """
+    default = {"strategy": None, "max_restarts_on_errors": 0, "recover_on_exit_codes": []}
     if value is None:
-        return {"strategy": None, "max_restarts_on_errors": 0, "recover_on_exit_codes": []}
+        return default
     if isinstance(value, str):
         value = {"strategy": value}
     if not isinstance(value, dict):
@@ -400,9 +421,9 @@ def parse_job_recovery(value: Any) -> dict[str, Any]:
     if strategy is not None:
         if not isinstance(strategy, str):
             raise FieldError(f"strategy must be a string; got {strategy!r}")
-        if strategy.lower() == "none":
-            strategy = None
-        elif strategy.upper() not in RECOVERY_STRATEGIES:
+        if strategy == "none":
+            return default  # SkyPilot: exactly "none" drops the whole setting to the default
+        if strategy.upper() not in RECOVERY_STRATEGIES:
             raise FieldError(f"unknown recovery strategy {strategy!r}; "
                              f"expected one of {', '.join(RECOVERY_STRATEGIES)}")
         else:

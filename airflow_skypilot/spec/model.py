@@ -94,6 +94,10 @@ class ResourceFields(_Strict):
     @classmethod
     def _aliases(cls, data: Any) -> Any:
         # SkyPilot's RESOURCE_CONFIG_ALIASES: ``gpus`` is ``accelerators``.
+        if isinstance(data, dict) and "hooks" in data:
+            raise PydanticCustomError(
+                "skypilot", "lifecycle hooks live under the top-level 'config.hooks', not "
+                            "'resources.hooks'")
         if isinstance(data, dict) and "gpus" in data:
             if "accelerators" in data:
                 raise PydanticCustomError("skypilot", "cannot give both 'gpus' and 'accelerators'")
@@ -104,8 +108,9 @@ class ResourceFields(_Strict):
     @field_validator("cloud", mode="before")
     @classmethod
     def _cloud(cls, v: Any) -> Any:
-        if isinstance(v, str) and v.lower() not in (*f.ALL_CLOUDS, "k8s"):
-            raise PydanticCustomError("skypilot", f"unknown cloud {v!r}")
+        if isinstance(v, str) and v.lower() not in f.ALL_CLOUDS:
+            raise PydanticCustomError("skypilot", f"unknown cloud {v!r}; expected one of "
+                                      f"{', '.join(f.ALL_CLOUDS)}")
         return v
 
     @field_validator("infra", "cpus", "memory", "accelerators", "job_recovery", "disk_size",
@@ -130,11 +135,21 @@ class ResourceFields(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _legacy_location(self) -> ResourceFields:
+    def _cross_fields(self) -> ResourceFields:
         legacy = (self.cloud, self.region, self.zone)
         if self.infra is not None and any(x is not None for x in legacy):
             raise PydanticCustomError(
                 "skypilot", "give either 'infra' or the older 'cloud'/'region'/'zone', not both")
+        cloud = (self.infra or self.cloud or "").split("/")[0].lower()
+        if self.memory is not None and f.split_at_least(self.memory)[0] == 0 and cloud != "slurm":
+            raise PydanticCustomError("skypilot", "memory must be positive (0 is allowed only "
+                                                  "on Slurm, where it means 'do not ask')")
+        if self.accelerators is not None:
+            tpus = [n for n, _ in self.accelerators[0] if n.startswith("tpu-")]
+            if tpus and cloud not in ("", "gcp", "kubernetes", "*"):
+                raise PydanticCustomError(
+                    "skypilot", f"TPU accelerators ({tpus[0]}) need GCP or Kubernetes; "
+                                f"got cloud {cloud!r}")
         return self
 
 
@@ -150,6 +165,11 @@ class ResourcesSpec(ResourceFields):
     any_of: list[ResourceOverride] | None = None
     ordered: list[ResourceOverride] | None = None
 
+    @field_validator("any_of", "ordered", mode="before")
+    @classmethod
+    def _empty_is_absent(cls, v: Any) -> Any:
+        return None if v == [] else v  # SkyPilot ignores an empty any_of/ordered
+
     @model_validator(mode="after")
     def _candidates(self) -> ResourcesSpec:
         if self.any_of is not None and self.ordered is not None:
@@ -162,15 +182,31 @@ class ResourcesSpec(ResourceFields):
             if len(pairs) > 1 and self.any_of is not None and kind == "ordered":
                 raise PydanticCustomError(
                     "skypilot", "cannot give an ordered list of 'accelerators' with 'any_of'")
-        for name in ("any_of", "ordered"):
-            if getattr(self, name) == []:
-                raise PydanticCustomError("skypilot", f"'{name}' must list at least one entry")
         return self
 
 
-class WorkdirGit(_Strict):
-    url: str
-    ref: str | None = None
+_TASK_NAME = re.compile(r"^[a-zA-Z0-9]+(?:[._-]{1,2}[a-zA-Z0-9]+)*$")
+_STORAGE_KEYS = {"name", "source", "store", "persistent", "mode", "type", "config"}
+_STORAGE_MODES = ("MOUNT", "COPY", "MOUNT_CACHED")
+_STORES = ("s3", "gcs", "azure", "r2", "ibm", "oci", "nebius", "coreweave", "volume")
+
+#: What a task's ``config:`` may override (SkyPilot's OVERRIDEABLE_CONFIG_KEYS_IN_TASK), with
+#: the type of each leaf where it is checked; ``None`` accepts any value.
+CONFIG_KEYS: dict[str, dict[str, type | tuple[type, ...] | None]] = {
+    "docker": {"run_options": (str, list)},
+    "nvidia_gpus": {"disable_ecc": bool},
+    "ssh": {"custom_metadata": dict, "pod_config": dict, "provision_timeout": int},
+    "kubernetes": {"custom_metadata": dict, "pod_config": dict, "provision_timeout": int,
+                   "dws": dict, "kueue": dict, "quota": None, "remote_identity": None,
+                   "enable_docker": bool, "set_pod_resource_limits": None},
+    "azure": {"remote_identity": None, "vpc_name": str},
+    "gcp": {"vpc_name": str, "subnet_names": None, "managed_instance_group": dict,
+            "enable_gvnic": bool, "enable_gpu_direct": bool, "placement_policy": str},
+    "vast": {"datacenter_only": bool, "create_instance_kwargs": dict},
+    "slurm": {"sbatch_options": (dict, list), "quota": None, "cpu_partition": str},
+    "active_workspace": None,
+    "hooks": None,
+}
 
 
 class TaskSpec(_Strict):
@@ -198,15 +234,70 @@ class TaskSpec(_Strict):
     api_server_access: bool | None = None
     metadata: dict[str, Any] | None = Field(default=None, alias="_metadata")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _service_and_pool(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("service") and data.get("pool"):
+            raise PydanticCustomError("skypilot", "cannot set both 'service' and 'pool'")
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not _TASK_NAME.match(v):
+            raise PydanticCustomError(
+                "skypilot", f"invalid task name {v!r}: letters and digits, separated by at most "
+                            "two of '.', '_', '-'")
+        return v
+
     @field_validator("workdir", mode="before")
     @classmethod
     def _workdir(cls, v: Any) -> Any:
         if v is None or isinstance(v, str):
             return v
         if isinstance(v, dict):
-            return WorkdirGit.model_validate(v)
+            unknown = sorted(set(v) - {"url", "ref"})
+            if unknown or not isinstance(v.get("url"), str) or not isinstance(
+                    v.get("ref", ""), str):
+                raise PydanticCustomError(
+                    "skypilot", f"a git workdir is {{url, ref}} with string values; got {v!r}")
+            return v
         raise PydanticCustomError(
             "skypilot", f"must be a local directory or a mapping {{url, ref}}; got {v!r}")
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _config(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        for section, body in v.items():
+            if section not in CONFIG_KEYS:
+                raise PydanticCustomError(
+                    "skypilot", f"config section {section!r} cannot be set by a task; allowed: "
+                                f"{', '.join(CONFIG_KEYS)}")
+            leaves = CONFIG_KEYS[section]
+            if leaves is None:
+                continue
+            if not isinstance(body, dict):
+                raise PydanticCustomError("skypilot", f"config.{section} must be a mapping")
+            for key, value in body.items():
+                if key not in leaves:
+                    raise PydanticCustomError(
+                        "skypilot", f"config.{section}.{key} cannot be set by a task; allowed: "
+                                    f"{', '.join(leaves)}")
+                want = leaves[key]
+                if want is not None and (isinstance(value, bool) and want is int
+                                         or not isinstance(value, want)):
+                    raise PydanticCustomError(
+                        "skypilot", f"config.{section}.{key} has the wrong type: {value!r}")
+        return v
+
+    @field_validator("inputs", "outputs")
+    @classmethod
+    def _one_entry(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and len(v) > 1:
+            raise PydanticCustomError("skypilot", "at most one entry {uri: size_gb}")
+        return v
 
     @field_validator("num_nodes")
     @classmethod
@@ -231,14 +322,30 @@ class TaskSpec(_Strict):
     @field_validator("secrets", mode="before")
     @classmethod
     def _secrets(cls, v: Any) -> Any:
+        """Dict form ``{NAME: value | null}``; references ``secrets:NAME`` (null value) or the
+        list form ``[secrets:NAME]`` name secrets supplied when the task runs."""
         if isinstance(v, dict):
-            return {str(k): _env_value(str(k), val) for k, val in v.items()}
-        if isinstance(v, list):
-            for item in v:
-                if not isinstance(item, str):
+            out = {}
+            for key, val in v.items():
+                key = str(key)
+                if key.startswith(SECRET_REF) and val is not None:
                     raise PydanticCustomError(
-                        "skypilot", f"secret references must be names; got {item!r}")
-            return v
+                        "skypilot", f"{key!r}: a secret reference must have a null value")
+                name = secret_ref_name(key)
+                if not _ENV_NAME.match(name):
+                    raise PydanticCustomError(
+                        "skypilot", f"secret {name!r} is not a valid environment variable name")
+                out[name] = _env_value(name, val)
+            return out
+        if isinstance(v, list):
+            out = {}
+            for item in v:
+                if not isinstance(item, str) or not item.startswith(SECRET_REF):
+                    raise PydanticCustomError(
+                        "skypilot", f"list items must be references like 'secrets:HF_TOKEN'; "
+                                    f"got {item!r}")
+                out[secret_ref_name(item)] = None
+            return out
         if v is not None:
             raise PydanticCustomError(
                 "skypilot", f"must be a mapping of names to values or a list of names; got {v!r}")
@@ -251,20 +358,55 @@ class TaskSpec(_Strict):
             for dst, src in v.items():
                 if not isinstance(dst, str) or not dst:
                     raise PydanticCustomError("skypilot", f"mount path {dst!r} must be a string")
-                if not isinstance(src, (str, dict)):
+                if dst.endswith("/") and dst != "/":
+                    raise PydanticCustomError(
+                        "skypilot", f"mount path {dst!r} must not end with a slash")
+                if isinstance(src, dict):
+                    _check_storage(dst, src)
+                elif not isinstance(src, str):
                     raise PydanticCustomError(
                         "skypilot",
                         f"{dst}: source must be a path/URL or a storage mapping; got {src!r}")
         return v
 
 
+SECRET_REF = "secrets:"
+_SCOPES = ("personal.", "workspace.", "global.")
+
+
+def secret_ref_name(key: str) -> str:
+    """``secrets:workspace.HF_TOKEN`` -> ``HF_TOKEN``; a plain name is returned unchanged."""
+    if key.startswith(SECRET_REF):
+        key = key[len(SECRET_REF):]
+        for scope in _SCOPES:
+            if key.startswith(scope):
+                key = key[len(scope):]
+    return key
+
+
 def _env_value(key: str, value: Any) -> str | None:
-    """SkyPilot keeps envs as strings; numbers and booleans are written as YAML would."""
+    """SkyPilot keeps envs as ``str(value)``: ``8`` -> ``"8"``, ``true`` -> ``"True"``."""
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
+    if isinstance(value, (bool, int, float)):
         return str(value)
     raise PydanticCustomError(
         "skypilot", f"value of {key!r} must be a string, number or boolean; got {value!r}")
+
+
+def _check_storage(dst: str, spec: dict[str, Any]) -> None:
+    """SkyPilot's storage mapping (sky/utils/schemas.py get_storage_schema), main keys."""
+    unknown = sorted(set(spec) - _STORAGE_KEYS)
+    if unknown:
+        raise PydanticCustomError("skypilot", f"{dst}: unknown storage key {unknown[0]!r}; "
+                                              f"allowed: {', '.join(sorted(_STORAGE_KEYS))}")
+    mode = spec.get("mode")
+    if mode is not None and (not isinstance(mode, str) or mode.upper() not in _STORAGE_MODES):
+        raise PydanticCustomError("skypilot", f"{dst}: mode must be one of "
+                                              f"{', '.join(_STORAGE_MODES)}; got {mode!r}")
+    store = spec.get("store")
+    if store is not None and (not isinstance(store, str) or store.lower() not in _STORES):
+        raise PydanticCustomError("skypilot", f"{dst}: unknown store {store!r}")
+    source = spec.get("source")
+    if source is not None and not isinstance(source, (str, list)):
+        raise PydanticCustomError("skypilot", f"{dst}: source must be a path/URL or a list")

@@ -74,17 +74,20 @@ def load_yaml(text: str, file: str = "<task>") -> list[Source]:
             [Problem(path="", message=f"YAML error: {exc}", file=file)]
         ) from None
     sources = []
-    for node in nodes:
-        src = Source(data=None, file=file)
-        if node is not None:
-            src.lines[()] = node.start_mark.line + 1
-            src.data = _construct(node, (), src)
-        sources.append(src)
+    loader = _Loader("")
+    try:
+        for node in nodes:
+            src = Source(data=None, file=file)
+            if node is not None:
+                src.lines[()] = node.start_mark.line + 1
+                src.data = _construct(node, (), src, loader)
+            sources.append(src)
+    finally:
+        loader.dispose()
     return sources
 
 
-def _construct(node: yaml.Node, path: Path, src: Source) -> Any:
-    loader = _Loader("")
+def _construct(node: yaml.Node, path: Path, src: Source, loader: _Loader) -> Any:
     try:
         if isinstance(node, yaml.MappingNode):
             loader.flatten_mapping(node)
@@ -97,19 +100,19 @@ def _construct(node: yaml.Node, path: Path, src: Source) -> Any:
                         file=src.file, line=key_node.start_mark.line + 1)])
                 child = (*path, key)
                 if key in out:
-                    src.warnings.append(Problem(
+                    raise TaskValidationError([Problem(
                         path=dotted(child),
-                        message="duplicate key: the later value wins (as in SkyPilot)",
-                        file=src.file, line=key_node.start_mark.line + 1))
+                        message=f"duplicate key (also at line {src.lines[child]}); remove one",
+                        file=src.file, line=key_node.start_mark.line + 1)])
                 src.lines[child] = key_node.start_mark.line + 1
-                out[key] = _construct(value_node, child, src)
+                out[key] = _construct(value_node, child, src, loader)
             return out
         if isinstance(node, yaml.SequenceNode):
             items = []
             for index, item in enumerate(node.value):
                 child = (*path, index)
                 src.lines[child] = item.start_mark.line + 1
-                items.append(_construct(item, child, src))
+                items.append(_construct(item, child, src, loader))
             return items
         return loader.construct_object(node, deep=True)
     except yaml.constructor.ConstructorError as exc:
@@ -117,5 +120,3 @@ def _construct(node: yaml.Node, path: Path, src: Source) -> Any:
         raise TaskValidationError([Problem(
             path=dotted(path), message=f"YAML error: {exc.problem}", file=src.file,
             line=mark.line + 1 if mark else None)]) from None
-    finally:
-        loader.dispose()

@@ -18,7 +18,13 @@ from pydantic import BaseModel, ValidationError
 
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
-from airflow_skypilot.spec.model import ResourceFields, ResourceOverride, ResourcesSpec, TaskSpec
+from airflow_skypilot.spec.model import (
+    _ENV_NAME,
+    ResourceFields,
+    ResourceOverride,
+    ResourcesSpec,
+    TaskSpec,
+)
 from airflow_skypilot.spec.source import Source, dotted, load_yaml
 
 #: Top-level keys SkyPilot accepts that a batch job here does not use; they load with a warning.
@@ -132,6 +138,8 @@ class Task:
     ordered: bool = False
     envs: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=_SecretDict)
+    #: secrets the YAML names without a value; they must be supplied before the task runs
+    missing_secrets: list[str] = field(default_factory=list)
     workdir: str | dict[str, Any] | None = None
     file_mounts: dict[str, Any] = field(default_factory=dict)
     volumes: dict[str, Any] = field(default_factory=dict)
@@ -157,7 +165,7 @@ class Task:
             "name": self.name,
             "num_nodes": self.num_nodes,
             "envs": dict(self.envs),
-            "secrets": sorted(self.secrets),
+            "secrets": sorted({*self.secrets, *self.missing_secrets}),
             "ordered": self.ordered,
             "candidates": [c.to_json() for c in self.candidates],
         }
@@ -181,11 +189,14 @@ def load_task(
     secrets: Mapping[str, Any] | None = None,
     *,
     file: str | None = None,
+    require_secrets: bool = False,
 ) -> Task:
     """Load and validate a task from a YAML path, YAML text or a dict.
 
     ``envs``/``secrets`` override (and add to) the YAML's, as ``sky launch --env/--secret`` do;
-    an env or secret left without a value is an error. Raises TaskValidationError.
+    an env left without a value is an error. A secret left without a value is a reference to
+    be supplied when the task runs (as SkyPilot's managed secrets): an error only with
+    ``require_secrets`` (the operator, before it submits). Raises TaskValidationError.
     """
     base_dir = None
     if isinstance(task, Mapping):
@@ -203,7 +214,7 @@ def load_task(
                 message="multi-document YAML (a SkyPilot pipeline) is not supported: declare "
                         "each task as its own operator in the DAG")])
         src = sources[0] if sources else Source(data=None, file=file)
-    return _build(src, envs or {}, secrets or {}, base_dir)
+    return _build(src, envs or {}, secrets or {}, base_dir, require_secrets)
 
 
 def _read(task: str | os.PathLike[str]) -> tuple[str, str]:
@@ -223,8 +234,11 @@ def _read(task: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any],
-           base_dir: str | None) -> Task:
+           base_dir: str | None, require_secrets: bool) -> Task:
     data = src.data
+    if data is None and src.file != "<dict>":
+        raise TaskValidationError([src.problem((), (
+            "the task is empty: add at least a 'run:' (or 'setup:') field"))])
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -237,7 +251,8 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
     except ValidationError as exc:
         problems.extend(_pydantic_problems(exc, src, TaskSpec, data))
         # Still report values that are missing, so one run shows every problem.
-        for section, over in (("envs", env_over), ("secrets", sec_over)):
+        sections = [("envs", env_over)] + ([("secrets", sec_over)] if require_secrets else [])
+        for section, over in sections:
             raw = data.get(section)
             if isinstance(raw, dict):
                 problems.extend(_missing(src, section, {**raw, **over}))
@@ -253,17 +268,16 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         envs[str(key)] = _override_value(value)
     problems.extend(_missing(src, "envs", envs))
 
-    secrets: dict[str, str | None] = {}
-    if isinstance(spec.secrets, list):
-        secrets = {name: None for name in spec.secrets}
-    elif isinstance(spec.secrets, dict):
-        secrets = dict(spec.secrets)
+    for key in env_over:
+        if not _ENV_NAME.match(str(key)):
+            problems.append(src.problem(("envs",), f"override {key!r} is not a valid "
+                                                   "environment variable name"))
+    secrets: dict[str, str | None] = dict(spec.secrets or {})
     for key, value in sec_over.items():
         secrets[str(key)] = _override_value(value)
-    problems.extend(_missing(src, "secrets", secrets))
-    overlap = sorted(set(envs) & set(secrets))
-    for key in overlap:
-        problems.append(src.problem(("secrets", key), "is also in envs; give it in one place"))
+    if require_secrets:
+        problems.extend(_missing(src, "secrets", secrets))
+    problems.extend(_local_paths(spec, src, base_dir))
 
     candidates, ordered = [], False
     try:
@@ -292,6 +306,7 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         ordered=ordered,
         envs={k: v for k, v in envs.items() if v is not None},
         secrets=_SecretDict({k: v for k, v in secrets.items() if v is not None}),
+        missing_secrets=sorted(k for k, v in secrets.items() if v is None),
         workdir=_substitute(workdir, substitutions),
         file_mounts=_substitute(dict(spec.file_mounts or {}), substitutions),
         volumes=_substitute(dict(spec.volumes or {}), substitutions),
@@ -302,6 +317,28 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         base_dir=base_dir,
         warnings=warnings,
     )
+
+
+def _local_paths(spec: TaskSpec, src: Source, base_dir: str | None) -> list[Problem]:
+    """A local workdir must be a directory and local file_mounts sources must exist (SkyPilot
+    checks these before launching). Relative paths are relative to the YAML file's folder."""
+    out = []
+    root = base_dir or os.getcwd()
+
+    def local(path: str) -> str:
+        path = os.path.expanduser(path)
+        return path if os.path.isabs(path) else os.path.join(root, path)
+
+    if isinstance(spec.workdir, str) and "$" not in spec.workdir:
+        if not os.path.isdir(local(spec.workdir)):
+            out.append(src.problem(("workdir",), f"{spec.workdir!r} is not a directory "
+                                                 f"(relative paths start at {root})"))
+    for dst, source in (spec.file_mounts or {}).items():
+        if isinstance(source, str) and "://" not in source and "$" not in source:
+            if not os.path.exists(local(source)):
+                out.append(src.problem(("file_mounts", dst), (
+                    f"source {source!r} does not exist (relative paths start at {root})")))
+    return out
 
 
 def _missing(src: Source, section: str, values: Mapping[str, Any]) -> list[Problem]:
@@ -338,7 +375,7 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
     if "gpus" in raw:
         raw["accelerators"] = raw.pop("gpus")
     base_spec = ResourcesSpec.model_validate(raw)
-    any_of, ordered_list = raw.pop("any_of", None), raw.pop("ordered", None)
+    any_of, ordered_list = raw.pop("any_of", None) or None, raw.pop("ordered", None) or None
     entries = any_of if any_of is not None else ordered_list
     out: list[ResourceRequest] = []
     is_ordered = False
@@ -379,14 +416,18 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
     for req in out:
         if all(replace(req, index=0) != replace(u, index=0) for u in unique):
             unique.append(replace(req, index=len(unique)))
-    return unique, is_ordered and len(unique) > 1
+    return unique, is_ordered
 
 
 def _requests(spec: ResourceFields, pairs: list[tuple[str, float]]) -> list[ResourceRequest]:
     infra = spec.infra or f.infra_from_legacy(spec.cloud, spec.region, spec.zone)
+    if infra == "*":
+        infra = None
+    if infra is None and any(name.startswith("tpu-") for name, _ in pairs):
+        infra = "gcp"  # as SkyPilot: a TPU name without a cloud means GCP
     common = dict(
         cpus=spec.cpus, memory=spec.memory, use_spot=bool(spec.use_spot), infra=infra,
-        instance_type=spec.instance_type, disk_size=spec.disk_size or spec.ephemeral_storage,
+        instance_type=spec.instance_type, disk_size=spec.disk_size,
         disk_tier=spec.disk_tier, image_id=spec.image_id, ports=spec.ports or (),
         labels=dict(spec.labels or {}), max_hourly_cost=spec.max_hourly_cost,
         priority=spec.priority,
@@ -422,7 +463,8 @@ def _pydantic_problems(exc: ValidationError, src: Source, root: type[BaseModel],
             if err["type"] == "skypilot":
                 message = err["ctx"]["error"] if "ctx" in err and "error" in err["ctx"] else \
                     message
-            message = message[0].lower() + message[1:] if message else message
+            if message[:1].isupper() and not message[1:2].isupper():
+                message = message[0].lower() + message[1:]
             if "input" in err and err["type"] not in ("skypilot", "missing"):
                 message += f"; got {err['input']!r}"
         key2 = (dotted(path), message)

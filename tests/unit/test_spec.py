@@ -33,7 +33,9 @@ ACCELERATOR_FORMS = [
     ("{A100: 8}", [("A100", 8)], False),
     ("{A100: 0.25}", [("A100", 0.25)], False),
     ("{A100: 8, H100: 8}", [("A100", 8), ("H100", 8)], False),
-    ("'{A100:8, H100:8}'", [("A100", 8), ("H100", 8)], False),
+    ("{A100:8, H100:8}", [("A100", 8), ("H100", 8)], False),
+    ("[A100:1]", [("A100", 1)], True),
+    ("mi300:8", [("MI300X", 8)], False),
     ("[L4:1, A100:1]", [("L4", 1), ("A100", 1)], True),
     ("['H100', 'A100:2']", [("H100", 1), ("A100", 2)], True),
     ("tpu-v4-8", [("tpu-v4-8", 1)], False),
@@ -67,8 +69,9 @@ FIELD_FORMS = [
     ("cpus: 0.5", "cpus", "0.5"),
     ("memory: 32", "memory", "32"),
     ("memory: 32+", "memory", "32+"),
-    ("memory: 16GB", "memory", "16"),
-    ("memory: 1TB+", "memory", "1024+"),
+    ("memory: 16GB", "memory", "16.0"),
+    ("memory: 1TB+", "memory", "1024.0+"),
+    ("memory: 3x", "memory", "3x"),
     ("memory: 512MB", "memory", "0.5"),
     ("disk_size: 256", "disk_size", 256),
     ("disk_size: 256GB", "disk_size", 256),
@@ -77,6 +80,7 @@ FIELD_FORMS = [
     ("ports: 8080", "ports", ["8080"]),
     ("ports: '10000-10010'", "ports", ["10000-10010"]),
     ("ports: [8080, '9000-9001']", "ports", ["8080", "9000-9001"]),
+    ("ports: [8080, '8079-8081', '9000,9001']", "ports", ["8079-8081", "9000-9001"]),
     ("use_spot: true", "use_spot", True),
     ("instance_type: p4d.24xlarge", "instance_type", "p4d.24xlarge"),
     ("image_id: docker:nvcr.io/nvidia/pytorch:24.01-py3", "image_id",
@@ -208,7 +212,6 @@ def test_duplicate_candidates_collapse():
 def test_full_task_loads():
     task = _load("""
         name: llm-train
-        workdir: .
         num_nodes: 2
         resources:
           accelerators: A100:8
@@ -232,11 +235,20 @@ def test_full_task_loads():
             pod_config: {}
         """, secrets={"HF_TOKEN": "hf_abc"})
     assert task.num_nodes == 2
-    assert task.envs == {"MODEL": "llama", "EPOCHS": "3", "DEBUG": "false"}
+    assert task.envs == {"MODEL": "llama", "EPOCHS": "3", "DEBUG": "False"}
     assert task.secrets == {"HF_TOKEN": "hf_abc"}
     assert "hf_abc" not in repr(task.secrets) and "hf_abc" not in str(task.to_json())
     assert task.file_mounts["/ckpt"]["name"] == "my-ckpt"
     assert task.config["kubernetes"] == {"pod_config": {}}
+
+
+def test_local_workdir_and_mounts_are_relative_to_the_yaml(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "data.txt").write_text("x")
+    path = tmp_path / "task.yaml"
+    path.write_text("workdir: src\nfile_mounts:\n  /data.txt: ./data.txt\nrun: x\n")
+    task = load_task(str(path))
+    assert task.resolved_workdir() == str(tmp_path / "src")
 
 
 def test_workdir_git_form():
@@ -250,18 +262,21 @@ def test_env_overrides_replace_and_add():
 
 
 def test_envs_fill_file_mounts_and_workdir():
-    task = _load("workdir: ${SRC}\nfile_mounts:\n  /data/${NAME}: ./x\nenvs:\n  NAME: d1\n",
+    task = _load("workdir: ${SRC}\nfile_mounts:\n  /data/${NAME}: s3://b/x\nenvs:\n  NAME: d1\n",
                  envs={"SRC": "/code"})
     assert task.workdir == "/code"
     assert "/data/d1" in task.file_mounts
 
 
-def test_secret_list_form_needs_overrides():
-    assert _errors("secrets: [HF_TOKEN]\n") == [
+def test_secret_references_need_overrides():
+    assert _load("secrets: ['secrets:HF_TOKEN']\n").missing_secrets == ["HF_TOKEN"]
+    assert _errors("secrets: ['secrets:HF_TOKEN']\n", require_secrets=True) == [
         "t.yaml:1: secrets.HF_TOKEN: has no value: supply it as an override "
         "(--secret HF_TOKEN=VALUE, or the operator's secrets={'HF_TOKEN': ...})"]
-    task = _load("secrets: [HF_TOKEN]\n", secrets={"HF_TOKEN": "x"})
+    task = _load("secrets: ['secrets:HF_TOKEN']\n", secrets={"HF_TOKEN": "x"})
     assert task.secrets == {"HF_TOKEN": "x"}
+    task = _load("secrets:\n  secrets:workspace.TOKEN: null\n", secrets={"TOKEN": "y"})
+    assert task.secrets == {"TOKEN": "y"}
 
 
 def test_ignored_keys_warn_with_line():
@@ -271,8 +286,8 @@ def test_ignored_keys_warn_with_line():
         "'service' is ignored"]
 
 
-def test_empty_file_is_a_cpu_task():
-    task = _load("")
+def test_a_task_without_resources_is_a_cpu_task():
+    task = _load("run: echo hi\n")
     assert task.num_nodes == 1 and task.candidates[0].accelerator is None
 
 
@@ -307,7 +322,8 @@ ERRORS = [
     ("run: [a]\n", "t.yaml:1: run: input should be a valid string; got ['a']"),
     ("resources:\n  cpus: -1\n", "t.yaml:2: resources.cpus: must be positive; got -1"),
     ("resources:\n  memory: x\n", "t.yaml:2: resources.memory: must be a number of GB"),
-    ("resources:\n  memory: 0\n", "t.yaml:2: resources.memory: must be positive; got 0"),
+    ("resources:\n  memory: 0\n", "t.yaml:1: resources: memory must be positive (0 is allowed "
+                                   "only on Slurm"),
     ("resources:\n  accelerators: A100:0\n", "t.yaml:2: resources.accelerators: count of "
                                              "'A100' must be a positive number; got 0.0"),
     ("resources:\n  accelerators: A100:x\n", "t.yaml:2: resources.accelerators: 'A100:x' "
@@ -318,7 +334,7 @@ ERRORS = [
                                              "valid boolean"),
     ("resources:\n  disk_size: lots\n", "t.yaml:2: resources.disk_size: must be a whole number"),
     ("resources:\n  disk_tier: fastest\n", "t.yaml:2: resources.disk_tier: unknown disk tier"),
-    ("resources:\n  ports: 70000\n", "t.yaml:2: resources.ports: a port must be 1-65535"),
+    ("resources:\n  ports: 70000\n", "resources.ports: a port must be between 1 and 65535"),
     ("resources:\n  ports: '9-1'\n", "t.yaml:2: resources.ports: port range '9-1' ends before"),
     ("resources:\n  infra: mars/x\n", "t.yaml:2: resources.infra: unknown cloud 'mars'"),
     ("resources:\n  infra: aws//x\n", "t.yaml:2: resources.infra: 'aws//x' has an empty part"),
@@ -344,14 +360,38 @@ ERRORS = [
      "t.yaml:3: resources.any_of[0].accelerators: inside any_of/ordered, name one accelerator"),
     ("resources:\n  gpus: A100\n  accelerators: A100\n", "cannot give both 'gpus' and "
                                                          "'accelerators'"),
-    ("resources:\n  any_of: []\n", "'any_of' must list at least one entry"),
     ("envs:\n  1BAD: x\n", "t.yaml:1: envs: '1BAD' is not a valid environment variable name"),
     ("envs:\n  A: [1]\n", "t.yaml:1: envs: value of 'A' must be a string, number or boolean"),
     ("envs: [A]\n", "t.yaml:1: envs: input should be a valid dictionary"),
     ("envs:\n  A: null\n", "t.yaml:2: envs.A: has no value: supply it as an override (--env "
                            "A=VALUE"),
-    ("secrets:\n  T: null\n", "t.yaml:2: secrets.T: has no value"),
-    ("secrets:\n  T: x\nenvs:\n  T: y\n", "t.yaml:2: secrets.T: is also in envs"),
+    ("secrets: [T]\n", "t.yaml:1: secrets: list items must be references like "
+                        "'secrets:HF_TOKEN'; got 'T'"),
+    ("secrets:\n  secrets:T: x\n", "a secret reference must have a null value"),
+    ("secrets:\n  my-token: x\n", "secret 'my-token' is not a valid environment variable"),
+    ("", "t.yaml: the task is empty: add at least a 'run:' (or 'setup:') field"),
+    ("# only a comment\n", "the task is empty"),
+    ("name: a\nname: b\n", "t.yaml:2: name: duplicate key (also at line 1); remove one"),
+    ("name: 'my task!'\n", "t.yaml:1: name: invalid task name 'my task!'"),
+    ("resources:\n  accelerators: '{A100:8, H100:8}'\n", "should be <name> or <name>:<count>"),
+    ("resources:\n  accelerators: RTXA\n", "accelerator name 'RTXA' is ambiguous"),
+    ("resources:\n  accelerators: tpu-v4-8\n  infra: aws\n", "TPU accelerators (tpu-v4-8) "
+                                                             "need GCP or Kubernetes"),
+    ("resources:\n  job_recovery: NONE\n", "unknown recovery strategy 'NONE'"),
+    ("resources:\n  cloud: k8s\n", "resources.cloud: unknown cloud 'k8s'"),
+    ("resources:\n  infra: aws/\n", "'aws/' has an empty part"),
+    ("resources:\n  autostop: -5\n", "resources.autostop: must be >= 0 minutes"),
+    ("resources:\n  autostop: 30s\n", "must be minutes or a duration like '10m'"),
+    ("resources:\n  hooks: []\n", "lifecycle hooks live under the top-level 'config.hooks'"),
+    ("workdir: ./no-such-dir\n", "t.yaml:1: workdir: './no-such-dir' is not a directory"),
+    ("file_mounts:\n  /data: ./nope.txt\n", "t.yaml:2: file_mounts./data: source './nope.txt'"
+                                             " does not exist"),
+    ("file_mounts:\n  /data/: s3://b\n", "mount path '/data/' must not end with a slash"),
+    ("file_mounts:\n  /d:\n    mode: SYNC\n", "/d: mode must be one of MOUNT, COPY"),
+    ("config:\n  jobs: {}\n", "config section 'jobs' cannot be set by a task"),
+    ("config:\n  kubernetes:\n    provision_timeout: soon\n",
+     "config.kubernetes.provision_timeout has the wrong type"),
+    ("service: {replicas: 1}\npool: {workers: 1}\n", "cannot set both 'service' and 'pool'"),
     ("workdir: 3\n", "t.yaml:1: workdir: must be a local directory or a mapping {url, ref}"),
     ("file_mounts:\n  /x: 3\n", "t.yaml:1: file_mounts: /x: source must be a path/URL"),
     ("- a\n- b\n", "t.yaml:1: a task must be a mapping of fields"),
@@ -386,7 +426,11 @@ def test_override_supplies_a_null_env():
     assert _load("envs:\n  A: null\n", envs={"A": "v"}).envs == {"A": "v"}
 
 
-def test_duplicate_keys_warn():
-    task = _load("name: a\nname: b\n")
-    assert task.name == "b"
-    assert "duplicate key" in str(task.warnings[0])
+def test_secret_wins_over_env_of_the_same_name():
+    task = _load("envs:\n  T: plain\nsecrets:\n  T: hidden\n")
+    assert task.envs == {"T": "plain"} and task.secrets == {"T": "hidden"}
+
+
+def test_invalid_env_override_name():
+    assert "override '1X' is not a valid environment variable name" in "\n".join(
+        _errors("run: x\n", envs={"1X": "a"}))
