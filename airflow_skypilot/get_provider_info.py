@@ -21,6 +21,21 @@ def get_provider_info() -> dict[str, Any]:
                 "tags": ["compute"],
             }
         ],
+        "connection-types": [
+            {
+                "hook-class-name": "airflow_skypilot.hooks.slurm.SlurmHook",
+                "connection-type": "slurm",
+            }
+        ],
+        "hooks": [
+            {
+                "integration-name": "SkyPilot",
+                "python-modules": [
+                    "airflow_skypilot.hooks.capacity",
+                    "airflow_skypilot.hooks.slurm",
+                ],
+            }
+        ],
         "config": {
             "skypilot": {
                 "description": "Defaults of the SkyPilot operator and sensor.",

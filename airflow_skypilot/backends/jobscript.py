@@ -1,0 +1,112 @@
+"""What every backend runs on each node: the task's setup, then its run, with SkyPilot's env.
+
+The user's ``setup`` and ``run`` are shipped verbatim as their own files and executed with
+bash; nothing the user wrote is ever pasted into a quoted shell string. Env values are quoted
+with :func:`shlex.quote` (which keeps spaces, quotes, ``$(...)`` and newlines byte for byte).
+Secrets go into a separate file that only the job's user can read, never into the job script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import shlex
+from collections.abc import Mapping
+
+from airflow_skypilot.spec.task import Task
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def exports(env: Mapping[str, str]) -> str:
+    """``export K='v'`` lines; keys are checked, values quoted for bash."""
+    lines = []
+    for key, value in env.items():
+        if not _NAME_RE.match(key):
+            raise ValueError(f"not a valid environment variable name: {key!r}")
+        lines.append(f"export {key}={shlex.quote(str(value))}")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def gpus_per_node(count: float) -> int:
+    """SkyPilot exports the ceiling of the (possibly fractional) accelerator count."""
+    return int(math.ceil(count)) if count else 0
+
+
+def skypilot_env(task: Task, *, task_id: str, num_gpus_per_node: int, cluster_info: dict,
+                 extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The env every node's run gets, before the per-node rank and node IPs.
+
+    Order of precedence (later wins): the task's envs, the caller's extras, SkyPilot's own
+    variables. Secrets are kept apart (see :func:`exports` and the backends).
+    """
+    env: dict[str, str] = dict(task.envs)
+    env.update(extra or {})
+    env.update({
+        "SKYPILOT_TASK_ID": task_id,
+        "SKYPILOT_NUM_NODES": str(task.num_nodes),
+        "SKYPILOT_NUM_GPUS_PER_NODE": str(num_gpus_per_node),
+        "SKYPILOT_CLUSTER_INFO": json.dumps(cluster_info, sort_keys=True),
+    })
+    return env
+
+
+def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
+                has_setup: bool, has_run: bool) -> str:
+    """The script each node runs as ``node.sh setup|run``.
+
+    ``rank_var`` names the variable holding this node's rank (e.g. ``SLURM_NODEID``,
+    ``JOB_COMPLETION_INDEX``); ``ips_var``, if given, names a variable with the node IPs.
+    ``job_dir`` and ``workdir`` are shell words (already quoted or ``"$VAR"`` forms).
+    """
+    lines = [
+        "#!/bin/bash",
+        "# airflow-skypilot: one node's setup or run (generated; the task's own scripts are",
+        "# setup.sh and run.sh beside this file).",
+        f"JOB_DIR={job_dir}",
+        '. "$JOB_DIR/env.sh"',
+        'if [ -r "$JOB_DIR/secrets.sh" ]; then . "$JOB_DIR/secrets.sh"; fi',
+        f'export SKYPILOT_NODE_RANK="${{{rank_var}:-0}}"',
+    ]
+    if ips_var:
+        lines.append(f'export SKYPILOT_NODE_IPS="${{{ips_var}}}"')
+    lines += [
+        f"mkdir -p {workdir} && cd {workdir} || exit 1",
+        'case "$1" in',
+        "  setup)",
+        '    export SKYPILOT_SETUP_NODE_RANK="$SKYPILOT_NODE_RANK"',
+        '    export SKYPILOT_SETUP_NODE_IPS="$SKYPILOT_NODE_IPS"',
+        '    exec bash "$JOB_DIR/setup.sh" ;;' if has_setup else "    exit 0 ;;",
+        "  run)",
+        '    exec bash "$JOB_DIR/run.sh" ;;' if has_run else "    exit 0 ;;",
+        "esac",
+        'echo "node.sh: expected setup or run, got $1" >&2',
+        "exit 2",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def user_script(body: str | None) -> str:
+    """The task's setup/run as its own file, verbatim."""
+    return body if body is None or body.endswith("\n") else body + "\n"
+
+
+def job_name(dag_id: str, task_id: str, run_id: str, try_number: int, attempt: int = 0,
+             prefix: str = "sky") -> str:
+    """Deterministic, short (<= 63 chars), DNS-1123-safe job name for one attempt of one try.
+
+    The same (dag, task, run, try, attempt) always gives the same name, which is what lets a
+    restarted worker find and adopt the job it already submitted.
+    """
+    digest = hashlib.sha256(f"{dag_id}\0{task_id}\0{run_id}\0{try_number}".encode()).hexdigest()
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{dag_id}-{task_id}".lower()).strip("-")[:32].strip("-")
+    return f"{prefix}-{slug}-{digest[:10]}-t{try_number}-a{attempt}"
+
+
+def task_id_for(dag_id: str, task_id: str, run_id: str) -> str:
+    """``SKYPILOT_TASK_ID``: the same for every try and failover of one task in one DAG run,
+    so a training script can use it as its checkpoint key."""
+    safe_run = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)
+    return f"sky-airflow_{dag_id}_{task_id}_{safe_run}"
