@@ -1,0 +1,110 @@
+"""``SkyPilotJobSensor``: wait for a job submitted with ``wait_for_completion=False``.
+
+Same trigger, same outcome rules as the operator: success returns the result; a failure of the
+user's code fails with the log tail; an infrastructure failure fails with its reason (the
+sensor did not submit the job, so it does not place it again).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseSensorOperator
+from airflow.sdk.exceptions import AirflowException
+
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, backend_for_handle
+from airflow_skypilot.operators.skypilot import default_deferrable
+from airflow_skypilot.triggers.skypilot import LOG_TAIL_LINES, SkyPilotJobTrigger
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+
+class SkyPilotJobSensor(BaseSensorOperator):
+    """Wait for a SkyPilot job to finish.
+
+    :param handle: the job handle (dict or its JSON), usually
+        ``"{{ ti.xcom_pull(task_ids='submit') }}"``; templated.
+    :param deferrable: wait in the triggerer (default on, like the operator).
+    :param stream_logs: copy the job's output into the task log.
+    """
+
+    template_fields: Sequence[str] = ("handle",)
+
+    def __init__(self, *, handle: Mapping[str, Any] | str, deferrable: bool | None = None,
+                 stream_logs: bool = True, max_unreachable: int = 6, **kwargs: Any) -> None:
+        kwargs.setdefault("poke_interval", 10.0)
+        super().__init__(**kwargs)
+        self.handle = handle
+        self.deferrable = default_deferrable() if deferrable is None else deferrable
+        self.stream_logs = stream_logs
+        self.max_unreachable = max_unreachable
+        self._failures = 0
+
+    def _handle(self) -> JobHandle:
+        data = self.handle
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError:
+                import ast
+
+                data = ast.literal_eval(data)  # a dict rendered by Jinja as Python text
+        if not isinstance(data, Mapping) or "job_id" not in data:
+            raise AirflowException(f"handle must be a SkyPilot job handle; got {self.handle!r}")
+        return JobHandle.from_dict(data)
+
+    def execute(self, context: Context) -> Any:
+        if not self.deferrable:
+            return super().execute(context)
+        handle = self._handle()
+        self.defer(trigger=SkyPilotJobTrigger(handle.to_dict(), poll_interval=self.poke_interval,
+                                              max_unreachable=self.max_unreachable,
+                                              stream_logs=self.stream_logs),
+                   method_name="execute_complete",
+                   timeout=None if self.timeout is None else self.timeout)
+
+    def poke(self, context: Context) -> bool | Any:
+        handle = self._handle()
+        backend = backend_for_handle(handle)
+        try:
+            status = backend.status([handle]).get(handle.job_id)
+            self._failures = 0
+        except Exception as exc:
+            self._failures += 1
+            if self._failures < self.max_unreachable:
+                self.log.warning("Polling %s failed: %s", handle.connection, exc)
+                return False
+            status = JobStatus(JobState.LOST, reason=f"unreachable: {exc}")
+        if status is None or not status.state.terminal:
+            return False
+        try:
+            text, _ = backend.read_log(handle, 0)
+            tail = "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+        except Exception as exc:
+            tail = f"(log unavailable: {exc})"
+        return self._finish(handle, status, tail)
+
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:
+        if not event or event.get("status") == "error":
+            raise AirflowException(f"watching the job failed: {(event or {}).get('message')}")
+        return self._finish(JobHandle.from_dict(event["handle"]),
+                            JobStatus.from_dict(event["job_status"]), event.get("log_tail", ""))
+
+    def _finish(self, handle: JobHandle, status: JobStatus, tail: str) -> Any:
+        if status.state == JobState.SUCCEEDED:
+            self.log.info("Job %s on %s succeeded", handle.job_id, handle.connection)
+            try:
+                backend_for_handle(handle).cleanup(handle)
+            except Exception as exc:
+                self.log.warning("Cleanup of job %s failed: %s", handle.job_id, exc)
+            return {"state": "succeeded", "connection": handle.connection,
+                    "location": handle.location, "job_id": handle.job_id,
+                    "started_at": status.started_at, "ended_at": status.ended_at or time.time()}
+        kind = "infrastructure failure" if status.state.infra_failure else status.state.value
+        raise AirflowException(f"job {handle.job_id} on {handle.connection} ended: {kind}"
+                               f"{': ' + status.reason if status.reason else ''}\n"
+                               f"Last lines of its log:\n{tail}")

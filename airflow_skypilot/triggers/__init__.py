@@ -1,0 +1,1 @@
+"""Triggers: watch submitted jobs from the triggerer, batched per connection."""

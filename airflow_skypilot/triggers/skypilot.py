@@ -1,0 +1,243 @@
+"""The trigger that watches a submitted job, and the shared poller behind it.
+
+The trigger is read-only: it never submits. However many jobs are watched on one connection,
+one :class:`SharedPoller` per (event loop, backend, connection) asks that backend once per poll
+interval about all of them (one ``squeue``, one pod list, one ``describe_instances``) and hands
+each trigger its job's status. A backend that cannot be reached is retried; a job is declared
+lost only after ``max_unreachable`` failed polls in a row. Every error becomes an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_skypilot.backends.base import (
+    Backend,
+    JobHandle,
+    JobState,
+    JobStatus,
+    backend_for_handle,
+)
+
+LOG_TAIL_LINES = 40
+
+
+@dataclass
+class PollError:
+    """A poll of the whole connection failed (the job itself may be fine)."""
+
+    message: str
+
+
+class SharedPoller:
+    """Polls one connection for every job subscribed to it, once per interval."""
+
+    def __init__(self, backend: Backend, interval: float):
+        self.backend = backend
+        self.interval = interval
+        self._subs: dict[str, tuple[JobHandle, set[asyncio.Queue]]] = {}
+        self._task: asyncio.Task | None = None
+        #: polls sent (for tests and the benchmark: one per interval however many jobs)
+        self.polls = 0
+
+    def subscribe(self, handle: JobHandle, interval: float) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        entry = self._subs.setdefault(handle.job_id, (handle, set()))
+        entry[1].add(queue)
+        self.interval = min(self.interval, interval)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        return queue
+
+    def unsubscribe(self, handle: JobHandle, queue: asyncio.Queue) -> None:
+        entry = self._subs.get(handle.job_id)
+        if entry is None:
+            return
+        entry[1].discard(queue)
+        if not entry[1]:
+            del self._subs[handle.job_id]
+        if not self._subs and self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _loop(self) -> None:
+        try:
+            while self._subs:
+                handles = [h for h, _ in self._subs.values()]
+                self.polls += 1
+                try:
+                    statuses: dict[str, Any] = await self.backend.poll(handles)
+                except Exception as exc:  # reported to every watcher; the loop goes on
+                    error = PollError(f"{type(exc).__name__}: {exc}")
+                    statuses = {h.job_id: error for h in handles}
+                for job_id, (_, queues) in list(self._subs.items()):
+                    item = statuses.get(job_id)
+                    if item is None:
+                        item = JobStatus(JobState.LOST, reason="not in the backend's answer")
+                    for queue in queues:
+                        queue.put_nowait(item)
+                await asyncio.sleep(self.interval)
+        finally:
+            close = getattr(self.backend, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:  # closing a broken connection: nothing left to release
+                    pass
+
+
+_POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], SharedPoller]]
+_POLLERS = weakref.WeakKeyDictionary()
+
+
+def shared_poller(handle: JobHandle, interval: float) -> SharedPoller:
+    """The poller for this handle's connection in the running event loop (created on demand)."""
+    loop = asyncio.get_running_loop()
+    pollers = _POLLERS.setdefault(loop, {})
+    key = (handle.backend, handle.connection)
+    if key not in pollers:
+        pollers[key] = SharedPoller(backend_for_handle(handle), interval)
+    return pollers[key]
+
+
+def pollers_in_this_loop() -> dict[tuple[str, str], SharedPoller]:
+    return _POLLERS.get(asyncio.get_running_loop(), {})
+
+
+class SkyPilotJobTrigger(BaseTrigger):
+    """Fire when a job reaches a terminal state (or cannot be watched any more).
+
+    :param handle: the job's :class:`JobHandle` as a dict.
+    :param poll_interval: seconds between polls of the job's connection.
+    :param max_unreachable: failed polls in a row before the job is declared lost.
+    :param log_offset: byte offset of the job log already shown; new output is logged.
+    :param stream_logs: copy the job's output into the task log while it runs.
+    :param cancel_on_kill: cancel the job when a user kills the deferred task (Airflow >= 3.3).
+    :param state: the operator's placement state, handed back in the event (``airflow dags
+        test`` resumes with the event alone, so state cannot rely on the defer kwargs).
+    """
+
+    def __init__(self, handle: dict[str, Any], poll_interval: float = 10.0,
+                 max_unreachable: int = 6, log_offset: int = 0, stream_logs: bool = True,
+                 cancel_on_kill: bool = True, state: dict[str, Any] | None = None):
+        super().__init__()
+        self.handle = handle
+        self.poll_interval = poll_interval
+        self.max_unreachable = max_unreachable
+        self.log_offset = log_offset
+        self.stream_logs = stream_logs
+        self.cancel_on_kill = cancel_on_kill
+        self.state = state
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "airflow_skypilot.triggers.skypilot.SkyPilotJobTrigger",
+            {
+                "handle": self.handle,
+                "poll_interval": self.poll_interval,
+                "max_unreachable": self.max_unreachable,
+                "log_offset": self.log_offset,
+                "stream_logs": self.stream_logs,
+                "cancel_on_kill": self.cancel_on_kill,
+                "state": self.state,
+            },
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            handle = JobHandle.from_dict(self.handle)
+            poller = shared_poller(handle, self.poll_interval)
+        except Exception as exc:
+            yield TriggerEvent({"status": "error", "handle": self.handle, "state": self.state,
+                                "message": f"cannot watch the job: {type(exc).__name__}: {exc}"})
+            return
+        queue = poller.subscribe(handle, self.poll_interval)
+        offset = self.log_offset
+        failures = 0
+        last_error = ""
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, PollError):
+                    failures += 1
+                    last_error = item.message
+                    self.log.warning("Polling %s failed (%d/%d): %s", handle.connection,
+                                     failures, self.max_unreachable, item.message)
+                    if failures >= self.max_unreachable:
+                        status = JobStatus(JobState.LOST, reason=(
+                            f"{handle.connection} unreachable for {failures} polls in a row: "
+                            f"{last_error}"))
+                        yield TriggerEvent(self._event(handle, status, "", offset))
+                        return
+                    continue
+                failures = 0
+                status: JobStatus = item
+                if self.stream_logs:
+                    offset = await self._stream(poller.backend, handle, offset)
+                if status.state.terminal:
+                    if self.stream_logs:  # the last output written after the final poll
+                        offset = await self._stream(poller.backend, handle, offset)
+                    tail = await self._tail(poller.backend, handle, offset)
+                    yield TriggerEvent(self._event(handle, status, tail, offset))
+                    return
+        except Exception as exc:  # never crash the triggerer: report instead
+            yield TriggerEvent({"status": "error", "handle": self.handle, "state": self.state,
+                                "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            poller.unsubscribe(handle, queue)
+
+    async def _stream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
+        try:
+            text, offset = await backend.read_log_async(handle, offset)
+        except Exception as exc:  # logs are a convenience; the status is what matters
+            self.log.debug("Could not read the log of %s: %s", handle.key, exc)
+            return offset
+        for line in text.splitlines():
+            self.log.info("[%s] %s", handle.job_id, line)
+        return offset
+
+    async def _tail(self, backend: Backend, handle: JobHandle, offset: int) -> str:
+        try:
+            text, _ = await backend.read_log_async(handle, max(0, offset - 32768))
+        except Exception as exc:
+            return f"(log unavailable: {exc})"
+        return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+
+    def _event(self, handle: JobHandle, status: JobStatus, tail: str,
+               offset: int) -> dict[str, Any]:
+        return {"status": "done", "handle": handle.to_dict(), "job_status": status.to_dict(),
+                "log_tail": tail, "log_offset": offset, "at": time.time(), "state": self.state}
+
+    async def on_kill(self) -> None:
+        """Airflow >= 3.3 calls this when a user kills the deferred task: cancel the job."""
+        if not self.cancel_on_kill:
+            return
+        handle = JobHandle.from_dict(self.handle)
+        backend = backend_for_handle(handle)
+        self.log.info("Task killed while deferred: cancelling %s job %s on %s",
+                      handle.backend, handle.job_id, handle.connection)
+        await asyncio.to_thread(backend.cancel, handle)
+
+
+class SkyPilotWaitTrigger(BaseTrigger):
+    """Sleep, then resume the operator to probe again (nothing fits anywhere right now)."""
+
+    def __init__(self, seconds: float, state: dict[str, Any] | None = None):
+        super().__init__()
+        self.seconds = seconds
+        self.state = state
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("airflow_skypilot.triggers.skypilot.SkyPilotWaitTrigger",
+                {"seconds": self.seconds, "state": self.state})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await asyncio.sleep(self.seconds)
+        yield TriggerEvent({"status": "reprobe", "state": self.state})
