@@ -1,0 +1,81 @@
+"""Shared fixtures: the sandboxes (started on demand, reset per test) and their connections.
+
+``make test`` starts the sandboxes before pytest and stops them after; run alone, pytest starts
+what a test needs (``up()`` is idempotent) and leaves it running for the next run
+(``make sandbox-down`` stops it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("AIRFLOW_HOME", str(REPO / ".sandbox" / "airflow-home"))
+os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(REPO / "dags"))
+
+
+def use_connections(monkeypatch: pytest.MonkeyPatch, conns: dict[str, dict]) -> None:
+    """Make Airflow connections visible to hooks in this process (AIRFLOW_CONN_<ID> JSON)."""
+    for conn_id, conn in conns.items():
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
+
+
+@pytest.fixture(scope="session")
+def slurm_sandbox_session():
+    from tests.sandbox.slurm import SlurmSandbox
+
+    box = SlurmSandbox()
+    box.up()
+    return box
+
+
+@pytest.fixture
+def slurm(slurm_sandbox_session, monkeypatch) -> Iterator:
+    """The two Slurm clusters, clean (no jobs, every node up), connections set."""
+    box = slurm_sandbox_session
+    box.reset()
+    use_connections(monkeypatch, box.connections())
+    yield box
+
+
+@pytest.fixture(scope="session")
+def k8s_sandbox_session():
+    from tests.sandbox.kubernetes import KubernetesSandbox
+
+    box = KubernetesSandbox()
+    box.up()
+    return box
+
+
+@pytest.fixture
+def k8s(k8s_sandbox_session, monkeypatch) -> Iterator:
+    """The Kubernetes sandbox, clean, connections set."""
+    box = k8s_sandbox_session
+    box.reset()
+    use_connections(monkeypatch, box.connections())
+    yield box
+
+
+@pytest.fixture(scope="session")
+def aws_sandbox_session():
+    from tests.sandbox.aws import AwsSandbox
+
+    box = AwsSandbox()
+    box.up()
+    return box
+
+
+@pytest.fixture
+def aws(aws_sandbox_session, monkeypatch) -> Iterator:
+    """The AWS sandbox, clean (nothing running), connections set; asserts nothing is left
+    running after the test."""
+    box = aws_sandbox_session
+    box.reset()
+    use_connections(monkeypatch, box.connections())
+    yield box

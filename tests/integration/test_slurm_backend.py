@@ -1,0 +1,366 @@
+"""The Slurm backend against two real Slurm clusters (tests/sandbox/slurm.py), over real SSH."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import time
+import uuid
+
+import pytest
+
+from airflow_skypilot.backends.base import JobState
+from airflow_skypilot.backends.slurm import SlurmBackend
+from airflow_skypilot.cli import main as cli
+from airflow_skypilot.exceptions import BackendUnreachable
+from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+from airflow_skypilot.spec import load_task
+
+pytestmark = pytest.mark.sandbox
+
+HOME = "/home/skyuser"
+
+
+def _name(prefix: str) -> str:
+    """Job dirs outlive sandbox resets: every test submission gets a fresh name."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _task(run: str = "true", **fields):
+    spec = {"run": run, **fields}
+    return load_task(spec)
+
+
+def _wait(backend, handle, states, timeout=60.0):
+    """Poll until the job reaches one of ``states`` (JobState values); return the status."""
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline:
+        status = backend.status([handle])[handle.job_id]
+        if status.state in states:
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"job {handle.job_id} still {status} after {timeout}s")
+
+
+def _log(backend, handle) -> str:
+    text, _ = backend.read_log(handle)
+    return text
+
+
+def _offer(backend, task, location=None, accelerator=None):
+    offers = [o for o in backend.probe(task) if o.fits]
+    if location:
+        offers = [o for o in offers if o.location == location]
+    if accelerator:
+        offers = [o for o in offers if o.request.accelerator == accelerator]
+    assert offers, "no fitting offer"
+    return offers[0]
+
+
+def _filler(slurm, cluster, gres, partition=None, nodes=1, seconds=300):
+    argv = ["sbatch", "--parsable", f"--gres={gres}", "-N", str(nodes), "--mem=100M",
+            "--wrap", f"sleep {seconds}"]
+    if partition:
+        argv[1:1] = ["-p", partition]
+    return slurm.run(cluster, *argv).stdout.strip().split(";")[0]
+
+
+def _wait_running(slurm, cluster, job_id, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = slurm.run(cluster, "squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip()
+        if state == "RUNNING":
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"filler {job_id} not running")
+
+
+def test_capacity_is_right_under_load(slurm):
+    alpha = SlurmBackend("slurm_alpha")
+    before = {(r.location, r.accelerator): r for r in alpha.capacity()}
+    assert before[("batch", "A100")].total == 8 and before[("batch", "A100")].free == 8
+    assert before[("short", "A100")].total == 4 and before[("short", "A100")].free == 4
+    job1 = _filler(slurm, "alpha", "gpu:a100:3", partition="short")  # lands on a2
+    job2 = _filler(slurm, "alpha", "gpu:a100:2", partition="batch")
+    _wait_running(slurm, "alpha", job1)
+    _wait_running(slurm, "alpha", job2)
+    after = {(r.location, r.accelerator): r for r in alpha.capacity()}
+    assert after[("batch", "A100")].free == 3  # 8 - 3 - 2: a2 counted once across partitions
+    assert after[("short", "A100")].free == 1
+    pending = _filler(slurm, "alpha", "gpu:a100:4", partition="short")
+    time.sleep(1)
+    task = _task(resources={"accelerators": "A100:4"})
+    offers = {o.location: o for o in alpha.probe(task)}
+    assert offers["short"].fits and not offers["short"].free_now
+    assert offers["short"].pending_jobs == 1
+    assert offers["short"].gpus_free == 1 and offers["short"].nodes_free == 0
+    assert offers["batch"].nodes_free == 0  # a1 has 2 free, a2 has 1: no node with 4
+    assert offers["batch"].est_start is not None and offers["batch"].est_start > time.time()
+    assert pending
+
+
+def test_two_node_job_gets_every_skypilot_env_var(slurm, tmp_path):
+    alpha = SlurmBackend("slurm_alpha")
+    task = load_task({
+        "num_nodes": 2,
+        "resources": {"accelerators": "A100:2"},
+        "envs": {"MY_ENV": "x"},
+        "setup": 'echo "setup rank=$SKYPILOT_SETUP_NODE_RANK"',
+        "run": "echo \"rank=$SKYPILOT_NODE_RANK nodes=$SKYPILOT_NUM_NODES "
+               "gpus=$SKYPILOT_NUM_GPUS_PER_NODE task=$SKYPILOT_TASK_ID my=$MY_ENV\"\n"
+               "echo \"ips=$(echo $SKYPILOT_NODE_IPS | tr '\\n' ',')\"\n"
+               "echo \"cluster=$SKYPILOT_CLUSTER_INFO\"",
+    })
+    offer = _offer(alpha, task, location="batch")
+    handle = alpha.submit(task, offer, _name("sky-test-two-node"), {"SKYPILOT_TASK_ID": "sky-abc"})
+    status = _wait(alpha, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    log = _log(alpha, handle)
+    assert status.state == JobState.SUCCEEDED, log
+    assert sorted(status.nodes) in (["a1", "a2"], ["a[1-2]"]) or status.nodes
+    for rank in (0, 1):
+        assert f"rank={rank} nodes=2 gpus=2 task=sky-abc my=x" in log
+        assert f"setup rank={rank}" in log
+    assert "ips=127.0.1.1 127.0.1.2," in log or "ips=127.0.1.1,127.0.1.2," in log
+    assert '"cloud": "Slurm"' in log and '"zone": "batch"' in log
+
+
+TRICKY = {
+    "SPACES": "a b  c",
+    "QUOTES": "it's \"quoted\" `back`",
+    "SUBST": "$(touch /tmp/airflow-skypilot-pwned) ${HOME} $HOME",
+    "NEWLINES": "line1\nline2\n\nline4",
+    "BACKSLASH": "a\\nb\\\\c",
+    "UNICODE": "naïve ☃",
+}
+
+
+def test_envs_arrive_byte_for_byte(slurm):
+    beta = SlurmBackend("slurm_beta")
+    script = "".join(f'printf "%s" "${name}" | base64 -w0; echo " {name}"\n' for name in TRICKY)
+    task = load_task({"envs": TRICKY, "run": script})
+    handle = beta.submit(task, _offer(beta, task), _name("sky-test-envs"), {"SKYPILOT_TASK_ID": "t"})
+    status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    log = _log(beta, handle)
+    assert status.state == JobState.SUCCEEDED, log
+    import base64
+
+    seen = {}
+    for line in log.splitlines():
+        parts = line.split(" ")
+        if len(parts) == 2 and parts[1] in TRICKY:
+            seen[parts[1]] = base64.b64decode(parts[0]).decode()
+    assert seen == TRICKY
+    assert slurm.run("beta", "test", "!", "-e", "/tmp/airflow-skypilot-pwned", check=False) \
+        .returncode == 0
+
+
+def test_secrets_are_never_in_clear_in_the_script_or_a_readable_file(slurm):
+    beta = SlurmBackend("slurm_beta")
+    import hashlib
+
+    digest = hashlib.sha256(b"s3cr3t-value").hexdigest()
+    task = load_task({"secrets": {"API_TOKEN": "s3cr3t-value"},
+                      "run": f'test "$(printf %s "$API_TOKEN" | sha256sum | cut -d" " -f1)" = '
+                             f'{digest} && echo token-ok; sleep 3'})
+    handle = beta.submit(task, _offer(beta, task), _name("sky-test-secret"), {"SKYPILOT_TASK_ID": "t"})
+    job_dir = handle.extra["job_dir"]
+    listing = slurm.run("beta", "bash", "-c",
+                        f"stat -c '%a %n' {shlex.quote(job_dir)} {shlex.quote(job_dir)}/*")
+    modes = dict(line.split(" ", 1)[::-1] for line in listing.stdout.splitlines())
+    assert modes[job_dir] == "700"
+    assert modes[f"{job_dir}/secrets.sh"] == "600"
+    grep = slurm.run("beta", "grep", "-rl", "s3cr3t-value", job_dir, check=False)
+    assert grep.stdout.strip().splitlines() == [f"{job_dir}/secrets.sh"]
+    status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    assert status.state == JobState.SUCCEEDED
+    assert "token-ok" in _log(beta, handle)
+    gone = slurm.run("beta", "test", "-e", f"{job_dir}/secrets.sh", check=False)
+    assert gone.returncode != 0, "secrets.sh must be removed when the job ends"
+
+
+def test_exit_code_3_is_a_user_failure_with_code_3(slurm):
+    beta = SlurmBackend("slurm_beta")
+    task = _task("echo about to fail; exit 3")
+    handle = beta.submit(task, _offer(beta, task), _name("sky-test-exit3"), {"SKYPILOT_TASK_ID": "t"})
+    status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    assert status.state == JobState.FAILED
+    assert status.exit_code == 3
+    assert status.raw_state == "FAILED"
+    assert "about to fail" in _log(beta, handle)
+
+
+def test_setup_failure_skips_run_and_fails(slurm):
+    beta = SlurmBackend("slurm_beta")
+    task = load_task({"setup": "exit 7", "run": "echo should-not-run"})
+    handle = beta.submit(task, _offer(beta, task), _name("sky-test-setup"), {"SKYPILOT_TASK_ID": "t"})
+    status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    assert (status.state, status.exit_code) == (JobState.FAILED, 7)
+    assert "should-not-run" not in _log(beta, handle)
+
+
+def test_killing_the_slurmd_under_a_job_is_an_infra_failure(slurm):
+    alpha = SlurmBackend("slurm_alpha")
+    task = _task("sleep 300", resources={"accelerators": "A100:1"})
+    offer = _offer(alpha, task, location="short")  # short has only a2
+    handle = alpha.submit(task, offer, _name("sky-test-nodefail"), {"SKYPILOT_TASK_ID": "t"})
+    _wait(alpha, handle, {JobState.RUNNING})
+    slurm.kill_slurmd("a2")
+    status = _wait(alpha, handle, {JobState.INFRA_FAILED, JobState.FAILED, JobState.LOST},
+                   timeout=90)
+    assert status.state == JobState.INFRA_FAILED, status
+    assert status.state.infra_failure
+    assert status.raw_state == "NODE_FAIL"
+
+
+def test_scancel_is_cancelled(slurm):
+    beta = SlurmBackend("slurm_beta")
+    task = _task("sleep 300")
+    handle = beta.submit(task, _offer(beta, task), _name("sky-test-cancel"), {"SKYPILOT_TASK_ID": "t"})
+    _wait(beta, handle, {JobState.RUNNING})
+    beta.cancel(handle)
+    status = _wait(beta, handle, {JobState.CANCELLED})
+    assert status.state == JobState.CANCELLED
+    beta.cancel(handle)  # twice is fine
+
+
+def test_too_many_gpus_is_explained_and_nothing_submitted(slurm):
+    alpha = SlurmBackend("slurm_alpha")
+    task = _task(resources={"accelerators": "A100:8"})
+    before = slurm.run("alpha", "squeue", "-h", "-t", "all", "-o", "%i").stdout.split()
+    offers = alpha.probe(task)
+    assert offers and not any(o.fits for o in offers)
+    assert {o.reason for o in offers} == {
+        "needs 8 A100 per node; nodes in batch have at most 4",
+        "needs 8 A100 per node; nodes in short have at most 4"}
+    after = slurm.run("alpha", "squeue", "-h", "-t", "all", "-o", "%i").stdout.split()
+    assert after == before  # sbatch --test-only submits nothing
+
+
+def test_unknown_gpu_type_and_shapes_are_explained(slurm):
+    beta = SlurmBackend("slurm_beta")
+    reasons = {o.reason for o in beta.probe(_task(resources={"accelerators": "L4:1"}))}
+    assert reasons == {"no L4 in partition main (has: h100)"}
+    reasons = {o.reason for o in beta.probe(_task(num_nodes=2,
+                                                  resources={"accelerators": "H100:1"}))}
+    assert reasons == {"needs 2 nodes; main has 1 with H100"}
+    reasons = {o.reason for o in beta.probe(_task(resources={"cpus": "64+"}))}
+    assert reasons == {"needs 64+ CPUs per node; nodes in main have at most 8"}
+    reasons = {o.reason for o in beta.probe(_task(resources={"use_spot": True}))}
+    assert reasons == {"Slurm has no spot capacity (use_spot: true)"}
+
+
+def test_infra_filter_selects_cluster_and_partition(slurm):
+    alpha = SlurmBackend("slurm_alpha")
+    task = _task(resources={"accelerators": "A100:1", "infra": "slurm/alpha/short"})
+    assert [o.location for o in alpha.probe(task)] == ["short"]
+    assert SlurmBackend("slurm_beta").probe(task) == []
+
+
+def test_unreachable_login_node_is_reported_and_the_others_answer(slurm):
+    slurm.stop_sshd("alpha")
+    try:
+        with pytest.raises(BackendUnreachable):
+            SlurmBackend("slurm_alpha").probe(_task())
+        hook = SkyPilotCapacityHook(["slurm_alpha", "slurm_beta"], timeout=30)
+        result = hook.probe(_task(resources={"accelerators": "H100:1"}))
+        assert "slurm_alpha" in result.errors
+        assert "Unable to connect" in result.errors["slurm_alpha"]
+        assert [o.connection for o in result.offers if o.fits] == ["slurm_beta"]
+    finally:
+        slurm.start_sshd("alpha")
+
+
+def test_submitting_twice_with_one_name_gives_one_job(slurm):
+    beta = SlurmBackend("slurm_beta")
+    task = _task("sleep 30")
+    offer = _offer(beta, task)
+    name = _name("sky-test-twice")
+    first = beta.submit(task, offer, name, {"SKYPILOT_TASK_ID": "t"})
+    second = SlurmBackend("slurm_beta").submit(task, offer, name, {"SKYPILOT_TASK_ID": "t"})
+    assert second.job_id == first.job_id and second.adopted and not first.adopted
+    found = beta.find(name)
+    assert found is not None and found.job_id == first.job_id
+    names = slurm.run("beta", "squeue", "-h", "-t", "all", "-o", "%j").stdout.split()
+    assert names.count(name) == 1
+    assert beta.find("sky-never-submitted") is None
+
+
+def test_status_of_many_jobs_is_one_command(slurm):
+    beta = SlurmBackend("slurm_beta")
+    task = _task("sleep 60")
+    offer = _offer(beta, task)
+    handles = [beta.submit(task, offer, _name(f"sky-test-many-{i}"), {"SKYPILOT_TASK_ID": "t"})
+               for i in range(5)]
+    slurm.clear_commands_log("beta")
+    statuses = asyncio.run(beta.poll(handles))
+    assert set(statuses) == {h.job_id for h in handles}
+    assert all(s.state in (JobState.PENDING, JobState.RUNNING) for s in statuses.values())
+    assert len(slurm.commands_log("beta")) == 1
+
+
+def test_finished_job_that_left_the_queue_is_judged_by_its_exit_file(slurm):
+    beta = SlurmBackend("slurm_beta")
+    task = _task("exit 4")
+    handle = beta.submit(task, _offer(beta, task), _name("sky-test-gone"), {"SKYPILOT_TASK_ID": "t"})
+    _wait(beta, handle, {JobState.FAILED})
+    handle.job_id = "99999"  # a job Slurm no longer knows, same job dir
+    status = beta.status([handle])["99999"]
+    assert (status.state, status.exit_code) == (JobState.FAILED, 4)
+    handle.extra["job_dir"] = "/nonexistent"
+    assert beta.status([handle])["99999"].state == JobState.LOST
+
+
+def test_workdir_is_copied_over_sftp(slurm, tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("print('from workdir')\n")
+    (tmp_path / "src" / ".git").mkdir()
+    (tmp_path / "src" / ".git" / "HEAD").write_text("ref")
+    yaml = tmp_path / "task.yaml"
+    yaml.write_text("workdir: src\nrun: |\n  ls -a\n  python3 train.py\n")
+    task = load_task(str(yaml))
+    beta = SlurmBackend("slurm_beta")
+    handle = beta.submit(task, _offer(beta, task), _name("sky-test-workdir"), {"SKYPILOT_TASK_ID": "t"})
+    status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    log = _log(beta, handle)
+    assert status.state == JobState.SUCCEEDED, log
+    assert "from workdir" in log and ".git" not in log
+
+
+def test_log_reads_from_an_offset(slurm):
+    beta = SlurmBackend("slurm_beta")
+    task = _task("for i in 1 2 3; do echo line-$i; done")
+    handle = beta.submit(task, _offer(beta, task), _name("sky-test-log"), {"SKYPILOT_TASK_ID": "t"})
+    _wait(beta, handle, {JobState.SUCCEEDED})
+    text, offset = beta.read_log(handle, 0)
+    assert "line-3" in text and offset == len(text.encode())
+    rest, offset2 = beta.read_log(handle, offset)
+    assert rest == "" and offset2 == offset
+    tail, _ = asyncio.run(beta.read_log_async(handle, text.encode().index(b"line-2")))
+    assert tail.startswith("line-2")
+
+
+def test_cli_show_gpus_and_plan(slurm, capsys, tmp_path):
+    assert cli(["show-gpus", "--conn", "slurm_alpha", "--conn", "slurm_beta", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    keyed = {(r["connection"], r["location"], r["accelerator"]): r for r in rows}
+    assert keyed[("slurm_alpha", "batch", "A100")]["total"] == 8
+    assert keyed[("slurm_beta", "main", "H100")]["free"] == 8
+    assert set(rows[0]) >= {"connection", "location", "accelerator", "total", "free", "pending",
+                            "price_per_hour"}
+    path = tmp_path / "t.yaml"
+    path.write_text("resources:\n  accelerators: {A100: 2, H100: 2}\nrun: x\n")
+    assert cli(["plan", str(path), "--conn", "slurm_alpha", "--conn", "slurm_beta"]) == 0
+    out = capsys.readouterr().out
+    assert "*  slurm_alpha  batch" in out and "no H100 in partition batch" in out
+    assert cli(["plan", str(path), "--conn", "slurm_alpha", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["chosen"]["connection"] == "slurm_alpha"
+    slurm.stop_sshd("beta")
+    try:
+        assert cli(["show-gpus", "--conn", "slurm_alpha", "--conn", "slurm_beta", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [r["connection"] for r in rows if "error" in r] == ["slurm_beta"]
+    finally:
+        slurm.start_sshd("beta")

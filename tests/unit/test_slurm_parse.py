@@ -1,0 +1,113 @@
+"""Parsing Slurm's portable -o/-O output (captured from Slurm 22.05) and mapping its states."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_skypilot.backends.base import JobHandle, JobState
+from airflow_skypilot.backends.slurm import SlurmSettings, parse_cluster, parse_gres, parse_status
+
+PROBE = """\
+@@now
+1795988258
+@@home
+/home/skyuser
+@@nodes
+a1|batch*|mixed|2/6/0/8|16000|2000|gpu:a100:4|gpu:a100:2(IDX:0-1)|127.0.1.1|
+a2|short|idle|0/8/0/8|16000|0|gpu:a100:4(S:0)|gpu:a100:0(IDX:N/A)|127.0.1.2|
+a2|batch*|idle|0/8/0/8|16000|0|gpu:a100:4(S:0)|gpu:a100:0(IDX:N/A)|127.0.1.2|
+a3|batch*|down*|0/0/8/8|16000|0|gpu:a100:4|gpu:a100:0(IDX:N/A)|127.0.1.3|
+@@partitions
+batch|up|infinite
+short|up|10:00
+@@pending
+1001|batch|1|Resources
+1002|batch,short|1|Priority
+@@testonly
+batch|a100|2|1|1795988258
+short|a100|8|1|allocation failure: Requested node configuration is not available
+"""
+
+
+def test_cluster_parse_counts_a_node_in_two_partitions_once():
+    st = parse_cluster(PROBE)
+    assert set(st.nodes) == {"a1", "a2", "a3"}
+    assert st.nodes["a2"].partitions == ["short", "batch"]
+    assert st.partitions["batch"].default and not st.partitions["short"].default
+    assert st.partitions["short"].time_limit == "10:00"
+    assert st.partitions["batch"].pending == 2 and st.partitions["short"].pending == 1
+    assert st.nodes["a1"].gpus_free("a100") == 2 and st.nodes["a1"].cpus_free == 6
+    assert st.nodes["a1"].mem_free_mb == 14000
+    assert not st.nodes["a3"].usable and st.nodes["a2"].usable
+    assert st.starts[("batch", "a100", 2, 1)] == 1795988258.0
+    assert "not available" in st.starts[("short", "a100", 8, 1)]
+    assert st.home == "/home/skyuser" and st.now == 1795988258.0
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("gpu:a100:4", {"a100": 4}),
+    ("gpu:a100:4(S:0-1)", {"a100": 4}),
+    ("gpu:4", {"": 4}),
+    ("gpu:a100:2,gpu:h100:4(S:1)", {"a100": 2, "h100": 4}),
+    ("gpu:a100:2(IDX:0-1),shard:8", {"a100": 2}),
+    ("(null)", {}),
+    ("", {}),
+])
+def test_gres(text, expected):
+    assert parse_gres(text) == expected
+
+
+@pytest.mark.parametrize("state", ["down*", "drained", "draining", "idle*", "mixed+drain",
+                                   "maint", "fail", "inval", "unknown"])
+def test_unusable_node_states(state):
+    st = parse_cluster(PROBE.replace("a2|short|idle", f"a2|short|{state}"))
+    assert not st.nodes["a2"].usable
+
+
+def _handle(job_id: str) -> JobHandle:
+    return JobHandle(backend="slurm", connection="c", job_id=job_id, job_name="n",
+                     location="batch", infra="slurm/c/batch", extra={"job_dir": "/d"})
+
+
+@pytest.mark.parametrize(("raw", "reason", "exit_file", "state", "code"), [
+    ("PENDING", "Resources", "", JobState.PENDING, None),
+    ("RUNNING", "None", "", JobState.RUNNING, None),
+    ("COMPLETING", "None", "", JobState.RUNNING, None),
+    ("COMPLETED", "None", "0", JobState.SUCCEEDED, 0),
+    ("FAILED", "NonZeroExitCode", "3", JobState.FAILED, 3),
+    ("OUT_OF_MEMORY", "OutOfMemory", "", JobState.FAILED, None),
+    ("TIMEOUT", "TimeLimit", "", JobState.FAILED, None),
+    ("NODE_FAIL", "NodeDown", "", JobState.INFRA_FAILED, None),
+    ("BOOT_FAIL", "None", "", JobState.INFRA_FAILED, None),
+    ("PREEMPTED", "None", "", JobState.PREEMPTED, None),
+    ("CANCELLED", "None", "", JobState.CANCELLED, None),
+    ("CANCELLED+", "None", "", JobState.CANCELLED, None),
+])
+def test_state_mapping(raw, reason, exit_file, state, code):
+    out = (f"@@squeue\n7|n|{raw}|{reason}|a1|2026-11-29T21:00:00|N/A\n@@sacct\n@@exits\n"
+           + (f"7|{exit_file}\n" if exit_file else ""))
+    status = parse_status(out, [_handle("7")])["7"]
+    assert status.state == state
+    assert status.exit_code == code
+    if state == JobState.PENDING:
+        assert status.reason == "Resources"
+
+
+def test_sacct_and_exit_files_cover_jobs_that_left_the_queue():
+    out = "@@squeue\n@@sacct\n8|NODE_FAIL|0:0|x|y\n8.batch|CANCELLED|0:15\n@@exits\n9|0\n"
+    got = parse_status(out, [_handle("8"), _handle("9"), _handle("10")])
+    assert got["8"].state == JobState.INFRA_FAILED
+    assert got["9"].state == JobState.SUCCEEDED
+    assert got["10"].state == JobState.LOST
+
+
+def test_settings_from_connection_extras():
+    s = SlurmSettings.from_extra("conn", {
+        "cluster": "hpc1", "partitions": "gpu, debug", "account": "ml", "qos": "high",
+        "sbatch_options": "--exclusive --comment='a b'", "time_limit": "1:00:00",
+        "price_per_gpu_hour": "2.5"})
+    assert s.partitions == ["gpu", "debug"]
+    assert s.common_sbatch_args() == ["--account=ml", "--qos=high", "--time=1:00:00",
+                                      "--exclusive", "--comment=a b"]
+    assert s.price_per_gpu_hour == 2.5
+    assert SlurmSettings.from_extra("conn", {}).cluster == "conn"
