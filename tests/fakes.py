@@ -67,7 +67,10 @@ class FakeBackend(Backend):
         self.jobs[job_id] = {"name": job_name, "conn": self.conn_id, "env": dict(env),
                              "status": JobStatus(JobState.PENDING), "location": offer.location}
         return JobHandle(backend="fake", connection=self.conn_id, job_id=job_id,
-                         job_name=job_name, location=offer.location, infra=offer.infra)
+                         job_name=job_name, location=offer.location, infra=offer.infra,
+                         num_nodes=task.num_nodes, accelerator=offer.request.accelerator,
+                         gpus_per_node=offer.request.accelerator_count,
+                         price_per_hour=offer.price_per_hour)
 
     def find(self, job_name: str) -> JobHandle | None:
         for job_id, job in self.jobs.items():
@@ -79,7 +82,10 @@ class FakeBackend(Backend):
     def cancel(self, handle: JobHandle) -> None:
         self.jobs[handle.job_id]["status"] = JobStatus(JobState.CANCELLED)
 
+    polls = 0
+
     async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+        type(self).polls += 1
         if self.conn_id in self.down:
             raise BackendUnreachable(f"{self.conn_id} is down")
         return {h.job_id: self.jobs[h.job_id]["status"] if h.job_id in self.jobs

@@ -254,6 +254,16 @@ class Backend(ABC):
 
         return await asyncio.to_thread(self.read_log, handle, offset)
 
+    async def read_logs_async(self, requests: list[tuple[JobHandle, int]]
+                              ) -> dict[str, tuple[str, int]]:
+        """New output of many jobs on this connection, keyed by job id. The triggerer calls it
+        once per poll for every job it streams; backends that can answer for all jobs in one
+        request (one SSH command, one S3 listing) should override it."""
+        out = {}
+        for handle, offset in requests:
+            out[handle.job_id] = await self.read_log_async(handle, offset)
+        return out
+
     def cleanup(self, handle: JobHandle) -> None:
         """Remove what the job left behind (staged secrets, objects). Default: nothing."""
         return None

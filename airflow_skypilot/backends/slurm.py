@@ -21,6 +21,7 @@ status
 from __future__ import annotations
 
 import asyncio
+import base64
 import fnmatch
 import logging
 import os
@@ -934,8 +935,8 @@ class SlurmBackend(Backend):
 
     def _log_script(self, handle: JobHandle, offset: int, limit: int) -> str:
         path = shlex.quote(handle.extra.get("log", ""))
-        return (f"s=$(stat -c %s {path} 2>/dev/null || echo 0); echo \"@@size $s\"; "
-                f"tail -c +{int(offset) + 1} {path} 2>/dev/null | head -c {int(limit)}")
+        return (f"echo @@log; tail -c +{int(offset) + 1} {path} 2>/dev/null "
+                f"| head -c {int(limit)} | base64 -w0; echo")
 
     def read_log(self, handle: JobHandle, offset: int = 0,
                  limit: int = 1 << 20) -> tuple[str, int]:
@@ -947,12 +948,38 @@ class SlurmBackend(Backend):
         rc, out, err = await self.arun(self._log_script(handle, offset, limit))
         return _split_log(out, offset)
 
+    async def read_logs_async(self, requests: list[tuple[JobHandle, int]],
+                              limit: int = 1 << 18) -> dict[str, tuple[str, int]]:
+        """New output of every streamed job in one SSH command (base64-framed per job)."""
+        if not requests:
+            return {}
+        lines = []
+        for handle, offset in requests:
+            path = shlex.quote(handle.extra.get("log", ""))
+            lines.append(f"printf '@@log %s\\n' {shlex.quote(handle.job_id)}; "
+                         f"tail -c +{int(offset) + 1} {path} 2>/dev/null | head -c {int(limit)} "
+                         f"| base64 -w0; echo")
+        rc, out, err = await self.arun("\n".join(lines))
+        texts: dict[str, tuple[str, int]] = {}
+        offsets = {h.job_id: o for h, o in requests}
+        current = None
+        for line in out.splitlines():
+            if line.startswith("@@log "):
+                current = line[6:].strip()
+            elif current is not None:
+                data = base64.b64decode(line.strip() or b"")
+                texts[current] = (data.decode("utf-8", "replace"), offsets[current] + len(data))
+                current = None
+        return {h.job_id: texts.get(h.job_id, ("", o)) for h, o in requests}
+
 
 def _split_log(out: str, offset: int) -> tuple[str, int]:
+    """``@@log`` then the bytes read, base64: the offset counts bytes, not characters."""
     head, _, body = out.partition("\n")
-    if not head.startswith("@@size"):
+    if head.strip() != "@@log":
         return "", offset
-    return body, offset + len(body.encode())
+    data = base64.b64decode(body.strip() or b"")
+    return data.decode("utf-8", "replace"), offset + len(data)
 
 
 def unsupported(task: Task, req: ResourceRequest) -> str:

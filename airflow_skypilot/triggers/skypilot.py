@@ -36,33 +36,47 @@ class PollError:
     message: str
 
 
+@dataclass
+class PollResult:
+    """One job's status at this poll, and its output since the last one."""
+
+    status: JobStatus
+    log: str = ""
+    log_offset: int = 0
+
+
+@dataclass
+class _Sub:
+    handle: JobHandle
+    queue: asyncio.Queue
+    stream_logs: bool
+    offset: int
+
+
 class SharedPoller:
-    """Polls one connection for every job subscribed to it, once per interval."""
+    """Polls one connection for every job subscribed to it, once per interval: one status
+    request for all jobs, and one log request for all jobs whose output is streamed."""
 
     def __init__(self, backend: Backend, interval: float):
         self.backend = backend
         self.interval = interval
-        self._subs: dict[str, tuple[JobHandle, set[asyncio.Queue]]] = {}
+        self._subs: list[_Sub] = []
         self._task: asyncio.Task | None = None
-        #: polls sent (for tests and the benchmark: one per interval however many jobs)
-        self.polls = 0
+        #: requests sent (tests and the benchmark check: one per interval, whatever the count)
+        self.status_polls = 0
+        self.log_polls = 0
 
-    def subscribe(self, handle: JobHandle, interval: float) -> asyncio.Queue:
+    def subscribe(self, handle: JobHandle, interval: float, stream_logs: bool = True,
+                  offset: int = 0) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
-        entry = self._subs.setdefault(handle.job_id, (handle, set()))
-        entry[1].add(queue)
+        self._subs.append(_Sub(handle, queue, stream_logs, offset))
         self.interval = min(self.interval, interval)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
         return queue
 
-    def unsubscribe(self, handle: JobHandle, queue: asyncio.Queue) -> None:
-        entry = self._subs.get(handle.job_id)
-        if entry is None:
-            return
-        entry[1].discard(queue)
-        if not entry[1]:
-            del self._subs[handle.job_id]
+    def unsubscribe(self, queue: asyncio.Queue) -> None:
+        self._subs = [s for s in self._subs if s.queue is not queue]
         if not self._subs and self._task is not None:
             self._task.cancel()
             self._task = None
@@ -70,19 +84,7 @@ class SharedPoller:
     async def _loop(self) -> None:
         try:
             while self._subs:
-                handles = [h for h, _ in self._subs.values()]
-                self.polls += 1
-                try:
-                    statuses: dict[str, Any] = await self.backend.poll(handles)
-                except Exception as exc:  # reported to every watcher; the loop goes on
-                    error = PollError(f"{type(exc).__name__}: {exc}")
-                    statuses = {h.job_id: error for h in handles}
-                for job_id, (_, queues) in list(self._subs.items()):
-                    item = statuses.get(job_id)
-                    if item is None:
-                        item = JobStatus(JobState.LOST, reason="not in the backend's answer")
-                    for queue in queues:
-                        queue.put_nowait(item)
+                await self._poll_once()
                 await asyncio.sleep(self.interval)
         finally:
             close = getattr(self.backend, "aclose", None)
@@ -91,6 +93,32 @@ class SharedPoller:
                     await close()
                 except Exception:  # closing a broken connection: nothing left to release
                     pass
+
+    async def _poll_once(self) -> None:
+        subs = list(self._subs)
+        handles = list({s.handle.job_id: s.handle for s in subs}.values())
+        self.status_polls += 1
+        try:
+            statuses = await self.backend.poll(handles)
+        except Exception as exc:  # reported to every watcher; the loop goes on
+            error = PollError(f"{type(exc).__name__}: {exc}")
+            for sub in subs:
+                sub.queue.put_nowait(error)
+            return
+        logs: dict[str, tuple[str, int]] = {}
+        wanted = {s.handle.job_id: (s.handle, s.offset) for s in subs if s.stream_logs}
+        if wanted:
+            self.log_polls += 1
+            try:
+                logs = await self.backend.read_logs_async(list(wanted.values()))
+            except Exception:  # output is a convenience; the status is what matters
+                logs = {}
+        for sub in subs:
+            status = statuses.get(sub.handle.job_id) or JobStatus(
+                JobState.LOST, reason="not in the backend's answer")
+            text, offset = logs.get(sub.handle.job_id, ("", sub.offset))
+            sub.offset = offset
+            sub.queue.put_nowait(PollResult(status, text, offset))
 
 
 _POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], SharedPoller]]
@@ -158,40 +186,38 @@ class SkyPilotJobTrigger(BaseTrigger):
             yield TriggerEvent({"status": "error", "handle": self.handle, "state": self.state,
                                 "message": f"cannot watch the job: {type(exc).__name__}: {exc}"})
             return
-        queue = poller.subscribe(handle, self.poll_interval)
+        queue = poller.subscribe(handle, self.poll_interval, self.stream_logs, self.log_offset)
         offset = self.log_offset
         failures = 0
-        last_error = ""
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, PollError):
                     failures += 1
-                    last_error = item.message
                     self.log.warning("Polling %s failed (%d/%d): %s", handle.connection,
                                      failures, self.max_unreachable, item.message)
                     if failures >= self.max_unreachable:
                         status = JobStatus(JobState.LOST, reason=(
                             f"{handle.connection} unreachable for {failures} polls in a row: "
-                            f"{last_error}"))
+                            f"{item.message}"))
                         yield TriggerEvent(self._event(handle, status, "", offset))
                         return
                     continue
                 failures = 0
-                status: JobStatus = item
-                if self.stream_logs:
-                    offset = await self._stream(poller.backend, handle, offset)
-                if status.state.terminal:
-                    if self.stream_logs:  # the last output written after the final poll
+                for line in item.log.splitlines():
+                    self.log.info("[%s] %s", handle.job_id, line)
+                offset = item.log_offset
+                if item.status.state.terminal:
+                    if self.stream_logs:  # output written after the final poll
                         offset = await self._stream(poller.backend, handle, offset)
                     tail = await self._tail(poller.backend, handle, offset)
-                    yield TriggerEvent(self._event(handle, status, tail, offset))
+                    yield TriggerEvent(self._event(handle, item.status, tail, offset))
                     return
         except Exception as exc:  # never crash the triggerer: report instead
             yield TriggerEvent({"status": "error", "handle": self.handle, "state": self.state,
                                 "message": f"{type(exc).__name__}: {exc}"})
         finally:
-            poller.unsubscribe(handle, queue)
+            poller.unsubscribe(queue)
 
     async def _stream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
         try:

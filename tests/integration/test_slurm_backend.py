@@ -59,6 +59,10 @@ def _offer(backend, task, location=None, accelerator=None):
     return offers[0]
 
 
+def _submit(backend, task, prefix):
+    return backend.submit(task, _offer(backend, task), _name(prefix), {"SKYPILOT_TASK_ID": "t"})
+
+
 def _filler(slurm, cluster, gres, partition=None, nodes=1, seconds=300):
     argv = ["sbatch", "--parsable", f"--gres={gres}", "-N", str(nodes), "--mem=100M",
             "--wrap", f"sleep {seconds}"]
@@ -140,7 +144,7 @@ def test_envs_arrive_byte_for_byte(slurm):
     beta = SlurmBackend("slurm_beta")
     script = "".join(f'printf "%s" "${name}" | base64 -w0; echo " {name}"\n' for name in TRICKY)
     task = load_task({"envs": TRICKY, "run": script})
-    handle = beta.submit(task, _offer(beta, task), _name("sky-test-envs"), {"SKYPILOT_TASK_ID": "t"})
+    handle = _submit(beta, task, "sky-test-envs")
     status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
     log = _log(beta, handle)
     assert status.state == JobState.SUCCEEDED, log
@@ -164,7 +168,7 @@ def test_secrets_are_never_in_clear_in_the_script_or_a_readable_file(slurm):
     task = load_task({"secrets": {"API_TOKEN": "s3cr3t-value"},
                       "run": f'test "$(printf %s "$API_TOKEN" | sha256sum | cut -d" " -f1)" = '
                              f'{digest} && echo token-ok; sleep 3'})
-    handle = beta.submit(task, _offer(beta, task), _name("sky-test-secret"), {"SKYPILOT_TASK_ID": "t"})
+    handle = _submit(beta, task, "sky-test-secret")
     job_dir = handle.extra["job_dir"]
     listing = slurm.run("beta", "bash", "-c",
                         f"stat -c '%a %n' {shlex.quote(job_dir)} {shlex.quote(job_dir)}/*")
@@ -183,7 +187,7 @@ def test_secrets_are_never_in_clear_in_the_script_or_a_readable_file(slurm):
 def test_exit_code_3_is_a_user_failure_with_code_3(slurm):
     beta = SlurmBackend("slurm_beta")
     task = _task("echo about to fail; exit 3")
-    handle = beta.submit(task, _offer(beta, task), _name("sky-test-exit3"), {"SKYPILOT_TASK_ID": "t"})
+    handle = _submit(beta, task, "sky-test-exit3")
     status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
     assert status.state == JobState.FAILED
     assert status.exit_code == 3
@@ -194,7 +198,7 @@ def test_exit_code_3_is_a_user_failure_with_code_3(slurm):
 def test_setup_failure_skips_run_and_fails(slurm):
     beta = SlurmBackend("slurm_beta")
     task = load_task({"setup": "exit 7", "run": "echo should-not-run"})
-    handle = beta.submit(task, _offer(beta, task), _name("sky-test-setup"), {"SKYPILOT_TASK_ID": "t"})
+    handle = _submit(beta, task, "sky-test-setup")
     status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
     assert (status.state, status.exit_code) == (JobState.FAILED, 7)
     assert "should-not-run" not in _log(beta, handle)
@@ -217,7 +221,7 @@ def test_killing_the_slurmd_under_a_job_is_an_infra_failure(slurm):
 def test_scancel_is_cancelled(slurm):
     beta = SlurmBackend("slurm_beta")
     task = _task("sleep 300")
-    handle = beta.submit(task, _offer(beta, task), _name("sky-test-cancel"), {"SKYPILOT_TASK_ID": "t"})
+    handle = _submit(beta, task, "sky-test-cancel")
     _wait(beta, handle, {JobState.RUNNING})
     beta.cancel(handle)
     status = _wait(beta, handle, {JobState.CANCELLED})
@@ -303,7 +307,7 @@ def test_status_of_many_jobs_is_one_command(slurm):
 def test_finished_job_that_left_the_queue_is_judged_by_its_exit_file(slurm):
     beta = SlurmBackend("slurm_beta")
     task = _task("exit 4")
-    handle = beta.submit(task, _offer(beta, task), _name("sky-test-gone"), {"SKYPILOT_TASK_ID": "t"})
+    handle = _submit(beta, task, "sky-test-gone")
     _wait(beta, handle, {JobState.FAILED})
     handle.job_id = "99999"  # a job Slurm no longer knows, same job dir
     status = beta.status([handle])["99999"]
@@ -321,7 +325,7 @@ def test_workdir_is_copied_over_sftp(slurm, tmp_path):
     yaml.write_text("workdir: src\nrun: |\n  ls -a\n  python3 train.py\n")
     task = load_task(str(yaml))
     beta = SlurmBackend("slurm_beta")
-    handle = beta.submit(task, _offer(beta, task), _name("sky-test-workdir"), {"SKYPILOT_TASK_ID": "t"})
+    handle = _submit(beta, task, "sky-test-workdir")
     status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
     log = _log(beta, handle)
     assert status.state == JobState.SUCCEEDED, log
@@ -331,7 +335,7 @@ def test_workdir_is_copied_over_sftp(slurm, tmp_path):
 def test_log_reads_from_an_offset(slurm):
     beta = SlurmBackend("slurm_beta")
     task = _task("for i in 1 2 3; do echo line-$i; done")
-    handle = beta.submit(task, _offer(beta, task), _name("sky-test-log"), {"SKYPILOT_TASK_ID": "t"})
+    handle = _submit(beta, task, "sky-test-log")
     _wait(beta, handle, {JobState.SUCCEEDED})
     text, offset = beta.read_log(handle, 0)
     assert "line-3" in text and offset == len(text.encode())

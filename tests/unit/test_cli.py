@@ -92,7 +92,7 @@ def test_console_script_runs_the_same(tmp_path):
                          ids=lambda p: p.name)
 def test_example_tasks_validate(task, capsys):
     args = ["validate", str(task), "--json"]
-    for key in ("DATA_DIR", "CKPT_DIR", "OUT_DIR"):
+    for key in ("DATA_DIR", "CKPT_DIR", "OUT_DIR", "DATE"):
         args += ["--env", f"{key}=/tmp/x"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["candidates"]

@@ -1,0 +1,299 @@
+"""The operator's decisions (placement, failover, restarts, adoption) over an in-memory backend.
+
+The real flow against real clusters is in tests/e2e; here every branch is driven directly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
+
+from airflow_skypilot.backends import base
+from airflow_skypilot.backends.base import JobState, JobStatus
+from airflow_skypilot.exceptions import SubmissionError
+from airflow_skypilot.operators import SkyPilotOperator
+from airflow_skypilot.operators.skypilot import XCOM_HANDLE, XCOM_PLACEMENT
+from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger, SkyPilotWaitTrigger
+from tests.fakes import FakeBackend, offer
+
+
+class TI:
+    def __init__(self, try_number=1):
+        self.dag_id, self.task_id, self.run_id = "dag", "train", "manual__1"
+        self.try_number, self.map_index, self.start_date = try_number, -1, None
+        self.xcom: dict = {}
+
+    def xcom_push(self, key, value):
+        self.xcom[key] = json.loads(json.dumps(value))  # what XCom can store
+
+
+@pytest.fixture(autouse=True)
+def _fake(monkeypatch):
+    base.register_backend("fake", "tests.fakes:FakeBackend", ["fake"])
+    for conn in ("c1", "c2"):
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn.upper()}", json.dumps({"conn_type": "fake"}))
+    FakeBackend.reset()
+    FakeBackend.offers = {"c1": [offer("c1", "p")], "c2": [offer("c2", "q", price=1.0)]}
+    yield
+    FakeBackend.reset()
+
+
+def _op(recovery=None, **kw):
+    task = {"resources": {"accelerators": "A100:1"}, "run": "train"}
+    if recovery is not None:
+        task["resources"]["job_recovery"] = recovery
+    kw.setdefault("deferrable", True)
+    return SkyPilotOperator(task_id="train", task=task, connections=["c1", "c2"], **kw)
+
+
+def _start(op, ti=None):
+    ti = ti or TI()
+    with pytest.raises(TaskDeferred) as info:
+        op.execute({"ti": ti})
+    return info.value, ti
+
+
+def _end(job_id, state, exit_code=None, reason=""):
+    FakeBackend.jobs[job_id]["status"] = JobStatus(state, reason=reason, exit_code=exit_code,
+                                                   started_at=1000.0, ended_at=4600.0)
+
+
+def _event(deferred, state, exit_code=None, reason="", drop_kwargs=False):
+    """What the trigger would send once the job ended."""
+    trigger = deferred.trigger
+    handle = trigger.handle
+    _end(handle["job_id"], state, exit_code, reason)
+    event = {"status": "done", "handle": handle,
+             "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict(),
+             "log_tail": "Traceback: boom", "log_offset": 0, "state": trigger.state}
+    return event, (None if drop_kwargs else deferred.kwargs["state"])
+
+
+def test_execute_places_submits_pushes_and_defers():
+    deferred, ti = _start(_op())
+    assert isinstance(deferred.trigger, SkyPilotJobTrigger)
+    assert deferred.method_name == "execute_complete"
+    handle = deferred.trigger.handle
+    assert handle["connection"] == "c1"  # free and $0/h beats $1/h
+    assert handle["job_name"].startswith("sky-dag-train-") and handle["job_name"].endswith(
+        "-t1-a0")
+    job = FakeBackend.jobs[handle["job_id"]]
+    assert job["env"]["SKYPILOT_TASK_ID"] == "sky-airflow_dag_train_manual__1"
+    assert ti.xcom[XCOM_HANDLE]["job_id"] == handle["job_id"]
+    assert ti.xcom[XCOM_PLACEMENT]["chosen"]["connection"] == "c1"
+
+
+def test_invalid_task_fails_before_anything_is_submitted():
+    op = SkyPilotOperator(task_id="t", task={"resurces": {}}, connections=["c1"])
+    with pytest.raises(AirflowFailException, match="did you mean 'resources'"):
+        op.execute({"ti": TI()})
+    assert FakeBackend.jobs == {}
+
+
+def test_missing_secret_fails_before_submission():
+    op = SkyPilotOperator(task_id="t", task={"secrets": {"TOKEN": None}}, connections=["c1"])
+    with pytest.raises(AirflowFailException, match="secrets.TOKEN: has no value"):
+        op.execute({"ti": TI()})
+    assert FakeBackend.jobs == {}
+
+
+def test_success_returns_result_with_attempts_gpu_hours_and_cost():
+    FakeBackend.offers = {"c2": [offer("c2", "q", price=2.0)]}
+    deferred, ti = _start(_op())
+    event, state = _event(deferred, JobState.SUCCEEDED)
+    result = _op().execute_complete({"ti": ti}, event, state)
+    assert result["state"] == "succeeded" and result["connection"] == "c2"
+    assert [a["state"] for a in result["attempts"]] == ["succeeded"]
+    assert result["gpu_hours"] == 1.0 and result["cost"] == 2.0
+    assert json.loads(json.dumps(result)) == result
+
+
+def test_state_survives_when_the_resume_drops_the_defer_kwargs():
+    deferred, ti = _start(_op())
+    event, _ = _event(deferred, JobState.SUCCEEDED, drop_kwargs=True)
+    assert _op().execute_complete({"ti": ti}, event)["attempts"][0]["job_id"] == "1"
+
+
+def test_infra_failure_fails_over_with_the_same_task_id():
+    deferred, ti = _start(_op())
+    first = deferred.trigger.handle
+    event, state = _event(deferred, JobState.INFRA_FAILED, reason="node failure")
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete({"ti": ti}, event, state)
+    second = info.value.trigger.handle
+    assert (first["connection"], second["connection"]) == ("c1", "c2")
+    assert second["job_name"].endswith("-a1")
+    envs = [FakeBackend.jobs[h["job_id"]]["env"]["SKYPILOT_TASK_ID"] for h in (first, second)]
+    assert envs[0] == envs[1]
+    new_state = info.value.kwargs["state"]
+    assert new_state["blocked"][0]["place"] == "c1/p"
+    assert new_state["failovers"] == 1
+    event, state = _event(info.value, JobState.SUCCEEDED)
+    result = _op().execute_complete({"ti": ti}, event, state)
+    assert [(a["connection"], a["state"]) for a in result["attempts"]] == [
+        ("c1", "infra_failed"), ("c2", "succeeded")]
+
+
+def test_failover_strategy_tries_the_same_place_first():
+    deferred, ti = _start(_op("FAILOVER"))
+    event, state = _event(deferred, JobState.PREEMPTED, reason="preempted")
+    with pytest.raises(TaskDeferred) as again:
+        _op("FAILOVER").execute_complete({"ti": ti}, event, state)
+    assert again.value.trigger.handle["connection"] == "c1"
+    event, state = _event(again.value, JobState.PREEMPTED, reason="preempted")
+    with pytest.raises(TaskDeferred) as third:
+        _op("FAILOVER").execute_complete({"ti": ti}, event, state)
+    assert third.value.trigger.handle["connection"] == "c2"  # failed twice there: moved
+
+
+def test_gives_up_after_max_failovers():
+    FakeBackend.offers = {"c1": [offer("c1", "p"), offer("c1", "r")]}
+    deferred, ti = _start(_op(max_failovers=1))
+    event, state = _event(deferred, JobState.LOST, reason="vanished")
+    with pytest.raises(TaskDeferred) as info:
+        _op(max_failovers=1).execute_complete({"ti": ti}, event, state)
+    event, state = _event(info.value, JobState.LOST, reason="vanished again")
+    with pytest.raises(AirflowException, match=r"gave up \(max_failovers=1\)"):
+        _op(max_failovers=1).execute_complete({"ti": ti}, event, state)
+
+
+def test_user_failure_is_not_failed_over_and_shows_the_log_tail():
+    deferred, ti = _start(_op())
+    event, state = _event(deferred, JobState.FAILED, exit_code=1, reason="exit code 1")
+    with pytest.raises(AirflowException) as info:
+        _op().execute_complete({"ti": ti}, event, state)
+    assert "max_restarts_on_errors is 0" in str(info.value)
+    assert "Traceback: boom" in str(info.value)
+    assert len(FakeBackend.jobs) == 1
+
+
+def test_max_restarts_on_errors_restarts_that_many_times():
+    recovery = {"max_restarts_on_errors": 1}
+    deferred, ti = _start(_op(recovery))
+    event, state = _event(deferred, JobState.FAILED, exit_code=1)
+    with pytest.raises(TaskDeferred) as info:
+        _op(recovery).execute_complete({"ti": ti}, event, state)
+    assert info.value.trigger.handle["connection"] == "c1"  # same place first
+    event, state = _event(info.value, JobState.FAILED, exit_code=1)
+    with pytest.raises(AirflowException, match=r"failed after 1 restart"):
+        _op(recovery).execute_complete({"ti": ti}, event, state)
+    assert len(FakeBackend.jobs) == 2
+
+
+def test_recover_on_exit_codes_does_not_count_against_restarts():
+    recovery = {"recover_on_exit_codes": [33]}
+    deferred, ti = _start(_op(recovery, max_failovers=2))
+    for _ in range(2):
+        event, state = _event(deferred, JobState.FAILED, exit_code=33)
+        with pytest.raises(TaskDeferred) as info:
+            _op(recovery, max_failovers=2).execute_complete({"ti": ti}, event, state)
+        deferred = info.value
+    event, state = _event(deferred, JobState.FAILED, exit_code=33)
+    with pytest.raises(AirflowException, match="already restarted 2 times"):
+        _op(recovery, max_failovers=2).execute_complete({"ti": ti}, event, state)
+
+
+def test_cancelled_outside_airflow_is_not_placed_again():
+    deferred, ti = _start(_op())
+    event, state = _event(deferred, JobState.CANCELLED, reason="cancelled")
+    with pytest.raises(AirflowException, match="ended cancelled"):
+        _op().execute_complete({"ti": ti}, event, state)
+    assert len(FakeBackend.jobs) == 1
+
+
+def test_nothing_can_ever_fit_fails_at_once():
+    FakeBackend.offers = {"c1": [offer("c1", fits=False, reason="no A100 here")]}
+    with pytest.raises(AirflowFailException, match="cannot run on any connected capacity"):
+        _op().execute({"ti": TI()})
+
+
+def test_nothing_free_because_unreachable_waits_and_probes_again():
+    FakeBackend.offers = {"c2": [offer("c2", "q")]}
+    FakeBackend.down = {"c1", "c2"}
+    deferred, ti = _start(_op(reprobe_interval=5))
+    assert isinstance(deferred.trigger, SkyPilotWaitTrigger)
+    assert deferred.trigger.seconds == 5
+    FakeBackend.down = set()
+    wait_event = {"status": "reprobe", "state": deferred.trigger.state}
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete({"ti": ti}, wait_event, deferred.kwargs["state"])
+    assert info.value.trigger.handle["connection"] == "c2"
+
+
+def test_execute_twice_for_the_same_try_adopts_the_first_job():
+    first, ti = _start(_op())
+    second, _ = _start(_op(), ti)
+    assert second.trigger.handle["job_id"] == first.trigger.handle["job_id"]
+    assert second.trigger.handle["adopted"] is True
+    assert len(FakeBackend.jobs) == 1
+
+
+def test_a_new_try_submits_a_new_job():
+    first, _ = _start(_op(), TI(try_number=1))
+    second, _ = _start(_op(), TI(try_number=2))
+    assert first.trigger.handle["job_id"] != second.trigger.handle["job_id"]
+    assert second.trigger.handle["job_name"].endswith("-t2-a0")
+
+
+def test_refused_submission_moves_to_the_next_place(monkeypatch):
+    real_submit = FakeBackend.submit
+
+    def submit(self, task, offer, job_name, env):
+        if self.conn_id == "c1":
+            raise SubmissionError("InsufficientInstanceCapacity", retry_elsewhere=True)
+        return real_submit(self, task, offer, job_name, env)
+
+    monkeypatch.setattr(FakeBackend, "submit", submit)
+    deferred, _ = _start(_op())
+    assert deferred.trigger.handle["connection"] == "c2"
+    assert deferred.kwargs["state"]["blocked"][0]["place"] == "c1/p"
+
+
+def test_not_waiting_returns_the_handle():
+    ti = TI()
+    handle = _op(wait_for_completion=False).execute({"ti": ti})
+    assert handle["job_id"] == "1" and ti.xcom[XCOM_HANDLE] == handle
+
+
+def test_on_kill_cancels_the_job():
+    op = _op(deferrable=False, wait_for_completion=False)
+    op.execute({"ti": TI()})
+    op.on_kill()
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+
+
+def test_non_deferrable_polls_in_the_worker():
+    op = _op(deferrable=False, poll_interval=0.01)
+    FakeBackend.offers = {"c1": [offer("c1", "p")]}
+    real_poll = FakeBackend.poll
+
+    async def poll(self, handles):
+        _end(handles[0].job_id, JobState.SUCCEEDED)
+        return await real_poll(self, handles)
+
+    FakeBackend.poll = poll
+    try:
+        result = op.execute({"ti": TI()})
+    finally:
+        FakeBackend.poll = real_poll
+    assert result["state"] == "succeeded"
+
+
+def test_connections_default_from_config(monkeypatch):
+    monkeypatch.setenv("AIRFLOW__SKYPILOT__CONNECTIONS", "c2")
+    op = SkyPilotOperator(task_id="t", task={"run": "x"})
+    FakeBackend.offers = {"c2": [offer("c2", "q", acc=None)]}
+    with pytest.raises(TaskDeferred) as info:
+        op.execute({"ti": TI()})
+    assert info.value.trigger.handle["connection"] == "c2"
+
+
+def test_deferrable_is_the_default():
+    assert SkyPilotOperator(task_id="t", task={"run": "x"}).deferrable is True
+
+
+def test_bad_policy_is_refused():
+    with pytest.raises(ValueError, match="policy must be one of"):
+        SkyPilotOperator(task_id="t", task={"run": "x"}, policy="random")

@@ -1,0 +1,121 @@
+"""The trigger and its shared poller: batched polls, tolerance of transient errors, events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from airflow_skypilot.backends import base
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+from airflow_skypilot.triggers import skypilot as trig
+from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger, SkyPilotWaitTrigger
+from tests.fakes import FakeBackend
+
+
+@pytest.fixture(autouse=True)
+def _fake():
+    base.register_backend("fake", "tests.fakes:FakeBackend", ["fake"])
+    FakeBackend.reset()
+    FakeBackend.polls = 0
+    yield
+    FakeBackend.reset()
+
+
+def _job(job_id: str, state=JobState.RUNNING, log: str = "") -> JobHandle:
+    FakeBackend.jobs[job_id] = {"name": f"n{job_id}", "conn": "c1", "status": JobStatus(state),
+                                "location": "p", "log": log, "env": {}}
+    return JobHandle(backend="fake", connection="c1", job_id=job_id, job_name=f"n{job_id}",
+                     location="p", infra="fake/c1/p")
+
+
+def test_serialize_round_trips():
+    t = SkyPilotJobTrigger({"backend": "fake", "job_id": "1"}, poll_interval=3,
+                           max_unreachable=2, log_offset=7, stream_logs=False,
+                           cancel_on_kill=False, state={"attempt": 1})
+    path, kwargs = t.serialize()
+    assert path == "airflow_skypilot.triggers.skypilot.SkyPilotJobTrigger"
+    again = SkyPilotJobTrigger(**kwargs)
+    assert again.serialize() == (path, kwargs)
+    w = SkyPilotWaitTrigger(5, state={"x": 1})
+    assert SkyPilotWaitTrigger(**w.serialize()[1]).serialize() == w.serialize()
+
+
+async def _first_event(trigger):
+    async for event in trigger.run():
+        return event.payload
+    return None
+
+
+async def test_fires_on_terminal_state_with_log_tail_and_state():
+    handle = _job("1", log="epoch 1\nepoch 2\ndone\n")
+
+    async def finish():
+        await asyncio.sleep(0.15)
+        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.FAILED, reason="exit 2",
+                                                    exit_code=2)
+
+    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.05, state={"attempt": 0})
+    event, _ = await asyncio.gather(_first_event(t), finish())
+    assert event["status"] == "done"
+    assert JobStatus.from_dict(event["job_status"]).exit_code == 2
+    assert event["log_tail"].endswith("done")
+    assert event["state"] == {"attempt": 0}
+    assert event["log_offset"] == len("epoch 1\nepoch 2\ndone\n")
+
+
+async def test_fifty_jobs_one_status_request_per_interval():
+    handles = [_job(str(i)) for i in range(50)]
+    triggers = [SkyPilotJobTrigger(h.to_dict(), poll_interval=0.1) for h in handles]
+    tasks = [asyncio.create_task(_first_event(t)) for t in triggers]
+    await asyncio.sleep(0.55)
+    poller = trig.pollers_in_this_loop()[("fake", "c1")]
+    assert 4 <= poller.status_polls <= 7  # ~one per interval, not fifty
+    assert poller.log_polls == poller.status_polls
+    assert FakeBackend.polls == poller.status_polls
+    for job in FakeBackend.jobs.values():
+        job["status"] = JobStatus(JobState.SUCCEEDED)
+    events = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert {e["job_status"]["state"] for e in events} == {"succeeded"}
+    assert poller._task is None, "the poll loop stops when nobody watches"
+
+
+async def test_transient_errors_are_tolerated_then_lost():
+    handle = _job("1")
+    FakeBackend.down = {"c1"}
+
+    async def recover():
+        await asyncio.sleep(0.12)
+        FakeBackend.down = set()
+        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
+
+    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.05, max_unreachable=5)
+    event, _ = await asyncio.gather(_first_event(t), recover())
+    assert event["job_status"]["state"] == "succeeded"
+
+    handle = _job("2")
+    FakeBackend.down = {"c1"}
+    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, max_unreachable=3)
+    event = await asyncio.wait_for(_first_event(t), 5)
+    status = JobStatus.from_dict(event["job_status"])
+    assert status.state == JobState.LOST
+    assert "unreachable for 3 polls in a row" in status.reason
+
+
+async def test_bad_handle_is_an_error_event_not_a_crash():
+    t = SkyPilotJobTrigger({"backend": "nope", "job_id": "1"}, poll_interval=0.01)
+    event = await _first_event(t)
+    assert event["status"] == "error" and "cannot watch the job" in event["message"]
+
+
+async def test_on_kill_cancels_unless_told_not_to():
+    handle = _job("1")
+    await SkyPilotJobTrigger(handle.to_dict(), cancel_on_kill=False).on_kill()
+    assert FakeBackend.jobs["1"]["status"].state == JobState.RUNNING
+    await SkyPilotJobTrigger(handle.to_dict()).on_kill()
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+
+
+async def test_wait_trigger_hands_back_the_state():
+    event = await _first_event(SkyPilotWaitTrigger(0.01, state={"phase": "waiting"}))
+    assert event == {"status": "reprobe", "state": {"phase": "waiting"}}
