@@ -103,8 +103,8 @@ class SkyPilotOperator(BaseOperator):
         super().__init__(**kwargs)
         self.task_spec = os.fspath(task) if isinstance(task, os.PathLike) else task
         self.connections = connections
-        self.envs = dict(envs or {})
-        self.secrets = dict(secrets or {})
+        self.envs = envs if isinstance(envs, str) else dict(envs or {})
+        self.secrets = secrets if isinstance(secrets, str) else dict(secrets or {})
         self.policy = policy
         self.max_failovers = max_failovers
         self.deferrable = default_deferrable() if deferrable is None else deferrable
@@ -138,8 +138,13 @@ class SkyPilotOperator(BaseOperator):
                 dag = getattr(self, "dag", None)
                 base = os.path.dirname(getattr(dag, "fileloc", "") or "") or os.getcwd()
                 spec = os.path.join(base, spec)
+        envs, secrets = self.envs, self.secrets
+        for name, value in (("envs", envs), ("secrets", secrets)):
+            if not isinstance(value, Mapping):
+                raise AirflowFailException(f"{name} must be a mapping after templating; got "
+                                           f"{type(value).__name__}")
         try:
-            task = load_task(spec, envs=self.envs, secrets=self.secrets, require_secrets=True)
+            task = load_task(spec, envs=envs, secrets=secrets, require_secrets=True)
         except TaskValidationError as exc:
             raise AirflowFailException(f"invalid SkyPilot task:\n{exc}") from None
         for warning in task.warnings:

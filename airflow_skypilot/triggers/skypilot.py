@@ -83,9 +83,12 @@ class SharedPoller:
 
     async def _loop(self) -> None:
         try:
+            loop = asyncio.get_running_loop()
             while self._subs:
+                started = loop.time()
                 await self._poll_once()
-                await asyncio.sleep(self.interval)
+                # a fixed rate: the poll's own duration is not added to the interval
+                await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
         finally:
             close = getattr(self.backend, "aclose", None)
             if close is not None:

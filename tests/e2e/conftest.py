@@ -1,0 +1,132 @@
+"""Real Airflow, end to end: ``airflow dags test`` in a subprocess against the sandboxes.
+
+One Airflow home (SQLite) per session; connections come in as ``AIRFLOW_CONN_*`` env vars;
+``[skypilot] connections`` lists them. Results are read back from the run's XCom.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+E2E_DAGS = Path(__file__).resolve().parent / "dags"
+AIRFLOW = str(Path(sys.executable).parent / "airflow")
+
+
+@dataclass
+class DagRun:
+    dag_id: str
+    run_id: str
+    returncode: int
+    output: str
+    states: dict[str, str] = field(default_factory=dict)
+    xcoms: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+    def result(self, task_id: str) -> Any:
+        return self.xcoms.get((task_id, "return_value"))
+
+    def xcom(self, task_id: str, key: str) -> Any:
+        return self.xcoms.get((task_id, key))
+
+
+class Airflow:
+    """Runs ``airflow dags test`` with a fixed environment and reads the outcome."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            "PYTHONPATH": str(REPO),
+        }
+
+    def connect(self, conns: dict[str, dict], default: list[str]) -> None:
+        for key in [k for k in self.env if k.startswith("AIRFLOW_CONN_")]:
+            del self.env[key]
+        for conn_id, conn in conns.items():
+            self.env[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps(conn)
+        self.env["AIRFLOW__SKYPILOT__CONNECTIONS"] = ",".join(default)
+
+    def migrate(self) -> None:
+        subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, check=True,
+                       capture_output=True, timeout=300)
+
+    def start(self, dag_id: str, conf: dict | None = None, dags: Path = E2E_DAGS
+              ) -> subprocess.Popen:
+        env = {**self.env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}
+        argv = [AIRFLOW, "dags", "test", dag_id]
+        if conf is not None:
+            argv += ["-c", json.dumps(conf)]
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    def finish(self, proc: subprocess.Popen, dag_id: str, timeout: float = 600) -> DagRun:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            raise AssertionError(f"dags test {dag_id} timed out:\n{output[-5000:]}") from None
+        return self.read(dag_id, proc.returncode, output)
+
+    def run(self, dag_id: str, conf: dict | None = None, dags: Path = E2E_DAGS,
+            timeout: float = 600) -> DagRun:
+        return self.finish(self.start(dag_id, conf, dags), dag_id, timeout)
+
+    def read(self, dag_id: str, returncode: int, output: str) -> DagRun:
+        db = sqlite3.connect(self.home / "airflow.db")
+        try:
+            row = db.execute("SELECT run_id FROM dag_run WHERE dag_id=? ORDER BY id DESC LIMIT 1",
+                             (dag_id,)).fetchone()
+            assert row, f"no run of {dag_id}:\n{output[-3000:]}"
+            run_id = row[0]
+            states = dict(db.execute(
+                "SELECT task_id, state FROM task_instance WHERE dag_id=? AND run_id=?",
+                (dag_id, run_id)).fetchall())
+            xcoms = {}
+            for task_id, key, value in db.execute(
+                    "SELECT task_id, key, value FROM xcom WHERE dag_id=? AND run_id=?",
+                    (dag_id, run_id)):
+                xcoms[(task_id, key)] = json.loads(value) if isinstance(value, (str, bytes)) \
+                    else value
+        finally:
+            db.close()
+        return DagRun(dag_id, run_id, returncode, output, states, xcoms)
+
+
+@pytest.fixture(scope="session")
+def airflow(tmp_path_factory) -> Airflow:
+    home = tmp_path_factory.mktemp("airflow-home")
+    af = Airflow(home)
+    af.migrate()
+    return af
+
+
+@pytest.fixture
+def airflow_slurm(airflow, slurm) -> Airflow:
+    """Airflow with the two Slurm clusters as its default connections."""
+    airflow.connect(slurm.connections(), ["slurm_alpha", "slurm_beta"])
+    return airflow
+
+
+def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
