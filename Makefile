@@ -1,23 +1,28 @@
-# Two commands on a fresh Debian machine:
-#   make demo   - installs everything, starts the local sandbox, runs the example pipeline
+# Two commands on a fresh Debian machine (root, or a user with sudo):
+#   make demo   - installs everything, starts the local sandbox, runs the example pipeline with
+#                 a node failure under the training job, prints the placements and the result
 #   make test   - installs everything, runs ruff and the whole test suite against the sandbox
-# Both set themselves up (Debian packages, venv, pip) and stop what they started.
+# Both set themselves up (Debian packages, venv, pip) and stop the sandbox they started.
 
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# Debian packages: Python venv support (tests and demo), later steps add Slurm, munge and sshd.
-DEBS := python3-venv python3-pip
+# Python venv support; real Slurm (controller, node daemon, client, munge); sshd for the login
+# nodes; util-linux/procps/iproute2/curl for the job scripts and the sandboxes' process control.
+DEBS := python3-venv python3-pip python3-dev gcc slurmctld slurmd slurm-client munge \
+        openssh-server openssh-client util-linux procps iproute2 curl ca-certificates
 PYTEST_ARGS ?=
 
-.PHONY: help venv system-deps lint test unit demo clean
+.PHONY: help venv system-deps lint unit test demo sandbox sandbox-down sandbox-status clean
 
 help:
-	@echo "make demo   run the example pipeline on the local sandbox"
-	@echo "make test   ruff + the whole test suite"
+	@echo "make demo            run the example pipeline on the local sandbox (with a failover)"
+	@echo "make test            ruff + the whole test suite (starts and stops the sandbox)"
+	@echo "make sandbox         start the sandbox (Slurm clusters, Kubernetes API, AWS) and leave it up"
+	@echo "make sandbox-down    stop it"
 
 system-deps:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -37,22 +42,32 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: venv
-	$(VENV)/bin/ruff check airflow_skypilot tests dags benchmarks
+	$(VENV)/bin/ruff check .
 
 unit: venv
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
+sandbox: venv
+	$(PY) -m tests.sandbox up
+
+sandbox-down:
+	@if [ -x $(PY) ]; then $(PY) -m tests.sandbox down; fi
+
+sandbox-status: venv
+	$(PY) -m tests.sandbox status
+
+# The sandbox is stopped whatever pytest says; pytest's exit 5 (no tests) is not a failure.
 test: venv lint
-	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected (exit 5)"; exit 0; fi; exit $$rc
+	@$(PY) -m tests.sandbox up || { $(PY) -m tests.sandbox down; exit 1; }; \
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m tests.sandbox down || { [ $$rc -eq 0 ] && rc=1; }; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected (exit 5)"; rc=0; fi; \
+	exit $$rc
 
 demo: venv
-	@for f in dags/tasks/*.yaml; do \
-	  echo "== $$f"; \
-	  $(VENV)/bin/airflow-skypilot validate $$f --env DATA_DIR=/tmp/skypilot-demo/data \
-	    --env CKPT_DIR=/tmp/skypilot-demo/ckpt || exit 1; \
-	  echo; \
-	done
+	@$(PY) -m tests.sandbox up || { $(PY) -m tests.sandbox down; exit 1; }; \
+	$(PY) -m tests.sandbox.demo; rc=$$?; \
+	$(PY) -m tests.sandbox down; exit $$rc
 
-clean:
+clean: sandbox-down
 	rm -rf $(VENV) .sandbox .pytest_cache .ruff_cache *.egg-info

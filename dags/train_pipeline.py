@@ -17,16 +17,23 @@ with DAG(
     schedule=None,
     start_date=datetime(2026, 1, 1),
     catchup=False,
-    params={"workspace": "/tmp/airflow-skypilot-demo"},
+    params={"workspace": "/tmp/airflow-skypilot-demo", "epochs": 5},
     tags=["skypilot", "example"],
 ) as dag:
 
     @task
     def paths(params=None, run_id=None) -> dict[str, str]:
-        """One folder per DAG run, on the storage every cluster shares."""
+        """One folder per DAG run, on the storage every cluster shares. Clusters may run jobs
+        as different users (a Slurm account, root in a pod), so the folders are shared."""
+        import os
+
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
         root = f"{params['workspace']}/{safe}"
-        return {"data": f"{root}/data", "ckpt": f"{root}/ckpt"}
+        out = {"data": f"{root}/data", "ckpt": f"{root}/ckpt"}
+        for path in (params["workspace"], root, *out.values()):
+            os.makedirs(path, exist_ok=True)
+            os.chmod(path, 0o1777)
+        return out
 
     where = paths()
 
@@ -41,6 +48,7 @@ with DAG(
         envs={
             "DATA_DIR": "{{ ti.xcom_pull(task_ids='paths')['data'] }}",
             "CKPT_DIR": "{{ ti.xcom_pull(task_ids='paths')['ckpt'] }}",
+            "EPOCHS": "{{ params.epochs }}",
         },
         max_failovers=2,
     )

@@ -91,6 +91,10 @@ class FakeBackend(Backend):
         return {h.job_id: self.jobs[h.job_id]["status"] if h.job_id in self.jobs
                 else JobStatus(JobState.LOST) for h in handles}
 
+    async def read_logs_async(self, requests):
+        """Batched, as the real backends do (one request per connection)."""
+        return {h.job_id: self.read_log(h, o) for h, o in requests}
+
     def read_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
         text = self.jobs.get(handle.job_id, {}).get("log", "")
         return text[offset:], len(text)

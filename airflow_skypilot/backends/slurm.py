@@ -640,7 +640,10 @@ class SlurmBackend(Backend):
         key = (part, gres_type, need, task.num_nodes)
         start = st.starts.get(key)
         if isinstance(start, float):
-            offer.est_start = max(start, st.now)
+            if start - st.now < 30 * 86400:
+                offer.est_start = max(start, st.now)
+            else:  # jobs without time limits make Slurm answer "in decades": that is unknown
+                offer.details["test_only"] = "no start estimate within 30 days"
         elif isinstance(start, str) and start:
             offer.details["test_only"] = start
             if "not available" in start.lower() or "violates" in start.lower():

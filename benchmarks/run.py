@@ -1,0 +1,184 @@
+"""Speed and scale of the parts that grow with users: ``python benchmarks/run.py [--quick]``.
+
+- spec: loading and validating a realistic task YAML (the operator does it on every resume);
+- placement: ranking offers from many connections and candidates;
+- slurm-parse: parsing a big cluster's probe output (thousands of nodes);
+- poller: one triggerer watching thousands of jobs across connections: requests per interval
+  (must stay one status + one log request per connection) and the loop's own CPU time;
+- slurm-probe (only when the sandbox is up): a real probe round trip over SSH.
+
+Results go to stdout as a Markdown table; benchmarks/README.md records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from airflow_skypilot import placement  # noqa: E402
+from airflow_skypilot.backends import base  # noqa: E402
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus  # noqa: E402
+from airflow_skypilot.backends.slurm import parse_cluster  # noqa: E402
+from airflow_skypilot.spec import load_task  # noqa: E402
+from tests.fakes import FakeBackend, offer  # noqa: E402
+
+ROWS: list[tuple[str, str, str]] = []
+
+
+def timeit(fn, repeat: int) -> tuple[float, float]:
+    """(median, p95) seconds per call."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return statistics.median(times), times[int(0.95 * (len(times) - 1))]
+
+
+def bench_spec(quick: bool) -> None:
+    path = REPO / "dags" / "tasks" / "train.yaml"
+    med, p95 = timeit(lambda: load_task(str(path), envs={"DATA_DIR": "/d", "CKPT_DIR": "/c"}),
+                      50 if quick else 300)
+    ROWS.append(("spec: load + validate train.yaml", f"{med * 1e3:.2f} ms",
+                 f"p95 {p95 * 1e3:.2f} ms"))
+    big = {"resources": {"any_of": [{"accelerators": f"{a}:{n}", "infra": i}
+                                    for a in ("A100", "H100", "L4", "A10G")
+                                    for n in (1, 2, 4, 8)
+                                    for i in ("slurm", "k8s", "aws")]}, "run": "x"}
+    med, p95 = timeit(lambda: load_task(big), 20 if quick else 100)
+    ROWS.append(("spec: 48 any_of candidates", f"{med * 1e3:.2f} ms", f"p95 {p95 * 1e3:.2f} ms"))
+
+
+def bench_placement(quick: bool) -> None:
+    rnd = random.Random(1)
+    for n in (100, 1000, 10000):
+        offers = [offer(f"c{i % 20}", f"p{i}", gpus_free=rnd.randint(0, 8),
+                        nodes_free=rnd.randint(0, 2), est_in=rnd.choice([None, 60, 3600]),
+                        price=rnd.choice([0, 1.2, 32.8]), index=i % 4,
+                        fits=rnd.random() > 0.2, reason="no fit")
+                  for i in range(n)]
+        blocked = [placement.Blocked(f"c{i}/p{i}", "node failure") for i in range(20)]
+        med, p95 = timeit(lambda o=offers, b=blocked: placement.rank(o, blocked=b).table(),
+                          5 if quick else 20)
+        ROWS.append((f"placement: rank + table, {n} offers", f"{med * 1e3:.1f} ms",
+                     f"p95 {p95 * 1e3:.1f} ms"))
+
+
+def bench_slurm_parse(quick: bool) -> None:
+    nodes = 500 if quick else 4000
+    lines = ["@@now", "1795988258", "@@home", "/home/u", "@@nodes"]
+    for i in range(nodes):
+        for part in ("batch", "gpu") if i % 2 else ("batch",):
+            lines.append(f"n{i}|{part}|mixed|8/56/0/64|512000|64000|gpu:a100:8(S:0-1)|"
+                         f"gpu:a100:3(IDX:0-2)|10.0.{i // 250}.{i % 250}|")
+    lines += ["@@partitions", "batch|up|2-00:00:00", "gpu|up|infinite", "@@pending"]
+    lines += [f"{i}|batch|1|Resources" for i in range(2000)]
+    text = "\n".join(lines)
+    med, p95 = timeit(lambda: parse_cluster(text), 5 if quick else 20)
+    ROWS.append((f"slurm-parse: {nodes} nodes, 2000 pending", f"{med * 1e3:.1f} ms",
+                 f"p95 {p95 * 1e3:.1f} ms"))
+
+
+async def _watch(handles: list[JobHandle], interval: float, periods: int
+                 ) -> tuple[int, int, float, int]:
+    """Watch every handle with its own trigger; count requests over ``periods`` intervals."""
+    from airflow_skypilot.triggers import skypilot as trig
+
+    tracemalloc.start()
+    triggers = [trig.SkyPilotJobTrigger(h.to_dict(), poll_interval=interval) for h in handles]
+    runs = [asyncio.ensure_future(t.run().__anext__()) for t in triggers]
+    await asyncio.sleep(interval * 1.5)  # every trigger subscribed, first poll done
+    pollers = trig.pollers_in_this_loop()
+    status0 = sum(p.status_polls for p in pollers.values())
+    logs0 = sum(p.log_polls for p in pollers.values())
+    cpu0 = time.process_time()
+    await asyncio.sleep(interval * periods)
+    cpu = time.process_time() - cpu0
+    status = sum(p.status_polls for p in pollers.values()) - status0
+    logs = sum(p.log_polls for p in pollers.values()) - logs0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    for r in runs:
+        r.cancel()
+    await asyncio.gather(*runs, return_exceptions=True)
+    return status, logs, cpu, peak
+
+
+def bench_poller(quick: bool) -> None:
+    base.register_backend("fake", "tests.fakes:FakeBackend", ["fake"])
+    real_poll = FakeBackend.poll
+
+    async def slow_poll(self, handles, _real=real_poll, latency=0.05):
+        await asyncio.sleep(latency)  # a cluster's answer takes time
+        return await _real(self, handles)
+
+    FakeBackend.poll = slow_poll
+    try:
+        for jobs, conns in ((100, 2), (1000, 10), (5000 if not quick else 2000, 20)):
+            FakeBackend.reset()
+            handles = []
+            for i in range(jobs):
+                conn = f"c{i % conns}"
+                FakeBackend.jobs[str(i)] = {"name": f"n{i}", "conn": conn, "env": {},
+                                            "status": JobStatus(JobState.RUNNING),
+                                            "location": "p", "log": "x" * 100}
+                handles.append(JobHandle(backend="fake", connection=conn, job_id=str(i),
+                                         job_name=f"n{i}", location="p", infra="fake"))
+            periods = 3
+            status, logs, cpu, peak = asyncio.run(_watch(handles, 1.0, periods))
+            ROWS.append((f"poller: {jobs} jobs on {conns} connections",
+                         f"{status / periods:.1f} status + {logs / periods:.1f} log requests / "
+                         f"interval ({conns} connections)",
+                         f"CPU {cpu / periods * 1e3:.0f} ms per 1 s interval, "
+                         f"peak {peak / 2**20:.0f} MiB"))
+    finally:
+        FakeBackend.poll = real_poll
+
+
+def bench_slurm_probe(quick: bool) -> None:
+    conns = REPO / ".sandbox" / "slurm" / "connections.json"
+    if not conns.exists():
+        return
+    for conn_id, conn in json.loads(conns.read_text()).items():
+        os.environ[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps(conn)
+    from airflow_skypilot.backends.slurm import SlurmBackend
+    from airflow_skypilot.exceptions import BackendUnreachable
+
+    task = load_task({"resources": {"accelerators": {"A100": 2, "H100": 2}}, "run": "x"})
+    backend = SlurmBackend("slurm_alpha")
+    try:
+        backend.probe(task)  # connect once
+    except BackendUnreachable:
+        return
+    med, p95 = timeit(lambda: backend.probe(task), 5 if quick else 20)
+    ROWS.append(("slurm-probe: one cluster over SSH (sandbox)", f"{med * 1e3:.0f} ms",
+                 f"p95 {p95 * 1e3:.0f} ms"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    for bench in (bench_spec, bench_placement, bench_slurm_parse, bench_poller,
+                  bench_slurm_probe):
+        bench(args.quick)
+    print("| benchmark | result | spread |\n|---|---|---|")
+    for name, result, spread in ROWS:
+        print(f"| {name} | {result} | {spread} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
