@@ -1,0 +1,511 @@
+"""The Kubernetes backend against the sandbox cluster (tests/sandbox/kubernetes), over HTTP.
+
+The backend talks through the cncf-kubernetes hooks; the test side uses the real
+``kubernetes`` client to load the cluster, look behind the backend and inject faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from airflow_skypilot.backends import _k8s_manifests as m
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, backend_for_connection
+from airflow_skypilot.backends.kubernetes import KubernetesBackend, KubernetesSettings
+from airflow_skypilot.cli import main as cli
+from airflow_skypilot.spec import load_task
+
+pytestmark = pytest.mark.sandbox
+
+NS = "default"
+T = TypeVar("T")
+NASTY = {
+    "SPACES": "a  b   c",
+    "QUOTES": "it's \"quoted\" `tick`",
+    "SUBST": "$(echo pwned) ${HOME} $$ $(SPACES)",
+    "NEWLINES": "line1\nline2\n\n",
+    "UNICODE": "naïve ☃",
+}
+
+
+def wait_for(check: Callable[[], T], timeout: float = 30.0, interval: float = 0.3) -> T:
+    deadline = time.monotonic() + timeout
+    last = check()
+    while not last:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout}s (last: {last!r})")
+        time.sleep(interval)
+        last = check()
+    return last
+
+
+@pytest.fixture
+def kube(k8s) -> client.CoreV1Api:
+    api = config.new_client_from_config(config_file=str(k8s.kubeconfig), context="sandbox")
+    yield api
+    api.close()
+
+
+def _core(api) -> client.CoreV1Api:
+    return client.CoreV1Api(api)
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def _submit(backend: KubernetesBackend, spec: dict[str, Any], name: str | None = None,
+            accelerator: str | None = None) -> JobHandle:
+    task = load_task(spec)
+    offers = [o for o in backend.probe(task) if o.fits]
+    assert offers, [o.reason for o in backend.probe(task)]
+    return backend.submit(task, offers[0], name or _name("job"),
+                          {"SKYPILOT_TASK_ID": "sky-task-xyz"})
+
+
+def _until(backend, handle, states, timeout=40.0, use_poll=False) -> JobStatus:
+    def check():
+        if use_poll:
+            status = asyncio.run(backend.poll([handle]))[handle.job_id]
+        else:
+            status = backend.status([handle])[handle.job_id]
+        return status if status.state in states else None
+    return wait_for(check, timeout)
+
+
+def _terminal(backend, handle, timeout=40.0, use_poll=False) -> JobStatus:
+    return _until(backend, handle, [s for s in JobState if s.terminal], timeout, use_poll)
+
+
+def _pods(api, job_name) -> list[client.V1Pod]:
+    return _core(api).list_namespaced_pod(NS, label_selector=f"{m.LABEL_JOB}={job_name}").items
+
+
+def _filler(api, name, gpus, node=None, extra=None) -> None:
+    """A plain pod holding GPUs (the command runs on the host: a sleep)."""
+    spec = {"restartPolicy": "Never", "containers": [{
+        "name": "c", "image": "busybox", "command": ["sleep", "300"],
+        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}
+    if node:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    spec.update(extra or {})
+    _core(api).create_namespaced_pod(NS, {"apiVersion": "v1", "kind": "Pod",
+                                          "metadata": {"name": name}, "spec": spec})
+
+
+def _phase(api, name) -> str:
+    return _core(api).read_namespaced_pod(name, NS).status.phase
+
+
+def _use_extras(monkeypatch, k8s, **extra) -> None:
+    conn = k8s.connections()["k8s_sandbox"]
+    conn["extra"].update(extra)
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_SANDBOX", json.dumps(conn))
+
+
+# --- capacity -------------------------------------------------------------------------------
+
+
+def test_capacity_is_right_under_load(k8s, kube):
+    backend = backend_for_connection("k8s_sandbox")
+    assert isinstance(backend, KubernetesBackend)
+    rows = {r.accelerator: r for r in backend.capacity()}
+    assert (rows["A100"].total, rows["A100"].free, rows["A100"].pending) == (16, 16, 0)
+    assert rows["A100"].location == "sandbox/default"
+    _filler(kube, "fill-a", 3, "gpu-node-1")
+    _filler(kube, "fill-b", 6, "gpu-node-2")
+    _filler(kube, "fill-big", 9)  # no node has 9: stays Pending
+    wait_for(lambda: _phase(kube, "fill-a") == _phase(kube, "fill-b") == "Running")
+    rows = {r.accelerator: r for r in backend.capacity()}
+    assert (rows["A100"].total, rows["A100"].free, rows["A100"].pending) == (16, 16 - 9, 1)
+    task = load_task({"run": "true", "resources": {"accelerators": "A100:4"}})
+    [offer] = backend.probe(task)
+    assert offer.fits and offer.gpus_free == 7
+    assert (offer.nodes_total, offer.nodes_free, offer.pending_jobs) == (2, 1, 1)
+    assert offer.free_now and offer.est_start is not None
+    # a cordoned node has no capacity
+    k8s.cordon("gpu-node-1")
+    [offer] = backend.probe(task)
+    assert (offer.gpus_free, offer.nodes_free) == (2, 0)
+    assert not offer.free_now and offer.est_start is None
+    assert "gpu-node-1" in offer.details["nodes_unusable"]
+    k8s.uncordon("gpu-node-1")
+    k8s.taint("gpu-node-2", "maintenance", "NoSchedule")
+    [offer] = backend.probe(task)
+    assert (offer.gpus_free, offer.nodes_free) == (5, 1)
+
+
+def test_forbidden_pod_listing_leaves_free_unknown_not_zero(k8s):
+    backend = backend_for_connection("k8s_sandbox_nopods")
+    [offer] = backend.probe(load_task({"run": "true", "resources": {"accelerators": "A100:2"}}))
+    assert offer.fits
+    assert offer.gpus_total == 16 and offer.nodes_total == 2
+    assert offer.gpus_free is None and offer.nodes_free is None and offer.est_start is None
+    assert "pods may not be listed" in offer.details["note"]
+    rows = {r.accelerator: r for r in backend.capacity()}
+    assert rows["A100"].total == 16 and rows["A100"].free is None
+    assert rows["A100"].details["free"] == "unknown"
+
+
+def test_show_gpus_and_plan_cli(k8s, kube, tmp_path, capsys):
+    _filler(kube, "fill-cli", 8, "gpu-node-1")
+    wait_for(lambda: _phase(kube, "fill-cli") == "Running")
+    assert cli(["show-gpus", "--conn", "k8s_sandbox", "--conn", "k8s_sandbox_nopods",
+                "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by = {(r["connection"], r["accelerator"]): r for r in rows}
+    assert by[("k8s_sandbox", "A100")]["free"] == 8
+    assert by[("k8s_sandbox", "A100")]["location"] == "sandbox/default"
+    assert by[("k8s_sandbox_nopods", "A100")]["free"] is None
+    assert all("error" not in r for r in rows)
+    path = tmp_path / "task.yaml"
+    path.write_text("resources:\n  accelerators: A100:8\nrun: python train.py\n")
+    assert cli(["plan", str(path), "--conn", "k8s_sandbox", "--conn", "k8s_sandbox_nopods",
+                "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["chosen"]["connection"] == "k8s_sandbox"
+    assert plan["chosen"]["nodes_free"] == 1
+    path.write_text("resources:\n  accelerators: H100:1\nrun: x\n")
+    assert cli(["plan", str(path), "--conn", "k8s_sandbox"]) == 0
+    out = capsys.readouterr().out
+    assert "no H100 nodes in sandbox" in out
+
+
+# --- running jobs ---------------------------------------------------------------------------
+
+
+def test_two_node_job_ranks_addresses_and_env(k8s, kube):
+    backend = KubernetesBackend("k8s_sandbox")
+    dump = "; ".join(f'echo "{k}=$(printf "%s" "${k}" | base64 -w0)"'
+                     for k in [*NASTY, "API_TOKEN", "SKYPILOT_NODE_IPS"])
+    spec = {
+        "num_nodes": 2, "envs": NASTY, "secrets": {"API_TOKEN": "tok $(x) 'q'\n2"},
+        "resources": {"accelerators": "A100:2"},
+        "setup": 'echo "setup-rank=$SKYPILOT_SETUP_NODE_RANK"',
+        "run": 'echo "rank=$SKYPILOT_NODE_RANK nodes=$SKYPILOT_NUM_NODES '
+               'gpus=$SKYPILOT_NUM_GPUS_PER_NODE task=$SKYPILOT_TASK_ID"\n' + dump,
+    }
+    handle = _submit(backend, spec, name=_name("two"))
+    assert handle.num_nodes == 2 and not handle.adopted
+    assert handle.infra == "kubernetes/sandbox" and handle.location == "sandbox/default"
+    json.dumps(handle.to_dict())  # travels through XCom and triggers
+    status = _terminal(backend, handle)
+    assert status.state == JobState.SUCCEEDED, status
+    assert len(status.nodes) == 2
+    text, offset = backend.read_log(handle)
+    assert offset == len(text.encode())
+    rank0, rank1 = [], []
+    for line in text.splitlines():
+        (rank1 if line.startswith("(rank 1) ") else rank0).append(
+            line.removeprefix("(rank 1) "))
+    addrs = "\n".join(f"{handle.job_name}-{i}.{handle.job_name}.default.svc.cluster.local"
+                      for i in range(2))
+    for rank, lines in ((0, rank0), (1, rank1)):
+        assert f"setup-rank={rank}" in lines
+        assert f"rank={rank} nodes=2 gpus=2 task=sky-task-xyz" in lines
+        values = {k: base64.b64decode(v).decode() for k, _, v in
+                  (ln.partition("=") for ln in lines if ln.split("=")[0] in
+                   {*NASTY, "API_TOKEN", "SKYPILOT_NODE_IPS"})}
+        assert values["SKYPILOT_NODE_IPS"] == addrs
+        assert values["API_TOKEN"] == "tok $(x) 'q'\n2"
+        for key, value in NASTY.items():
+            assert values[key] == value, key
+    # rank 0 first, then rank 1: rank 0's lines come before any "(rank 1)" line
+    assert text.index("rank=0 ") < text.index("(rank 1) ")
+    # reading on from the offset gives nothing new; from the middle, the rest
+    assert backend.read_log(handle, offset) == ("", offset)
+    half = len(text.encode()) // 2
+    rest, end = backend.read_log(handle, half)
+    assert end == offset and text.encode()[half:].decode(errors="replace") == rest
+
+
+def test_log_read_in_chunks_adds_up_to_the_whole_log(k8s, monkeypatch):
+    from airflow_skypilot.backends import kubernetes as kmod
+
+    monkeypatch.setattr(kmod, "LOG_CHUNK", 100)
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"num_nodes": 2, "run": 'for i in $(seq 1 40); do '
+                               'echo "rank $SKYPILOT_NODE_RANK line $i"; done'})
+    assert _terminal(backend, handle).state == JobState.SUCCEEDED
+    pieces, offset = [], 0
+    for _ in range(200):
+        text, new = backend.read_log(handle, offset)
+        assert len(text.encode()) <= 100
+        if new == offset:
+            break
+        pieces.append(text)
+        offset = new
+    whole = "".join(pieces)
+    lines = whole.splitlines()
+    assert lines[1:41] == [f"rank 0 line {i}" for i in range(1, 41)]
+    assert [ln for ln in lines if ln.startswith("(rank 1) rank")] == [
+        f"(rank 1) rank 1 line {i}" for i in range(1, 41)]
+    assert offset == len(whole.encode())
+
+
+def test_exit_code_is_a_user_failure(k8s):
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"run": "echo about to fail; exit 3"})
+    status = _terminal(backend, handle, use_poll=True)
+    assert (status.state, status.exit_code) == (JobState.FAILED, 3)
+    assert not status.state.infra_failure
+    text, _ = asyncio.run(backend.read_log_async(handle))
+    assert "about to fail" in text
+
+
+def test_eviction_is_an_infrastructure_failure(k8s, kube):
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"run": "echo started; sleep 60"})
+    _until(backend, handle, [JobState.RUNNING], use_poll=True)
+    [pod] = _pods(kube, handle.job_name)
+    k8s.evict_pod(NS, pod.metadata.name)
+    status = _terminal(backend, handle, use_poll=True)
+    assert status.state == JobState.INFRA_FAILED, status
+    assert "Eviction" in status.reason
+    assert status.state.infra_failure
+
+
+def test_node_failure_is_an_infrastructure_failure(k8s, kube):
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"run": "sleep 60", "resources": {"accelerators": "A100:1"}})
+    _until(backend, handle, [JobState.RUNNING])
+    [pod] = _pods(kube, handle.job_name)
+    k8s.fail_node(pod.spec.node_name)
+    status = _terminal(backend, handle)
+    assert status.state == JobState.INFRA_FAILED, status
+    assert status.state.infra_failure
+    # and the failed node has no capacity for the next placement
+    [offer] = backend.probe(load_task({"run": "x", "resources": {"accelerators": "A100:1"}}))
+    assert offer.nodes_free == 1 and pod.spec.node_name in offer.details["nodes_unusable"]
+
+
+def test_not_ready_node_past_the_grace_is_an_infrastructure_failure(k8s, kube, monkeypatch):
+    _use_extras(monkeypatch, k8s, node_not_ready_grace=1)
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"run": "sleep 60"})
+    _until(backend, handle, [JobState.RUNNING])
+    [pod] = _pods(kube, handle.job_name)
+    k8s.set_not_ready(pod.spec.node_name)
+    status = _terminal(backend, handle, use_poll=True)
+    assert status.state == JobState.INFRA_FAILED and "NotReady" in status.reason
+    backend.cancel(handle)
+
+
+def test_bad_image_fails_clearly_and_is_not_failed_over(k8s, kube, monkeypatch):
+    _use_extras(monkeypatch, k8s, image_error_grace=3)
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"run": "true", "resources": {
+        "image_id": "docker:does-not-exist/x", "accelerators": "A100:1"}})
+    first = _until(backend, handle, [JobState.PENDING, JobState.FAILED], use_poll=True)
+    assert first.state == JobState.PENDING  # within the grace: it may still clear
+    status = _terminal(backend, handle, use_poll=True)
+    assert status.state == JobState.FAILED, status
+    assert not status.state.infra_failure
+    assert "does-not-exist/x" in status.reason and "ImagePull" in status.reason
+    assert status.exit_code is None
+    # cleanup of a job that never ended frees its GPU: the Job is deleted
+    backend.cleanup(handle)
+    wait_for(lambda: not _pods(kube, handle.job_name) and backend.find(handle.job_name) is None)
+
+
+def test_cancel_removes_job_pods_service_secret_and_configmap(k8s, kube):
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"num_nodes": 2, "run": "sleep 60",
+                               "secrets": {"TOKEN": "x"}})
+    _until(backend, handle, [JobState.RUNNING])
+    core = _core(kube)
+    name = handle.job_name
+    assert core.read_namespaced_service(name, NS).spec.cluster_ip == "None"
+    assert core.read_namespaced_secret(m.secret_name(name), NS)
+    assert core.read_namespaced_config_map(m.configmap_name(name), NS)
+    backend.cancel(handle)
+    status = backend.status([handle])[handle.job_id]
+    assert status.state in (JobState.CANCELLED, JobState.LOST)
+
+    def gone() -> bool:
+        left = []
+        for read, obj in ((client.BatchV1Api(kube).read_namespaced_job, name),
+                          (core.read_namespaced_service, name),
+                          (core.read_namespaced_secret, m.secret_name(name)),
+                          (core.read_namespaced_config_map, m.configmap_name(name))):
+            with contextlib.suppress(ApiException):
+                read(obj, NS)
+                left.append(obj)
+        return not left and not _pods(kube, name)
+
+    wait_for(gone)
+    assert not any(p["pod"].startswith(name) for p in k8s.processes())
+    backend.cancel(handle)  # safe twice
+    assert backend.status([handle])[handle.job_id].state == JobState.LOST
+
+
+def test_submit_twice_with_one_name_adopts(k8s, kube):
+    backend = KubernetesBackend("k8s_sandbox")
+    name = _name("twice")
+    first = _submit(backend, {"run": "sleep 5"}, name=name)
+    second = _submit(KubernetesBackend("k8s_sandbox"), {"run": "sleep 5"}, name=name)
+    assert not first.adopted and second.adopted
+    assert second.job_id == first.job_id and second.extra["uid"] == first.extra["uid"]
+    jobs = client.BatchV1Api(kube).list_namespaced_job(
+        NS, label_selector=f"{m.LABEL_JOB}={name}").items
+    assert len(jobs) == 1
+    found = backend.find(name)
+    assert found is not None and found.adopted and found.extra["uid"] == first.extra["uid"]
+    assert backend.find("no-such-job") is None
+    backend.cancel(first)
+
+
+def test_a_submission_cut_short_is_finished_on_adoption(k8s, kube):
+    """A worker that died after creating the (suspended) Job: the retry completes it."""
+    backend = KubernetesBackend("k8s_sandbox")
+    task = load_task({"run": "echo finished-by-retry", "secrets": {"S": "v"}})
+    [offer] = backend.probe(task)
+    name = _name("cut")
+    manifest = backend.job_manifest(task, offer, name, {})
+    client.BatchV1Api(kube).create_namespaced_job(NS, manifest)
+    handle = backend.submit(task, offer, name, {})
+    assert handle.adopted
+    status = _terminal(backend, handle)
+    assert status.state == JobState.SUCCEEDED, status
+    assert "finished-by-retry" in backend.read_log(handle)[0]
+
+
+def test_job_deleted_behind_our_back_is_lost(k8s, kube):
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"run": "sleep 60"})
+    _until(backend, handle, [JobState.RUNNING])
+    client.BatchV1Api(kube).delete_namespaced_job(handle.job_name, NS,
+                                                  propagation_policy="Background")
+    status = _until(backend, handle, [JobState.LOST, JobState.CANCELLED])
+    assert status.state.terminal
+
+
+def _namespace(api) -> str:
+    name = _name("ns")
+    _core(api).create_namespace({"metadata": {"name": name}})
+    return name
+
+
+def test_poll_is_batched_one_pod_list_per_namespace(k8s, kube):
+    """N jobs in two namespaces -> per poll one Job list and one pod list per namespace.
+
+    Own namespaces, so requests of anyone else using the sandbox are not counted."""
+    extra = k8s.connections()["k8s_sandbox"]["extra"]
+    spaces = [_namespace(kube), _namespace(kube)]
+    backends = [KubernetesBackend("k8s_sandbox", KubernetesSettings.from_extra(
+        "k8s_sandbox", {**extra, "namespace": ns})) for ns in spaces]
+    handles = [_submit(backends[i % 2], {"run": "echo hi; sleep 30"}) for i in range(6)]
+    assert {h.extra["namespace"] for h in handles} == set(spaces)
+    backend = KubernetesBackend("k8s_sandbox")  # polls them all, wherever they run
+
+    def mine(path_end: str) -> list[dict[str, Any]]:
+        return [r for r in k8s.requests() if r["method"] == "GET"
+                and any(r["path"] == f"/api{'s/batch' if path_end == 'jobs' else ''}/v1/"
+                        f"namespaces/{ns}/{path_end}" for ns in spaces)]
+
+    k8s.reset_requests()
+    for _ in range(3):
+        statuses = asyncio.run(backend.poll(handles))
+        assert set(statuses) == {h.job_id for h in handles}
+    assert len(mine("pods")) == 3 * 2, mine("pods")
+    assert len(mine("jobs")) == 3 * 2, mine("jobs")
+    for h in handles:
+        _until(backend, h, [JobState.RUNNING])
+
+    async def poll_then_logs() -> dict[str, tuple[str, int]]:  # the shared poller's pattern
+        await backend.poll(handles)
+        k8s.reset_requests()
+        return await backend.read_logs_async([(h, 0) for h in handles])
+
+    logs = asyncio.run(poll_then_logs())
+    assert all("hi" in text for text, _ in logs.values()), logs
+    assert not mine("pods")  # the poll's pod list is reused
+    reads = [r for r in k8s.requests() if r["path"].endswith("/log")
+             and any(f"/namespaces/{ns}/" in r["path"] for ns in spaces)]
+    assert len(reads) == len(handles)
+    # without a poll just before: one pod list per namespace for all of them, then the logs
+    k8s.reset_requests()
+    asyncio.run(KubernetesBackend("k8s_sandbox").read_logs_async([(h, 0) for h in handles]))
+    assert len(mine("pods")) == 2, mine("pods")
+    for h in handles:
+        backend.cancel(h)
+
+
+def test_workdir_and_file_mounts_reach_the_pod(k8s, tmp_path):
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "train.py").write_text("print('hello from the workdir')\n")
+    (tmp_path / "cfg.txt").write_text("from a file mount\n")
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"workdir": str(wd), "file_mounts": {
+        "~/cfg/app.txt": str(tmp_path / "cfg.txt")},
+        "run": "cat train.py ~/cfg/app.txt"})
+    assert _terminal(backend, handle).state == JobState.SUCCEEDED
+    text, _ = backend.read_log(handle)
+    assert "print('hello from the workdir')" in text and "from a file mount" in text
+    (wd / "big.bin").write_bytes(bytes(range(256)) * 4096 * 2)  # 2 MiB of poor entropy
+    (wd / "noise.bin").write_bytes(os.urandom(1024 * 1024))
+    [offer] = backend.probe(load_task({"workdir": str(wd), "run": "true"}))
+    assert not offer.fits and "ConfigMap" in offer.reason
+
+
+def test_operator_side_status_has_no_event_loop_per_call(k8s):
+    """``status`` is the sync path (the worker): it must work inside a running event loop's
+    thread too, where ``asyncio.run`` would fail."""
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"run": "true"})
+
+    async def inside_a_loop() -> JobStatus:
+        return backend.status([handle])[handle.job_id]
+
+    assert asyncio.run(inside_a_loop()).state in set(JobState)
+    assert _terminal(backend, handle).state == JobState.SUCCEEDED
+
+
+def test_jobs_can_be_watched_where_pods_may_not_be_listed(k8s):
+    """RBAC that allows Jobs but not pod listing: the Job's own status has to do."""
+    backend = KubernetesBackend("k8s_sandbox_nopods")
+    handle = _submit(backend, {"run": "sleep 2"})
+    running = _until(backend, handle, [JobState.RUNNING, JobState.SUCCEEDED], use_poll=True)
+    assert "pods may not be listed" in running.raw_state or running.state.terminal
+    assert _terminal(backend, handle, use_poll=True).state == JobState.SUCCEEDED
+    failing = _submit(backend, {"run": "exit 3"})
+    status = _terminal(backend, failing)
+    assert status.state == JobState.FAILED and not status.state.infra_failure
+
+
+def test_the_trigger_watches_a_kubernetes_job_to_the_end(k8s):
+    """The shared poller's pattern (poll, then read_log_async per job) end to end."""
+    from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger
+
+    backend = KubernetesBackend("k8s_sandbox")
+    handles = [_submit(backend, {"run": f'echo "hello from job {i}"; sleep 1; exit {i}'})
+               for i in range(2)]
+
+    async def watch(handle: JobHandle) -> dict[str, Any]:
+        trigger = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.3)
+        async for event in trigger.run():
+            return event.payload
+        raise AssertionError("no event")
+
+    async def both() -> list[dict[str, Any]]:
+        return await asyncio.wait_for(asyncio.gather(*(watch(h) for h in handles)), 60)
+
+    events = asyncio.run(both())
+    for i, event in enumerate(events):
+        assert event["status"] == "done", event
+        status = JobStatus.from_dict(event["job_status"])
+        assert status.state == (JobState.SUCCEEDED if i == 0 else JobState.FAILED)
+        assert f"hello from job {i}" in event["log_tail"]
+        assert event["log_offset"] > 0

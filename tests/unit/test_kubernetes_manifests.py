@@ -1,0 +1,669 @@
+"""What the Kubernetes backend sends and how it reads answers, without a cluster.
+
+Every manifest is checked against the OpenAPI schema of a current Kubernetes release
+(``kubernetes-validate``, strict: unknown fields fail), since the sandbox's emulator does not
+validate. The pod's entry script is run with the real bash, rooted in a temp dir exactly as the
+test kubelet roots a pod, and the status mapping is fed the shapes a real API server returns
+(evicted pods that are already deleted, Job conditions of the pod failure policy, ...).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import time
+from datetime import UTC, datetime
+
+import kubernetes_validate
+import pytest
+
+from airflow_skypilot.backends import _k8s_manifests as m
+from airflow_skypilot.backends.base import JobState, Offer
+from airflow_skypilot.backends.kubernetes import (
+    ClusterView,
+    KubernetesBackend,
+    KubernetesSettings,
+    NodeView,
+    cluster_view,
+    job_status,
+    join_logs,
+    log_plan,
+    slice_log,
+)
+from airflow_skypilot.spec import load_task
+
+K8S_VERSION = kubernetes_validate.utils.latest_version()  # newest bundled: 1.37 today
+
+NASTY = {
+    "SPACES": "a  b   c",
+    "QUOTES": "it's \"quoted\" `tick`",
+    "SUBST": "$(echo pwned) ${HOME} $HOME $$ $(VAR)",
+    "NEWLINES": "line1\nline2\n\nline4\n",
+    "BACKSLASH": "back\\slash \\n not a newline",
+    "UNICODE": "naïve ☃ 日本",
+    "EMPTY": "",
+}
+
+
+def _settings(**kw) -> KubernetesSettings:
+    base = {"context": "ctx", "namespace": "team-a"}
+    base.update(kw)
+    return KubernetesSettings(**base)
+
+
+def _backend(**kw) -> KubernetesBackend:
+    return KubernetesBackend("k8s_test", settings=_settings(**kw))
+
+
+def _offer(task, **details) -> Offer:
+    return Offer(connection="k8s_test", backend="kubernetes", location="ctx/team-a",
+                 infra="kubernetes/ctx", request=task.candidates[0], num_nodes=task.num_nodes,
+                 details=details)
+
+
+def _objects(backend, task, offer, name="sky-job-1", env=None, files=None):
+    env = env if env is not None else {"SKYPILOT_TASK_ID": "sky-task-1"}
+    job = backend.job_manifest(task, offer, name, env)
+    owner = {"metadata": {"name": name, "uid": "0f0f0f0f-1111-2222-3333-444444444444"}}
+    deps = backend.dependents(task, offer, name, env, files or m.bundle(task), owner)
+    return job, {d["kind"]: d for d in deps}
+
+
+def _validate(obj) -> None:
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+# --- schema ---------------------------------------------------------------------------------
+
+CASES = {
+    "single-cpu": {"run": "echo hi"},
+    "single-gpu-secrets": {"run": "nvidia-smi", "secrets": {"HF_TOKEN": "hf_abc"},
+                           "resources": {"accelerators": "A100:4", "cpus": "8+",
+                                         "memory": "32.5", "image_id": "docker:nvcr.io/x:1"}},
+    "multi-node": {"num_nodes": 3, "setup": "pip install x", "run": "torchrun ...",
+                   "envs": NASTY, "secrets": {"WANDB_API_KEY": "w"},
+                   "resources": {"accelerators": "H100:8", "cpus": 0.5, "memory": "3x"}},
+    "volumes-pod-config": {"run": "ls /data", "volumes": {"/data": "datasets-pvc"},
+                           "config": {"kubernetes": {"pod_config": {"spec": {
+                               "imagePullSecrets": [{"name": "regcred"}],
+                               "containers": [{"env": [{"name": "EXTRA", "value": "1"}]}]}}}}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_manifest_matches_the_kubernetes_schema(case):
+    task = load_task(CASES[case])
+    backend = _backend(tolerations=[{"key": "team", "operator": "Equal", "value": "a",
+                                     "effect": "NoSchedule"}],
+                       node_selector={"pool": "batch"}, service_account="runner",
+                       priority_class="batch-low")
+    offer = _offer(task, node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                   tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}])
+    job, deps = _objects(backend, task, offer)
+    _validate(job)
+    for obj in deps.values():
+        _validate(obj)
+    assert set(deps) == {"ConfigMap"} | ({"Secret"} if task.secrets else set()) | (
+        {"Service"} if task.num_nodes > 1 else set())
+
+
+def test_the_schema_check_is_strict():
+    """A sanity check of the check itself: a misspelt field must fail it."""
+    task = load_task({"run": "true"})
+    job, _ = _objects(_backend(), task, _offer(task))
+    job["spec"]["template"]["spec"]["restartPolicyy"] = "Never"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate(job)
+    job, _ = _objects(_backend(), task, _offer(task))
+    job["spec"]["backoffLimit"] = "0"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate(job)
+
+
+def test_manifest_with_a_workdir_matches_the_schema(tmp_path):
+    (tmp_path / "wd").mkdir()
+    (tmp_path / "wd" / "train.py").write_text("print('hi')\n")
+    (tmp_path / "cfg.yaml").write_text("a: 1\n")
+    task = load_task({"workdir": str(tmp_path / "wd"), "run": "python train.py",
+                      "file_mounts": {"/etc/app/config.yaml": str(tmp_path / "cfg.yaml")}})
+    job, deps = _objects(_backend(), task, _offer(task))
+    _validate(deps["ConfigMap"])
+    assert {"workdir.tgz.b64", "mount-0.tgz.b64"} <= set(deps["ConfigMap"]["data"])
+
+
+# --- what goes where ------------------------------------------------------------------------
+
+
+def test_secrets_are_never_in_the_job_configmap_or_annotations():
+    secret_value = "s3cr3t-VALUE-never-in-clear"
+    task = load_task({"run": "echo", "envs": {"PUBLIC": "p"},
+                      "secrets": {"API_KEY": secret_value, "PUBLIC": secret_value}})
+    job, deps = _objects(_backend(), task, _offer(task))
+    in_clear = json.dumps(job) + json.dumps(deps["ConfigMap"])
+    assert secret_value not in in_clear
+    assert base64.b64encode(secret_value.encode()).decode() not in json.dumps(job)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": "sky-job-1-secrets"}}]
+    assert "API_KEY" not in json.dumps(container.get("env"))
+    secret = deps["Secret"]
+    assert secret["type"] == "Opaque"
+    assert base64.b64decode(secret["data"]["API_KEY"]).decode() == secret_value
+    # a secret of the same name as an env wins: env.sh does not set it
+    assert "PUBLIC" not in deps["ConfigMap"]["data"]["env.sh"]
+    # owned by the Job: garbage collected with it
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "Job"
+    assert secret["metadata"]["ownerReferences"][0]["uid"]
+
+
+def test_no_user_text_reaches_a_field_kubernetes_expands():
+    """Kubernetes expands ``$(VAR)`` in env values, command and args: none carry user text."""
+    task = load_task({"run": "echo $(whoami)", "envs": NASTY})
+    job, deps = _objects(_backend(), task, _offer(task))
+    text = json.dumps(job)
+    assert "$(" not in text
+    assert "whoami" not in text
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["/bin/bash", "-c", m.BOOTSTRAP]
+    assert deps["ConfigMap"]["data"]["run.sh"] == "echo $(whoami)\n"
+
+
+def test_labels_make_the_job_and_its_pods_findable():
+    task = load_task({"num_nodes": 2, "run": "true"})
+    job, deps = _objects(_backend(), task, _offer(task), name="sky-find-me-a0")
+    want = {m.LABEL_JOB: "sky-find-me-a0", m.LABEL_MANAGED: m.MANAGED_BY}
+    assert want.items() <= job["metadata"]["labels"].items()
+    assert want.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    for obj in deps.values():
+        assert want.items() <= obj["metadata"]["labels"].items()
+    svc = deps["Service"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert job["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
+
+
+def test_indexed_job_for_several_nodes_plain_job_for_one():
+    multi = load_task({"num_nodes": 4, "run": "true"})
+    job, _ = _objects(_backend(), multi, _offer(multi))
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 4
+    assert spec["backoffLimit"] == 0
+    assert spec["suspend"] is True  # resumed once its ConfigMap and Secret exist
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    anti = spec["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == \
+        "kubernetes.io/hostname"
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0]["onPodConditions"][0]["type"] == "DisruptionTarget"
+    single = load_task({"run": "true"})
+    job, deps = _objects(_backend(), single, _offer(single))
+    assert "completionMode" not in job["spec"]
+    assert "subdomain" not in job["spec"]["template"]["spec"]
+    assert "Service" not in deps
+
+
+def test_gpu_limits_requests_and_node_selectors():
+    task = load_task({"run": "true", "resources": {"accelerators": "A100:2", "cpus": "4+",
+                                                   "memory": "16.5"}})
+    backend = _backend(node_selector={"pool": "gpu"},
+                       tolerations=[{"key": "dedicated", "operator": "Exists"}])
+    offer = _offer(task, node_selector={"skypilot.co/accelerator": "a100"})
+    job, _ = _objects(backend, task, offer)
+    pod = job["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["limits"] == {"nvidia.com/gpu": "2"}
+    assert resources["requests"] == {"cpu": "4", "memory": "16896Mi"}
+    assert pod["nodeSelector"] == {"pool": "gpu", "skypilot.co/accelerator": "a100"}
+    keys = [t["key"] for t in pod["tolerations"]]
+    assert keys == ["dedicated", "nvidia.com/gpu"]
+    assert job["metadata"]["annotations"]["skypilot.airflow/gpus-per-node"] == "2"
+    cpu_only = load_task({"run": "true", "resources": {"cpus": 0.5}})
+    job, _ = _objects(_backend(), cpu_only, _offer(cpu_only))
+    resources = job["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources == {"requests": {"cpu": "500m"}}
+
+
+def test_image_from_image_id_or_the_connection_default():
+    task = load_task({"run": "true", "resources": {"image_id": "docker:ghcr.io/me/train:2"}})
+    job, _ = _objects(_backend(image="busybox:1"), task, _offer(task))
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/me/train:2"
+    task = load_task({"run": "true"})
+    job, _ = _objects(_backend(image="busybox:1"), task, _offer(task))
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "busybox:1"
+
+
+def test_pod_config_merges_but_cannot_rewire_the_job():
+    task = load_task({"run": "true", "config": {"kubernetes": {"pod_config": {
+        "metadata": {"labels": {"team": "a", m.LABEL_JOB: "hijack"}},
+        "spec": {"imagePullSecrets": [{"name": "regcred"}], "restartPolicy": "Always",
+                 "containers": [{"command": ["sh"], "env": [{"name": "X", "value": "1"}]}]}}}}})
+    job, _ = _objects(_backend(), task, _offer(task), name="sky-pc")
+    tmpl = job["spec"]["template"]
+    assert tmpl["metadata"]["labels"]["team"] == "a"
+    assert tmpl["metadata"]["labels"][m.LABEL_JOB] == "sky-pc"
+    assert tmpl["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert tmpl["spec"]["restartPolicy"] == "Never"
+    container = tmpl["spec"]["containers"][0]
+    assert container["command"][0] == "/bin/bash"
+    assert {"name": "X", "value": "1"} in container["env"]
+
+
+# --- the pod's scripts, run with bash as the test kubelet runs them --------------------------
+
+
+def _run_pod(tmp_path, task, rank: int | None, name="sky-job-1", extra_env=None):
+    """Materialise the ConfigMap where the pod would see it and run the container command."""
+    backend = _backend()
+    job, deps = _objects(backend, task, _offer(task), name=name)
+    root = tmp_path / f"root{rank}"
+    files = root / m.FILES_MOUNT.lstrip("/")
+    files.mkdir(parents=True)
+    for key, value in deps["ConfigMap"]["data"].items():
+        (files / key).write_text(value)
+    (root / "home").mkdir()
+    env = {"PATH": os.environ["PATH"], "HOME": str(root / "home"),
+           "SANDBOX_MOUNT_ROOT": str(root), "HOSTNAME": f"{name}-{rank or 0}",
+           "AIRFLOW_SKYPILOT_POD_IP": "10.1.2.3"}
+    if rank is not None:
+        env["JOB_COMPLETION_INDEX"] = str(rank)
+    if "Secret" in deps:
+        env.update({k: base64.b64decode(v).decode() for k, v in deps["Secret"]["data"].items()})
+    env.update(extra_env or {})
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=30,
+                          cwd=root), root
+
+
+def test_envs_and_secrets_arrive_byte_for_byte(tmp_path):
+    dump = "; ".join(f'printf "%s" "${k}" | base64 -w0; echo' for k in [*NASTY, "TOKEN"])
+    task = load_task({"run": dump, "envs": NASTY, "secrets": {"TOKEN": "t $(x) 'y'\nz"}})
+    proc, _ = _run_pod(tmp_path, task, rank=None)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()[1:]
+    got = [base64.b64decode(line).decode() for line in lines]
+    assert got == [*NASTY.values(), "t $(x) 'y'\nz"]
+
+
+def test_skypilot_env_in_setup_and_run_of_each_rank(tmp_path):
+    task = load_task({
+        "num_nodes": 2, "resources": {"accelerators": "A100:2"},
+        "setup": 'echo "setup rank=$SKYPILOT_SETUP_NODE_RANK"',
+        "run": 'echo "rank=$SKYPILOT_NODE_RANK n=$SKYPILOT_NUM_NODES '
+               'g=$SKYPILOT_NUM_GPUS_PER_NODE id=$SKYPILOT_TASK_ID"\n'
+               'printf "%s" "$SKYPILOT_NODE_IPS" | base64 -w0; echo\npwd'})
+    for rank in (0, 1):
+        proc, root = _run_pod(tmp_path, task, rank=rank, name="sky-two")
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout.splitlines()
+        assert f"setup rank={rank}" in out
+        assert f"rank={rank} n=2 g=2 id=sky-task-1" in out
+        ips = base64.b64decode(out[out.index(f"rank={rank} n=2 g=2 id=sky-task-1") + 1]).decode()
+        assert ips == ("sky-two-0.sky-two.team-a.svc.cluster.local\n"
+                       "sky-two-1.sky-two.team-a.svc.cluster.local")
+        assert out[-1] == str(root / m.WORKDIR_MOUNT.lstrip("/"))
+
+
+def test_failed_setup_skips_run_and_keeps_its_exit_code(tmp_path):
+    task = load_task({"setup": "exit 7", "run": "echo should-not-run"})
+    proc, _ = _run_pod(tmp_path, task, rank=None)
+    assert proc.returncode == 7
+    assert "should-not-run" not in proc.stdout
+    assert "setup failed with exit code 7" in proc.stderr
+
+
+def test_workdir_and_file_mounts_are_unpacked(tmp_path):
+    wd = tmp_path / "wd"
+    (wd / "pkg").mkdir(parents=True)
+    (wd / "pkg" / "a.txt").write_text("from workdir\n")
+    (wd / "skip.log").write_text("ignored\n")
+    (wd / ".skyignore").write_text("*.log\n")
+    (wd / ".git").mkdir()
+    (wd / ".git" / "HEAD").write_text("ref\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "d.txt").write_text("from a dir mount\n")
+    (tmp_path / "one.cfg").write_text("from a file mount\n")
+    task = load_task({"workdir": str(wd), "file_mounts": {
+        "/mnt/data": str(data), "~/conf/app.cfg": str(tmp_path / "one.cfg")},
+        "run": 'cat pkg/a.txt "$SANDBOX_MOUNT_ROOT/mnt/data/d.txt" ~/conf/app.cfg; '
+               "ls -A | sort | tr '\\n' ' '"})
+    proc, _ = _run_pod(tmp_path, task, rank=None)
+    assert proc.returncode == 0, proc.stderr
+    assert "from workdir\nfrom a dir mount\nfrom a file mount\n" in proc.stdout
+    assert proc.stdout.rstrip().endswith(".skyignore pkg")
+
+
+def test_a_workdir_too_large_for_a_configmap_is_refused(tmp_path):
+    (tmp_path / "big.bin").write_bytes(os.urandom(300 * 1024))
+    task = load_task({"workdir": str(tmp_path), "run": "true"})
+    assert m.bundle(task, limit=900 * 1024).size > 300 * 1024
+    with pytest.raises(m.BundleTooLarge, match="ConfigMap"):
+        m.bundle(task, limit=200 * 1024)
+
+
+# --- offers from a cluster view (the probe's arithmetic) ------------------------------------
+
+
+def _node(name, gpus=8, label="a100", cpu="16", mem="64Gi", ready=True, cordon=False,
+          taints=None, labels=None, since=None):
+    all_labels = {"kubernetes.io/hostname": name, **(labels or {})}
+    if label:
+        all_labels["skypilot.co/accelerator"] = label
+    alloc = {"cpu": cpu, "memory": mem, "pods": "110"}
+    if gpus:
+        alloc["nvidia.com/gpu"] = str(gpus)
+    return {"metadata": {"name": name, "labels": all_labels},
+            "spec": {"unschedulable": cordon, "taints": taints or []},
+            "status": {"allocatable": alloc, "conditions": [
+                {"type": "Ready", "status": "True" if ready else "False",
+                 "lastTransitionTime": since or "2026-01-01T00:00:00Z"}]}}
+
+
+def _pod(name, node, gpus=0, cpu="1", phase="Running", ns="other"):
+    res = {"requests": {"cpu": cpu}}
+    if gpus:
+        res["limits"] = {"nvidia.com/gpu": str(gpus)}
+    return {"metadata": {"name": name, "namespace": ns}, "spec": {
+        "nodeName": node, "containers": [{"name": "c", "resources": res}]},
+        "status": {"phase": phase}}
+
+
+def _offers(task, nodes, pods, **settings):
+    backend = _backend(**settings)
+    view = cluster_view(nodes, pods, "team-a")
+    return [backend._offer(task, req, view, "") for req in task.candidates]
+
+
+def test_free_gpus_subtract_requests_of_pods_in_every_namespace():
+    nodes = [_node("n1"), _node("n2"), _node("cpu", gpus=0, label=None)]
+    pods = [_pod("a", "n1", gpus=3), _pod("b", "n1", gpus=2, ns="team-a"),
+            _pod("c", "n2", gpus=1), _pod("p", None, gpus=8, phase="Pending", ns="team-a")]
+    [offer] = _offers(load_task({"run": "x", "resources": {"accelerators": "A100:4"}}),
+                      nodes, pods)
+    assert offer.fits
+    assert (offer.gpus_total, offer.gpus_free) == (16, 16 - 6)
+    assert (offer.nodes_total, offer.nodes_free) == (2, 1)  # n1 has 3 left, n2 has 7
+    assert offer.pending_jobs == 1
+    assert offer.est_start is not None
+    assert offer.details["node_selector"] == {"skypilot.co/accelerator": "a100"}
+    [offer] = _offers(load_task({"run": "x", "num_nodes": 2,
+                                 "resources": {"accelerators": "A100:4"}}), nodes, pods)
+    assert offer.fits and offer.nodes_free == 1 and offer.est_start is None
+
+
+def test_cordoned_notready_and_tainted_nodes_have_no_capacity():
+    nodes = [_node("n1", cordon=True), _node("n2", ready=False),
+             _node("n3", taints=[{"key": "maintenance", "effect": "NoSchedule"}]),
+             _node("n4", taints=[{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]),
+             _node("n5", taints=[{"key": "team", "value": "a", "effect": "NoExecute"}])]
+    task = load_task({"run": "x", "resources": {"accelerators": "A100:1"}})
+    [offer] = _offers(task, nodes, [])
+    assert offer.fits
+    assert offer.gpus_total == 40
+    assert offer.gpus_free == 8  # n4 only: the GPU taint is tolerated for GPU jobs
+    assert set(offer.details["nodes_unusable"]) == {"n1", "n2", "n3", "n5"}
+    [offer] = _offers(task, nodes, [], tolerations=[{"key": "team", "operator": "Equal",
+                                                     "value": "a"}])
+    assert offer.gpus_free == 16
+
+
+def test_explained_no_fits():
+    nodes = [_node("n1", gpus=4), _node("n2", gpus=4), _node("cpu", gpus=0, label=None,
+                                                               cpu="8", mem="32Gi")]
+    cases = {
+        "H100:1": "no H100 nodes",
+        "A100:8": "needs 8 A100 per node; nodes in ctx have at most 4",
+        "A100:0.5": "Kubernetes allocates whole GPUs",
+    }
+    for accel, why in cases.items():
+        [offer] = _offers(load_task({"run": "x", "resources": {"accelerators": accel}}),
+                          nodes, [])
+        assert not offer.fits and why in offer.reason, (accel, offer.reason)
+    for spec, why in [
+        ({"num_nodes": 3, "resources": {"accelerators": "A100:1"}}, "needs 3 nodes"),
+        ({"resources": {"cpus": 64}}, "needs 64 CPUs"),
+        ({"resources": {"memory": 512}}, "needs 512 GB"),
+        ({"resources": {"instance_type": "p4d.24xlarge"}}, "cloud VM type"),
+        ({"resources": {"use_spot": True}}, "no spot nodes"),
+        ({"workdir": {"url": "https://github.com/x/y"}}, "git workdir"),
+        ({"file_mounts": {"/d": "s3://bucket/x"}}, "s3://"),
+    ]:
+        [offer] = _offers(load_task({"run": "x", **spec}), nodes, [])
+        assert not offer.fits and why in offer.reason, (spec, offer.reason)
+
+
+def test_spot_nodes_are_recognised_by_their_labels():
+    nodes = [_node("od"), _node("spot", labels={"karpenter.sh/capacity-type": "spot"})]
+    [offer] = _offers(load_task({"run": "x", "resources": {"accelerators": "A100:1",
+                                                           "use_spot": True}}), nodes, [])
+    assert offer.fits and offer.spot
+    assert offer.nodes_total == 1
+    assert offer.details["node_selector"] == {"karpenter.sh/capacity-type": "spot",
+                                              "skypilot.co/accelerator": "a100"}
+
+
+def test_gpu_type_from_any_known_label():
+    nodes = [_node("g", label=None, labels={"cloud.google.com/gke-accelerator": "nvidia-l4"}),
+             _node("e", label=None, labels={"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"})]
+    [l4] = _offers(load_task({"run": "x", "resources": {"accelerators": "L4:1"}}), nodes, [])
+    assert l4.fits and l4.accelerator == "L4"
+    assert l4.details["node_selector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
+    [a80] = _offers(load_task({"run": "x", "resources": {"accelerators": "A100-80GB:8"}}),
+                    nodes, [])
+    assert a80.fits and a80.accelerator == "A100-80GB"
+
+
+def test_forbidden_pod_listing_leaves_free_unknown_not_zero():
+    backend = _backend()
+    view = cluster_view([_node("n1")], None, "team-a", note="pods may not be listed")
+    [offer] = [backend._offer(load_task({"run": "x", "resources": {"accelerators": "A100:1"}}),
+                              req, view, "")
+               for req in load_task({"run": "x", "resources": {
+                   "accelerators": "A100:1"}}).candidates]
+    assert offer.fits
+    assert offer.gpus_total == 8
+    assert offer.gpus_free is None and offer.nodes_free is None and offer.est_start is None
+    assert offer.details["free"] == "unknown"
+    assert not offer.free_now
+
+
+def test_nodeview_quantities():
+    node = NodeView.parse(_node("n", cpu="15500m", mem="63Gi", gpus=8))
+    assert node.cpus == 15.5 and node.memory_gb == 63 and node.gpus == 8
+    assert ClusterView(nodes=[node], pods_known=True, pending=0).nodes[0].accelerator == "A100"
+
+
+# --- status mapping (real API server shapes) ------------------------------------------------
+
+NOW = time.time()
+
+
+def _ts(seconds_ago: float) -> str:
+    return datetime.fromtimestamp(NOW - seconds_ago, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _job(conditions=(), deleting=False, suspend=False, failed=0):
+    meta = {"name": "j", "uid": "u1", "namespace": "ns"}
+    if deleting:
+        meta["deletionTimestamp"] = _ts(1)
+    return {"metadata": meta, "spec": {"suspend": suspend, "completions": 1},
+            "status": {"conditions": [dict(c, status="True") for c in conditions],
+                       "failed": failed}}
+
+
+def _jpod(rank=0, phase="Running", state=None, conds=(), reason=None, node="n1", age=10,
+          deleting=False, image="img"):
+    meta = {"name": f"j-{rank}-x", "creationTimestamp": _ts(age),
+            "labels": {m.LABEL_JOB: "j", m.INDEX_KEY: str(rank)},
+            "ownerReferences": [{"uid": "u1"}]}
+    if deleting:
+        meta["deletionTimestamp"] = _ts(1)
+    status = {"phase": phase, "conditions": list(conds),
+              "containerStatuses": [{"name": "main", "state": state or {"running": {
+                  "startedAt": _ts(5)}}}]}
+    if reason:
+        status["reason"] = reason
+    return {"metadata": meta, "spec": {"nodeName": node, "containers": [
+        {"name": "main", "image": image}]}, "status": status}
+
+
+def _term(code, reason="Error"):
+    return {"terminated": {"exitCode": code, "reason": reason, "finishedAt": _ts(1)}}
+
+
+def _status(job, pods, **kw):
+    kw.setdefault("num_nodes", 1)
+    kw.setdefault("now", NOW)
+    return job_status(job, pods, **kw)
+
+
+def test_status_success_running_and_user_failure():
+    assert _status(_job([{"type": "Complete"}]), []).state == JobState.SUCCEEDED
+    assert _status(_job(), [_jpod()]).state == JobState.RUNNING
+    st = _status(_job(), [_jpod(phase="Failed", state=_term(3))])
+    assert (st.state, st.exit_code) == (JobState.FAILED, 3)
+    assert not st.state.infra_failure
+    st = _status(_job(), [_jpod(phase="Failed", state=_term(137, "OOMKilled"))])
+    assert st.state == JobState.FAILED and "OOMKilled" in st.reason
+    two = [_jpod(0, phase="Succeeded", state=_term(0, "Completed")), _jpod(1)]
+    assert _status(_job(), two, num_nodes=2).state == JobState.RUNNING
+    two[1] = _jpod(1, phase="Succeeded", state=_term(0, "Completed"))
+    assert _status(_job(), two, num_nodes=2).state == JobState.SUCCEEDED
+
+
+def test_rank_failure_wins_over_the_ranks_the_controller_kills():
+    pods = [_jpod(0, phase="Failed", state=_term(143), deleting=True),
+            _jpod(1, phase="Failed", state=_term(3))]
+    st = _status(_job([{"type": "Failed", "reason": "PodFailurePolicy"}]), pods, num_nodes=2)
+    assert (st.state, st.exit_code) == (JobState.FAILED, 3)
+    assert "rank 1" in st.reason
+
+
+def test_disruptions_are_infrastructure_failures():
+    evicted = _jpod(phase="Failed", reason="Evicted", state=_term(137), conds=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}])
+    assert _status(_job(), [evicted]).state == JobState.INFRA_FAILED
+    preempted = _jpod(phase="Failed", state=_term(137), conds=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}])
+    assert _status(_job(), [preempted]).state == JobState.PREEMPTED
+    lost = _jpod(phase="Failed", state=_term(137, "ContainerStatusUnknown"), deleting=True)
+    assert _status(_job(), [lost]).state == JobState.INFRA_FAILED
+    assert _status(_job(), [evicted], spot=True).state == JobState.PREEMPTED
+
+
+def test_pods_gone_with_the_job_verdict_left_behind():
+    """A real API server deletes evicted pods; the pod failure policy's condition remains."""
+    cond = {"type": "Failed", "reason": "PodFailurePolicy",
+            "message": "Pod ns/j-0-x has condition DisruptionTarget matching FailJob rule at "
+                       "index 0"}
+    assert _status(_job([cond]), []).state == JobState.INFRA_FAILED
+    cond = {"type": "Failed", "reason": "PodFailurePolicy",
+            "message": "Container main for pod ns/j-0-x failed with exit code 42 matching "
+                       "FailJob rule at index 1"}
+    st = _status(_job([cond]), [])
+    assert (st.state, st.exit_code) == (JobState.FAILED, 42)
+    st = _status(_job([{"type": "Failed", "reason": "BackoffLimitExceeded"}]), [])
+    assert st.state == JobState.INFRA_FAILED
+    assert _status(_job(failed=1), []).state == JobState.INFRA_FAILED
+    assert _status(_job(), [_jpod(deleting=True)]).state == JobState.INFRA_FAILED
+
+
+def test_node_gone_or_notready_past_the_grace_is_infra():
+    nodes = {"n1": NodeView.parse(_node("n1", ready=False, since=_ts(30)))}
+    assert _status(_job(), [_jpod()], nodes=nodes, node_not_ready_grace=60).state == \
+        JobState.RUNNING
+    st = _status(_job(), [_jpod()], nodes=nodes, node_not_ready_grace=20)
+    assert st.state == JobState.INFRA_FAILED and "NotReady" in st.reason
+    assert _status(_job(), [_jpod()], nodes={}).state == JobState.INFRA_FAILED
+
+
+def test_image_and_config_errors_fail_after_the_grace_and_are_not_infra():
+    pull = {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling "bad/x"'}}
+    young = _jpod(phase="Pending", state=pull, age=5, image="bad/x")
+    st = _status(_job(), [young], image_error_grace=60)
+    assert st.state == JobState.PENDING and "ImagePullBackOff" in st.reason
+    old = _jpod(phase="Pending", state=pull, age=120, image="bad/x")
+    st = _status(_job(), [old], image_error_grace=60)
+    assert st.state == JobState.FAILED and not st.state.infra_failure
+    assert "bad/x" in st.reason and "not placed elsewhere" in st.reason
+    cfg = {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "s" not found'}}
+    st = _status(_job(), [_jpod(phase="Pending", state=cfg, age=120)], image_error_grace=60)
+    assert st.state == JobState.FAILED and "secret" in st.reason
+
+
+def test_pending_reasons_lost_and_cancelled():
+    unsched = _jpod(phase="Pending", node="", state={"waiting": {"reason": "Pending"}}, conds=[
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}])
+    st = _status(_job(), [unsched])
+    assert st.state == JobState.PENDING and "Insufficient nvidia.com/gpu" in st.reason
+    st = _status(_job(), [unsched], pending_timeout=5)
+    assert st.state == JobState.INFRA_FAILED and "could not be scheduled" in st.reason
+    assert "suspended" in _status(_job(suspend=True), []).reason
+    cut_short = _job(suspend=True)
+    cut_short["metadata"].update(creationTimestamp=_ts(600),
+                                 annotations={"skypilot.airflow/managed": "true"})
+    assert _status(cut_short, []).state == JobState.LOST  # its submitter died half way
+    assert _status(_job(), []).state == JobState.PENDING
+    assert _status(None, []).state == JobState.LOST
+    assert _status(_job(deleting=True), [_jpod()]).state == JobState.CANCELLED
+    # a finished Job being removed (TTL) is still a success
+    assert _status(_job([{"type": "Complete"}], deleting=True), []).state == JobState.SUCCEEDED
+
+
+# --- logs ------------------------------------------------------------------------------------
+
+
+def test_log_offsets_stay_consistent_as_ranks_finish():
+    rank0 = b"r0 line1\nr0 partial"
+    text, off = slice_log(join_logs([(0, rank0)], final=False), 0, final=False)
+    assert (text, off) == ("r0 line1\n", 9)  # a partial line waits for its end
+    text, off2 = slice_log(join_logs([(0, rank0)], final=False), off, final=False)
+    assert (text, off2) == ("", 9)
+    final = join_logs([(0, rank0 + b" done"), (1, b"r1 a\nr1 b")], final=True)
+    text, off3 = slice_log(final, off2, final=True)
+    assert text == "r0 partial done\n(rank 1) r1 a\n(rank 1) r1 b\n"
+    assert off3 == len(final)
+    assert final.startswith(rank0)  # the text only ever grows: old offsets stay valid
+
+
+def test_log_chunks_never_split_a_character():
+    data = ("é" * 10).encode()
+    text, off = slice_log(data, 0, final=True, limit=5)
+    assert text == "éé" and off == 4
+
+
+def test_a_line_longer_than_a_chunk_comes_in_pieces():
+    data = b"x" * 10 + b"\nend"
+    assert slice_log(data, 0, final=False, limit=4) == ("xxxx", 4)
+    assert slice_log(data, 8, final=False, limit=4) == ("xx\n", 11)
+    assert slice_log(data, 11, final=False, limit=4) == ("", 11)  # partial: wait
+    assert slice_log(data, 11, final=True, limit=4) == ("end", 14)
+
+
+def test_log_plan_orders_ranks_and_knows_when_it_is_final():
+    pods = [_jpod(1, phase="Succeeded", state=_term(0, "Completed")),
+            _jpod(0, phase="Running")]
+    plan, final = log_plan(pods, 2)
+    assert [v.rank for v in plan] == [0, 1] and not final
+    pods[1] = _jpod(0, phase="Failed", state=_term(1))
+    assert log_plan(pods, 2)[1]
+
+
+def test_settings_from_connection_extras():
+    s = KubernetesSettings.from_extra("conn", {
+        "extra__kubernetes__namespace": "ml", "cluster_context": "prod",
+        "node_selector": '{"pool": "gpu"}', "tolerations": [{"key": "a", "operator": "Exists"}],
+        "price_per_gpu_hour": "2.5", "image_error_grace": 5, "ttl_seconds_after_finished": "off"})
+    assert (s.namespace, s.context, s.location, s.infra) == ("ml", "prod", "prod/ml",
+                                                             "kubernetes/prod")
+    assert s.node_selector == {"pool": "gpu"} and s.tolerations[0]["key"] == "a"
+    assert s.price_per_gpu_hour == 2.5 and s.image_error_grace == 5
+    assert s.ttl_seconds_after_finished is None
+    default = KubernetesSettings.from_extra("conn", {})
+    assert (default.namespace, default.context, default.image) == ("default", "conn",
+                                                                   "python:3.11-slim")
+    with pytest.raises(ValueError, match="node_selector"):
+        KubernetesSettings.from_extra("conn", {"node_selector": "[1"})
