@@ -11,6 +11,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,37 @@ class DagRun:
         return self.xcoms.get((task_id, key))
 
 
+class Running:
+    """A ``dags test`` in progress; its output is collected as it comes."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self._lines)
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        self._reader.join(30)
+        return True
+
+    def poll(self):
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
 class Airflow:
     """Runs ``airflow dags test`` with a fixed environment and reads the outcome."""
 
@@ -64,23 +96,21 @@ class Airflow:
         subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, check=True,
                        capture_output=True, timeout=300)
 
-    def start(self, dag_id: str, conf: dict | None = None, dags: Path = E2E_DAGS
-              ) -> subprocess.Popen:
+    def start(self, dag_id: str, conf: dict | None = None, dags: Path = E2E_DAGS) -> Running:
         env = {**self.env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}
         argv = [AIRFLOW, "dags", "test", dag_id]
         if conf is not None:
             argv += ["-c", json.dumps(conf)]
-        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        return Running(proc)
 
-    def finish(self, proc: subprocess.Popen, dag_id: str, timeout: float = 600) -> DagRun:
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-            raise AssertionError(f"dags test {dag_id} timed out:\n{output[-5000:]}") from None
-        return self.read(dag_id, proc.returncode, output)
+    def finish(self, running: Running, dag_id: str, timeout: float = 600) -> DagRun:
+        if not running.wait(timeout):
+            running.proc.kill()
+            running.wait(30)
+            raise AssertionError(f"dags test {dag_id} timed out:\n{running.output()[-5000:]}")
+        return self.read(dag_id, running.proc.returncode, running.output())
 
     def run(self, dag_id: str, conf: dict | None = None, dags: Path = E2E_DAGS,
             timeout: float = 600) -> DagRun:
@@ -119,6 +149,14 @@ def airflow(tmp_path_factory) -> Airflow:
 def airflow_slurm(airflow, slurm) -> Airflow:
     """Airflow with the two Slurm clusters as its default connections."""
     airflow.connect(slurm.connections(), ["slurm_alpha", "slurm_beta"])
+    return airflow
+
+
+@pytest.fixture
+def airflow_k8s(airflow, slurm, k8s) -> Airflow:
+    """Airflow with both Slurm clusters and the Kubernetes cluster."""
+    airflow.connect({**slurm.connections(), **k8s.connections()},
+                    ["slurm_alpha", "slurm_beta", "k8s_sandbox"])
     return airflow
 
 

@@ -212,7 +212,7 @@ def test_fifty_watched_jobs_one_status_command_per_interval(slurm):
 
     counts = asyncio.run(watch())
     commands = slurm.commands_log("beta")
-    slurm.reset()  # the 50 jobs must not outlive the test  # scripts go on stdin: each line is one SSH command
+    slurm.reset()  # the 50 jobs must not outlive the test; each log line is one SSH command
     assert 5 <= counts["status"] <= 7, "one status poll per interval, whatever the job count"
     assert counts["logs"] == counts["status"]
     assert len(commands) == counts["status"] + counts["logs"], (
