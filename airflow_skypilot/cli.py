@@ -150,8 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _logs_to_stderr() -> None:
+    """Airflow logs to stdout by default; this CLI's stdout is its output (``--json``)."""
+    try:
+        import airflow  # noqa: F401  (configures logging on import)
+        from airflow.sdk.log import configure_logging
+    except Exception:  # without Airflow's logging there is nothing to move
+        return
+    configure_logging.cache_clear()
+    configure_logging(output=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "validate":  # validate never imports Airflow: it stays fast
+        _logs_to_stderr()
     try:
         return args.func(args)
     except SystemExit as exc:

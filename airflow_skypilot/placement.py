@@ -37,8 +37,13 @@ class Blocked:
     at: float = field(default_factory=time.time)
 
     def covers(self, offer: Offer) -> bool:
+        """``conn/*`` covers the connection; ``conn/us-east-1/*`` every location under it."""
         conn, _, loc = self.place.partition("/")
-        return conn == offer.connection and loc in ("*", offer.location)
+        if conn != offer.connection:
+            return False
+        if loc.endswith("/*"):
+            return offer.location.startswith(loc[:-1])
+        return loc in ("*", offer.location)
 
     def describe(self) -> str:
         return f"blocked: {self.reason} at {time.strftime('%H:%M', time.gmtime(self.at))}"

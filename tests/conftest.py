@@ -73,8 +73,7 @@ def aws_sandbox_session():
 
 @pytest.fixture
 def aws(aws_sandbox_session, monkeypatch) -> Iterator:
-    """The AWS sandbox, clean (nothing running), connections set; asserts nothing is left
-    running after the test."""
+    """The AWS sandbox, clean (nothing running), connections set."""
     box = aws_sandbox_session
     box.reset()
     use_connections(monkeypatch, box.connections())

@@ -149,3 +149,10 @@ def test_table_and_json_list_every_offer():
 def test_blocked_round_trips():
     b = Blocked("a/b", "preempted", at=5.0)
     assert Blocked.from_dict(b.to_dict()) == b
+
+
+def test_blocking_every_location_under_a_prefix():
+    plan = rank([offer("aws", "us-east-1/us-east-1a"), offer("aws", "us-east-1/us-east-1b"),
+                 offer("aws", "us-west-2/us-west-2a")],
+                blocked=[Blocked("aws/us-east-1/*", "no capacity in the region")])
+    assert plan.chosen.location == "us-west-2/us-west-2a"

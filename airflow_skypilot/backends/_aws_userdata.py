@@ -1,0 +1,369 @@
+"""What an EC2 instance of a job runs: the bootstrap user-data and the job's payload.
+
+The user-data is a short bash script (no user text in it: names, numbers and S3 paths only,
+each quoted with :func:`shlex.quote`) followed by the payload, a base64 ``tar.gz`` of the job's
+files: ``env.sh`` (the SkyPilot env, quoted), the task's ``setup.sh``/``run.sh`` verbatim, the
+shared ``node.sh`` wrapper, the local workdir and file mounts. EC2 caps user-data at 16 KB, so a
+payload that does not fit is staged in S3 and fetched by the instance with its own credentials.
+
+Secrets are never in either: they are SSM SecureString parameters (values ``b64:<base64>``,
+so any byte, and the empty string, survive SSM and the CLI's text output), read on the
+instance with ``aws ssm get-parameters --with-decryption`` into a 0600 ``secrets.sh`` that is
+removed when the job ends.
+
+On the instance (bash, curl, base64, tar, the AWS CLI; all on the Deep Learning AMIs):
+IMDSv2 gives the rank (``ami-launch-index``, stable: EC2 numbers one RunInstances call's
+instances 0..N-1), the private IP and the reservation; a multi-node job lists its reservation's
+instances with ``aws ec2 describe-instances`` (by the job tag) for ``SKYPILOT_NODE_IPS`` in rank
+order. Setup runs on every node, then (after an S3 barrier, as SkyPilot waits for every node's
+setup) run. The log goes to ``<job prefix>rank-<r>/log`` every few seconds and once more at the
+end, *before* ``rank-<r>/exit_code``: when the marker is there, the log is complete. A spot
+interruption notice writes ``rank-<r>/preempted``. Finally ``shutdown -h now`` (the instance's
+shutdown behaviour is terminate). Anything unexpected ends in ``rank-<r>/bootstrap_error``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shlex
+import tarfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from airflow_skypilot.backends import jobscript
+from airflow_skypilot.spec.task import Task
+
+#: EC2's limit on raw user-data; we keep a margin below it.
+USER_DATA_LIMIT = 16 * 1024
+USER_DATA_BUDGET = USER_DATA_LIMIT - 512
+#: the variables the bootstrap hands ``node.sh`` (see jobscript.node_script)
+RANK_VAR = "AIRFLOW_SKYPILOT_RANK"
+IPS_VAR = "AIRFLOW_SKYPILOT_IPS"
+
+
+@dataclass
+class Payload:
+    """The job's files as one tar.gz."""
+
+    data: bytes
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def b64(self) -> str:
+        return base64.b64encode(self.data).decode()
+
+
+def _add(tar: tarfile.TarFile, name: str, content: str | bytes, mode: int = 0o600) -> None:
+    raw = content.encode() if isinstance(content, str) else content
+    info = tarfile.TarInfo(name)
+    info.size = len(raw)
+    info.mode = mode
+    info.mtime = 0  # reproducible: the same job renders the same bytes
+    tar.addfile(info, io.BytesIO(raw))
+
+
+def _skyignore(root: str) -> list[str]:
+    patterns = [".git"]
+    path = os.path.join(root, ".skyignore")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            patterns += [ln.strip() for ln in fh if ln.strip() and not ln.startswith("#")]
+    return patterns
+
+
+def _add_tree(tar: tarfile.TarFile, local: str, arcname: str) -> None:
+    import fnmatch
+
+    patterns = _skyignore(local)
+
+    def skip(rel: str) -> bool:
+        base = os.path.basename(rel)
+        return any(fnmatch.fnmatch(rel, p.strip("/")) or fnmatch.fnmatch(base, p.strip("/"))
+                   for p in patterns)
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        rel = os.path.relpath(info.name, arcname) if info.name != arcname else "."
+        if rel != "." and skip(rel):
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
+    tar.add(local, arcname=arcname, filter=keep)
+
+
+def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
+    """``mounts.sh`` (copies file_mounts into place on the node) and the local sources to pack
+    as (local path, name in the payload). ``s3://`` sources are fetched with the AWS CLI."""
+    lines = ["#!/bin/bash", "# airflow-skypilot: put file_mounts in place (generated)", "set -e",
+             'cd "$JOB_DIR"']
+    local: list[tuple[str, str]] = []
+    for i, (dst, src) in enumerate(sorted(task.file_mounts.items())):
+        target = dst
+        if target == "~" or target.startswith("~/"):
+            target_word = '"$HOME"' + (shlex.quote(target[1:]) if len(target) > 1 else "")
+        else:
+            target_word = shlex.quote(target)
+        if isinstance(src, str) and src.startswith("s3://"):
+            quoted = shlex.quote(src)
+            lines.append(f"mkdir -p \"$(dirname {target_word})\"")
+            lines.append(f"aws s3 cp --only-show-errors {quoted} {target_word} 2>/dev/null || "
+                         f"aws s3 sync --only-show-errors {quoted} {target_word}")
+            continue
+        path = os.path.expanduser(str(src))
+        if not os.path.isabs(path) and task.base_dir:
+            path = os.path.join(task.base_dir, path)
+        name = f"mounts/{i}"
+        local.append((path, name))
+        lines.append(f"mkdir -p \"$(dirname {target_word})\"")
+        if os.path.isdir(path):
+            lines.append(f"mkdir -p {target_word} && cp -a {name}/. {target_word}/")
+        else:
+            lines.append(f"cp -a {name} {target_word}")
+    return "\n".join(lines) + "\n", local
+
+
+def render_payload(task: Task, node_env: Mapping[str, str]) -> Payload:
+    """The job's files (no secrets) as a reproducible tar.gz."""
+    buf = io.BytesIO()
+    names: list[str] = []
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=9) as tar:
+        node = jobscript.node_script(job_dir='"$JOB_DIR"', workdir='"$JOB_DIR/workdir"',
+                                     rank_var=RANK_VAR, ips_var=IPS_VAR,
+                                     has_setup=bool(task.setup), has_run=bool(task.run))
+        members = {
+            "node.sh": (node, 0o700),
+            "env.sh": (jobscript.exports(node_env), 0o600),
+            "setup.sh": (jobscript.user_script(task.setup) or "", 0o600),
+            "run.sh": (jobscript.user_script(task.run) or "", 0o600),
+        }
+        if task.file_mounts:
+            script, local = mounts_script(task)
+            members["mounts.sh"] = (script, 0o700)
+        else:
+            local = []
+        for name, (content, mode) in members.items():
+            _add(tar, name, content, mode)
+            names.append(name)
+        workdir = task.resolved_workdir()
+        if workdir:
+            _add_tree(tar, workdir, "workdir")
+            names.append("workdir/")
+        for path, name in local:
+            if os.path.isdir(path):
+                _add_tree(tar, path, name)
+            else:
+                tar.add(path, arcname=name)
+            names.append(name)
+    return Payload(buf.getvalue(), names)
+
+
+@dataclass
+class Bootstrap:
+    """Everything the bootstrap script needs to know (no secret values)."""
+
+    job_name: str
+    region: str
+    s3_job_uri: str  # s3://bucket/prefix/<job>/ (trailing slash)
+    num_nodes: int
+    spot: bool
+    tag_key: str
+    secret_params: list[str] = field(default_factory=list)  # full SSM names; basename = env var
+    payload_b64: str | None = None  # inline payload, or
+    payload_uri: str | None = None  # s3:// of the staged payload
+    log_interval: int = 10
+    spot_interval: int = 5
+    barrier_interval: int = 2
+    peer_timeout: int = 300
+
+
+_SCRIPT = r"""
+IMDS="${AWS_EC2_METADATA_SERVICE_ENDPOINT:-http://169.254.169.254}"
+: "${HOME:=/root}"
+export HOME
+JOB_DIR="$HOME/.airflow-skypilot/$JOB"
+export JOB_DIR
+mkdir -p "$JOB_DIR" && cd "$JOB_DIR" || exit 1
+rm -f "$JOB_DIR/stop"
+LOG="$JOB_DIR/node.log"
+exec >>"$LOG" 2>&1
+RANK_DIR=rank-0
+BG=()
+
+say() { printf 'airflow-skypilot: %s\n' "$*"; }
+token() { curl -sf -m 5 -X PUT "$IMDS/latest/api/token" \
+  -H "X-aws-ec2-metadata-token-ttl-seconds: 21600"; }
+md() { curl -sf -m 5 -H "X-aws-ec2-metadata-token: $TOKEN" "$IMDS/latest/meta-data/$1"; }
+mark() {  # name content: a marker object under this node's prefix
+  printf '%s\n' "$2" | aws s3 cp --only-show-errors - "$S3$RANK_DIR/$1"
+}
+sync_log() {  # ship the log if it grew (a copy: the log keeps growing while it uploads)
+  local size tmp="$LOG.up.$BASHPID" rc
+  size=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+  [ "$size" = "${SYNCED:-}" ] && return 0
+  cp "$LOG" "$tmp" && aws s3 cp --only-show-errors "$tmp" "$S3$RANK_DIR/log"
+  rc=$?
+  rm -f "$tmp"
+  [ $rc -eq 0 ] && SYNCED=$size
+  return $rc
+}
+nap() {  # sleep $1 seconds unless the job is finishing
+  local i
+  for ((i = 0; i < $1; i++)); do [ -e "$JOB_DIR/stop" ] && return 1; sleep 1; done
+}
+finish() {  # marker content: last log, then the marker, then power off
+  trap - EXIT
+  touch "$JOB_DIR/stop"
+  [ ${#BG[@]} -gt 0 ] && wait "${BG[@]}" 2>/dev/null
+  rm -f "$JOB_DIR/secrets.sh"
+  say "$1: $2"
+  sync_log || say "could not upload the log"
+  mark "$1" "$2" || say "could not write the $1 marker"
+  shutdown -h now
+  exit 0
+}
+trap 'finish bootstrap_error "the bootstrap exited unexpectedly (line $LINENO)"' EXIT
+
+TOKEN=""
+for _ in $(seq 1 30); do TOKEN=$(token) && break; sleep 1; done
+[ -n "$TOKEN" ] || finish bootstrap_error "instance metadata (IMDS) unreachable"
+RANK=$(md ami-launch-index) || finish bootstrap_error "no ami-launch-index in IMDS"
+MY_IP=$(md local-ipv4) || finish bootstrap_error "no local-ipv4 in IMDS"
+IID=$(md instance-id)
+RES=$(md reservation-id)
+RANK_DIR="rank-$RANK"
+say "job $JOB rank $RANK of $NUM_NODES on $IID ($MY_IP)"
+
+( while nap "$LOG_INTERVAL"; do sync_log; done ) &
+BG+=($!)
+if [ "$SPOT" = 1 ]; then
+  (
+    while nap "$SPOT_INTERVAL"; do
+      t=$(token) || continue
+      if notice=$(curl -sf -m 5 -H "X-aws-ec2-metadata-token: $t" \
+          "$IMDS/latest/meta-data/spot/instance-action"); then
+        say "spot interruption notice: $notice"
+        mark preempted "$notice"
+        sync_log
+        exit 0
+      fi
+    done
+  ) &
+  BG+=($!)
+fi
+
+if [ -n "$PAYLOAD_URI" ]; then
+  aws s3 cp --only-show-errors "$PAYLOAD_URI" payload.tgz \
+    || finish bootstrap_error "cannot fetch the job payload from $PAYLOAD_URI"
+else
+  payload > payload.tgz
+fi
+tar -xzf payload.tgz -C "$JOB_DIR" || finish bootstrap_error "cannot unpack the job payload"
+rm -f payload.tgz
+
+if [ ${#SECRET_PARAMS[@]} -gt 0 ]; then
+  : > "$JOB_DIR/secrets.sh"
+  for ((i = 0; i < ${#SECRET_PARAMS[@]}; i += 10)); do
+    out=$(aws ssm get-parameters --with-decryption --names "${SECRET_PARAMS[@]:i:10}" \
+          --query 'Parameters[].[Name,Value]' --output text) \
+      || finish bootstrap_error "cannot read the job's secrets from SSM Parameter Store"
+    while IFS=$'\t' read -r name b64; do
+      [ -n "$name" ] || continue
+      value=$(printf '%s' "${b64#b64:}" | base64 -d; printf x)
+      printf 'export %s=%q\n' "${name##*/}" "${value%x}" >> "$JOB_DIR/secrets.sh"
+    done <<< "$out"
+  done
+  [ "$(grep -c '^export ' "$JOB_DIR/secrets.sh")" -eq ${#SECRET_PARAMS[@]} ] \
+    || finish bootstrap_error "some of the job's secrets are missing in SSM Parameter Store"
+fi
+
+IPS=$MY_IP
+if [ "$NUM_NODES" -gt 1 ]; then
+  IPS=""
+  for _ in $(seq 1 $((PEER_TIMEOUT / 5 + 1))); do
+    IPS=$(aws ec2 describe-instances \
+      --filters "Name=tag:$TAG_KEY,Values=$JOB" "Name=instance-state-name,Values=pending,running" \
+      --query "Reservations[?ReservationId=='$RES'].Instances[].[AmiLaunchIndex,PrivateIpAddress]" \
+      --output text | sort -n | awk '$2 != "None" && $2 != "" {print $2}')
+    [ "$(printf '%s\n' "$IPS" | grep -c .)" -eq "$NUM_NODES" ] && break
+    IPS=""
+    sleep 5
+  done
+  [ -n "$IPS" ] \
+    || finish bootstrap_error "cannot list the job's $NUM_NODES nodes (ec2:DescribeInstances)"
+fi
+export AIRFLOW_SKYPILOT_RANK="$RANK" AIRFLOW_SKYPILOT_IPS="$IPS"
+
+if [ -x "$JOB_DIR/mounts.sh" ]; then
+  bash "$JOB_DIR/mounts.sh" || finish bootstrap_error "file_mounts failed"
+fi
+
+say "setup"
+bash "$JOB_DIR/node.sh" setup
+rc=$?
+[ $rc -eq 0 ] || { say "setup failed with exit code $rc; run skipped"; finish exit_code "$rc"; }
+
+if [ "$NUM_NODES" -gt 1 ]; then
+  mark setup_done 0 || finish bootstrap_error "cannot write to $S3"
+  while :; do
+    if listing=$(aws s3 ls --recursive "$S3"); then
+      [ "$(grep -c '/setup_done$' <<< "$listing")" -ge "$NUM_NODES" ] && break
+      if grep -Eq '/rank-[0-9]+/(exit_code|bootstrap_error)$' <<< "$listing"; then
+        finish aborted "another node failed before run; run not started"
+      fi
+    fi
+    sleep "$BARRIER_INTERVAL"
+  done
+fi
+
+say "run"
+bash "$JOB_DIR/node.sh" run
+rc=$?
+finish exit_code "$rc"
+"""
+
+
+def render_user_data(boot: Bootstrap) -> str:
+    """The bootstrap script (see the module docstring), with the payload inline if given."""
+    q = shlex.quote
+    head = [
+        "#!/bin/bash",
+        f"# airflow-skypilot: one node of job {boot.job_name} (generated). It runs the job's",
+        "# setup and run from the payload below, ships the log and exit code to S3 and powers",
+        "# the instance off. No secret is in this script: they are read from SSM.",
+        "set -u",
+        "umask 077",
+        f"export AWS_DEFAULT_REGION={q(boot.region)} AWS_REGION={q(boot.region)}",
+        f"JOB={q(boot.job_name)}",
+        f"S3={q(boot.s3_job_uri)}",
+        f"NUM_NODES={int(boot.num_nodes)}",
+        f"SPOT={1 if boot.spot else 0}",
+        f"TAG_KEY={q(boot.tag_key)}",
+        f"LOG_INTERVAL={int(boot.log_interval)}",
+        f"SPOT_INTERVAL={int(boot.spot_interval)}",
+        f"BARRIER_INTERVAL={int(boot.barrier_interval)}",
+        f"PEER_TIMEOUT={int(boot.peer_timeout)}",
+        f"SECRET_PARAMS=({' '.join(q(p) for p in boot.secret_params)})",
+        f"PAYLOAD_URI={q(boot.payload_uri or '')}",
+    ]
+    if boot.payload_b64:
+        head += ["payload() {", "  base64 -d <<'AIRFLOW_SKYPILOT_PAYLOAD'",
+                 *_wrap(boot.payload_b64), "AIRFLOW_SKYPILOT_PAYLOAD", "}"]
+    else:
+        head += ["payload() { return 1; }"]
+    return "\n".join(head) + _SCRIPT
+
+
+def _wrap(text: str, width: int = 76) -> Iterable[str]:
+    for i in range(0, len(text), width):
+        yield text[i:i + width]
+
+
+def user_data_size(text: str) -> int:
+    return len(text.encode())
+
+
+__all__ = ["Bootstrap", "Payload", "render_payload", "render_user_data", "USER_DATA_LIMIT",
+           "USER_DATA_BUDGET"]

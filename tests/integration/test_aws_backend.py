@@ -1,0 +1,451 @@
+"""The AWS backend against the AWS sandbox (tests/sandbox/aws): moto over HTTP, instances whose
+user-data really runs (with the real AWS CLI inside), spot interruptions, capacity faults and
+the Service Quotas stub. Every test leaves no instance running (checked after each test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+
+from airflow_skypilot import placement
+from airflow_skypilot.backends.aws import AwsBackend
+from airflow_skypilot.backends.base import JobState
+from airflow_skypilot.cli import main as cli
+from airflow_skypilot.exceptions import SubmissionError
+from airflow_skypilot.spec import load_task
+from tests.conftest import use_connections
+from tests.sandbox.aws.config import ACCESS_KEY_ID, BUCKET, SECRET_ACCESS_KEY
+
+pytestmark = pytest.mark.sandbox
+
+CONN = "aws_sandbox"
+DONE = {JobState.SUCCEEDED, JobState.FAILED, JobState.PREEMPTED, JobState.INFRA_FAILED,
+        JobState.CANCELLED, JobState.LOST}
+TRICKY = {
+    "SPACES": "a b  c",
+    "QUOTES": "it's \"quoted\" `back`",
+    "SUBST": "$(touch /tmp/airflow-skypilot-aws-pwned) ${HOME} $HOME",
+    "NEWLINES": "line1\nline2\n\nline4",
+    "UNICODE": "naïve ☃",
+}
+
+
+@pytest.fixture
+def box(aws, monkeypatch):
+    """The sandbox with short log/spot intervals; after the test: nothing left running."""
+    conn = aws.connections()[CONN]
+    conn["extra"] = {**conn["extra"], "log_interval": 1, "spot_check_interval": 1}
+    use_connections(monkeypatch, {CONN: conn})
+    yield aws
+    deadline = time.monotonic() + 15  # the runner kills a terminated instance's processes
+    while aws.running_instances() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert aws.running_instances() == []
+
+
+def _client(box, service: str, region: str = "us-east-1"):
+    return boto3.session.Session().client(
+        service, region_name=region, endpoint_url=box.endpoint_url(),
+        aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key=SECRET_ACCESS_KEY)
+
+
+def _name(prefix: str) -> str:
+    return f"sky-{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _offer(backend, task, location=None):
+    offers = [o for o in backend.probe(task) if o.fits]
+    if location:
+        offers = [o for o in offers if o.location == location]
+    assert offers, "no fitting offer"
+    return placement.rank(offers).chosen
+
+
+def _wait(backend, handle, states=DONE, timeout=90.0):
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline:
+        status = backend.status([handle])[handle.job_id]
+        if status.state in states:
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"{handle.job_id} still {status} after {timeout}s")
+
+
+def _instances(box, job_name: str, region: str = "us-east-1") -> list[dict]:
+    ec2 = _client(box, "ec2", region)
+    pages = ec2.describe_instances(
+        Filters=[{"Name": "tag:skypilot-airflow:job-name", "Values": [job_name]}])
+    return sorted((i for r in pages["Reservations"] for i in r["Instances"]),
+                  key=lambda i: i["AmiLaunchIndex"])
+
+
+def _s3_text(box, key: str) -> str:
+    return _client(box, "s3").get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+
+
+# --- placement -----------------------------------------------------------------------------
+
+
+def test_offers_and_prices_from_the_moto_catalogue(box):
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "true", "resources": {"accelerators": "A10G:1"}})
+    offers = {o.location: o for o in backend.probe(task)}
+    expected = set()
+    for region in ("us-east-1", "us-west-2"):
+        listed = _client(box, "ec2", region).describe_instance_type_offerings(
+            LocationType="availability-zone",
+            Filters=[{"Name": "instance-type", "Values": ["g5.xlarge"]}])
+        expected |= {f"{region}/{o['Location']}" for o in listed["InstanceTypeOfferings"]}
+    assert set(offers) == expected and "us-east-1/us-east-1b" in expected
+    on_demand = offers["us-east-1/us-east-1b"]
+    assert on_demand.fits and on_demand.free_now and on_demand.instance_type == "g5.xlarge"
+    assert on_demand.price_per_hour == 1.006 and not on_demand.spot
+    assert on_demand.infra == "aws/us-east-1/us-east-1b"
+    assert on_demand.nodes_free == 64 and on_demand.gpus_free == 64  # 256 vCPUs / 4
+    assert on_demand.details["quota_code"] == "L-DB2E81BA"
+
+    spot_task = load_task({"run": "true", "resources": {"accelerators": "A10G:1",
+                                                        "use_spot": True}})
+    spot = {o.location: o for o in backend.probe(spot_task)}["us-east-1/us-east-1b"]
+    assert spot.fits and spot.spot and spot.price_per_hour == pytest.approx(0.00001)
+    assert spot.details["on_demand_price"] == 1.006
+    assert spot.details["quota_code"] == "L-3819A6DF"
+    plan = placement.rank([on_demand, spot], "cheapest")
+    assert plan.chosen is spot
+
+    two = load_task({"num_nodes": 2, "run": "true", "resources": {"accelerators": "A100:8"}})
+    p4d = {o.location: o for o in backend.probe(two)}["us-east-1/us-east-1a"]
+    assert p4d.instance_type == "p4d.24xlarge" and p4d.price_per_hour == pytest.approx(2 * 21.96)
+
+    never = load_task({"run": "true", "resources": {"accelerators": "A100:16"}})
+    reasons = {o.reason for o in backend.probe(never)}
+    assert reasons == {"no EC2 instance type has 16 x A100 (at most 8)"}
+    h200 = load_task({"run": "true", "resources": {"instance_type": "p5e.48xlarge"}})
+    by_loc = {o.location: o for o in backend.probe(h200)}
+    assert not by_loc["us-east-1"].fits
+    assert by_loc["us-east-1"].reason == "p5e.48xlarge not offered in us-east-1"
+    assert by_loc["us-west-2/us-west-2c"].fits
+
+
+def test_quota_limits_what_can_start(box):
+    box.set_quota("L-DB2E81BA", 8)  # G and VT on-demand: 8 vCPUs = two g5.xlarge
+    backend = AwsBackend(CONN)
+    two = load_task({"num_nodes": 2, "run": "true", "resources": {
+        "accelerators": "A10G:1", "infra": "aws/us-east-1/us-east-1a"}})
+    (offer,) = backend.probe(two)
+    assert offer.fits and offer.free_now and offer.nodes_free == 2 and offer.nodes_total == 2
+    three = load_task({"num_nodes": 3, "run": "true", "resources": {
+        "accelerators": "A10G:1", "infra": "aws/us-east-1/us-east-1a"}})
+    (offer,) = AwsBackend(CONN).probe(three)
+    assert not offer.fits
+    assert offer.reason == ("needs 12 vCPUs of the G and VT on-demand quota (L-DB2E81BA); the "
+                            "quota is 8")
+    # Someone else's g5.xlarge takes 4 of the 8 vCPUs: one more fits now, not two.
+    ec2 = _client(box, "ec2")
+    iid = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="g5.xlarge", MinCount=1,
+                            MaxCount=1)["Instances"][0]["InstanceId"]
+    try:
+        fresh = AwsBackend(CONN)
+        (offer,) = fresh.probe(two)
+        assert offer.fits and not offer.free_now and offer.nodes_free == 1
+        assert "needs 8 vCPUs of the G and VT on-demand quota (L-DB2E81BA), 4 of 8 left" \
+            in offer.reason
+        with pytest.raises(SubmissionError) as refused:
+            fresh.submit(two, offer, _name("quota"), {})
+        assert refused.value.retry_elsewhere and "4 of 8 left" in str(refused.value)
+        assert _instances(box, "none") == []
+    finally:
+        ec2.terminate_instances(InstanceIds=[iid])
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+def test_job_runs_and_its_exit_code_and_log_come_back(box):
+    backend = AwsBackend(CONN)
+    task = load_task({
+        "resources": {"accelerators": "A10G:1"},
+        "envs": TRICKY,
+        "setup": 'echo "setup rank=$SKYPILOT_SETUP_NODE_RANK"',
+        "run": 'echo "rank=$SKYPILOT_NODE_RANK nodes=$SKYPILOT_NUM_NODES '
+               'gpus=$SKYPILOT_NUM_GPUS_PER_NODE task=$SKYPILOT_TASK_ID ips=$SKYPILOT_NODE_IPS"\n'
+               "python3 -c \"import json, os; print('ENV=' + json.dumps({k: os.environ[k] for k "
+               f"in {sorted(TRICKY)!r}}}))\"\n"
+               'echo "cluster=$SKYPILOT_CLUSTER_INFO"',
+    })
+    name = _name("run")
+    handle = backend.submit(task, _offer(backend, task), name, {"SKYPILOT_TASK_ID": "sky-t1"})
+    assert not handle.adopted and handle.job_id == name
+    assert json.loads(json.dumps(handle.to_dict())) == handle.to_dict()  # JSON-serialisable
+    status = _wait(backend, handle)
+    text, offset = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED and status.exit_code == 0, text
+    ip = _instances(box, name)[0]["PrivateIpAddress"]
+    assert f"rank=0 nodes=1 gpus=1 task=sky-t1 ips={ip}" in text
+    assert "setup rank=0" in text and '"cloud": "AWS"' in text
+    env_line = next(ln for ln in text.splitlines() if ln.startswith("ENV="))
+    assert json.loads(env_line[4:]) == TRICKY
+    assert not Path("/tmp/airflow-skypilot-aws-pwned").exists()
+    assert _s3_text(box, f"jobs/{name}/rank-0/exit_code").strip() == "0"
+    # Offsets: nothing new after the end; a later offset gives the rest.
+    assert backend.read_log(handle, offset) == ("", offset)
+    tail, end = backend.read_log(handle, 10)
+    assert tail == text.encode()[10:].decode() and end == offset
+    assert asyncio.run(_read_async(backend, handle, 10)) == (tail, end)
+    backend.cleanup(handle)
+    assert all(i["State"]["Name"] == "terminated" for i in _instances(box, name))
+
+
+async def _read_async(backend, handle, offset):
+    try:
+        return await backend.read_log_async(handle, offset)
+    finally:
+        await backend.aclose()
+
+
+def test_two_node_job_gets_ranks_and_both_ips(box):
+    backend = AwsBackend(CONN)
+    task = load_task({
+        "num_nodes": 2,
+        "resources": {"accelerators": "A10G:1"},
+        "setup": 'echo "setup rank=$SKYPILOT_SETUP_NODE_RANK"',
+        "run": 'echo "rank=$SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES '
+               'ips=$(echo $SKYPILOT_NODE_IPS | tr " " ,)"',
+    })
+    name = _name("two")
+    handle = backend.submit(task, _offer(backend, task), name, {"SKYPILOT_TASK_ID": "t2"})
+    status = _wait(backend, handle, timeout=120)
+    text, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, text
+    insts = _instances(box, name)
+    assert [i["AmiLaunchIndex"] for i in insts] == [0, 1]
+    ips = ",".join(i["PrivateIpAddress"] for i in insts)
+    assert handle.extra["instance_ids"] == [i["InstanceId"] for i in insts]
+    assert f"rank=0 of 2 ips={ips}" in text and "setup rank=0" in text
+    rank1 = _s3_text(box, f"jobs/{name}/rank-1/log")
+    assert f"rank=1 of 2 ips={ips}" in rank1 and "setup rank=1" in rank1
+    assert sorted(status.nodes) == sorted(ips.split(","))
+    backend.cleanup(handle)
+
+
+def test_exit_code_3_is_a_user_failure(box):
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "echo failing; exit 3", "resources": {"cpus": "2+"}})
+    handle = backend.submit(task, _offer(backend, task), _name("fail"), {})
+    assert handle.extra["instance_type"] == "m6i.large"
+    status = _wait(backend, handle)
+    assert status.state == JobState.FAILED and status.exit_code == 3
+    assert status.reason == "exit code 3" and not status.state.infra_failure
+    assert "failing" in backend.read_log(handle)[0]
+    backend.cleanup(handle)
+
+
+def test_capacity_error_in_one_az_moves_to_the_next(box):
+    box.fail_capacity("g5.xlarge", "us-east-1a")
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "echo ok", "resources": {"accelerators": "A10G:1"},
+                      "secrets": {"TOKEN": "t"}})
+    offer = _offer(backend, task, location="us-east-1/us-east-1a")
+    box.reset_requests()
+    started = time.monotonic()
+    handle = backend.submit(task, offer, _name("ice"), {})
+    assert time.monotonic() - started < 15  # no long botocore retry of the HTTP 500
+    assert handle.location == "us-east-1/us-east-1b" and handle.extra["az"] == "us-east-1b"
+    runs = [r for r in box.requests() if r["action"] == "RunInstances" and r["caller"] == "client"]
+    assert sum(r["count"] for r in runs) == 2 and sum(r["errors"] for r in runs) == 1
+    assert _wait(backend, handle).state == JobState.SUCCEEDED
+    backend.cleanup(handle)
+
+    box.fail_capacity("g5.xlarge", "*")
+    name = _name("ice-all")
+    other = AwsBackend(CONN)
+    with pytest.raises(SubmissionError) as refused:
+        other.submit(task, offer, name, {})
+    text = str(refused.value)
+    assert refused.value.retry_elsewhere
+    for az in ("us-east-1a", "us-east-1b", "us-east-1c", "us-east-1d", "us-east-1f"):
+        assert f"{az}: InsufficientInstanceCapacity" in text
+    ssm = _client(box, "ssm")
+    assert ssm.get_parameters_by_path(Path=f"/airflow-skypilot/{name}")["Parameters"] == []
+    # The same backend (the operator's, for its next offer) skips the AZs refused just now.
+    box.reset_requests()
+    with pytest.raises(SubmissionError, match="refused g5.xlarge in every AZ"):
+        other.submit(task, offer, _name("ice-again"), {})
+    assert not [r for r in box.requests() if r["action"] == "RunInstances"]
+    box.clear_faults()
+
+
+def test_spot_interruption_is_preempted(box):
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "echo started; sleep 120",
+                      "resources": {"accelerators": "A10G:1", "use_spot": True}})
+    offer = _offer(backend, task)
+    assert offer.spot
+    handle = backend.submit(task, offer, _name("spot"), {})
+    (inst,) = _instances(box, handle.job_name)
+    assert inst["InstanceLifecycle"] == "spot"
+    _wait(backend, handle, {JobState.RUNNING})
+    deadline = time.monotonic() + 30
+    while "started" not in backend.read_log(handle)[0] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    box.interrupt_spot(inst["InstanceId"], notice_seconds=3)
+    status = _wait(backend, handle, timeout=30)
+    assert status.state == JobState.PREEMPTED and status.state.infra_failure
+    assert "spot" in status.reason
+    backend.cancel(handle)  # the operator cancels on infra failure
+    final = _wait(backend, handle, DONE, timeout=30)
+    assert final.state.infra_failure
+    assert _instances(box, handle.job_name)[0]["State"]["Name"] == "terminated"
+
+
+def test_cancel_terminates_and_is_safe_twice(box):
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "sleep 300", "resources": {"accelerators": "A10G:1"},
+                      "secrets": {"TOKEN": "x"}})
+    handle = backend.submit(task, _offer(backend, task), _name("cancel"), {})
+    _wait(backend, handle, {JobState.RUNNING})
+    backend.cancel(handle)
+    assert [i["State"]["Name"] for i in _instances(box, handle.job_name)] == ["terminated"]
+    status = backend.status([handle])[handle.job_id]
+    assert status.state == JobState.CANCELLED
+    backend.cancel(handle)
+    backend.cleanup(handle)
+    ssm = _client(box, "ssm")
+    path = f"/airflow-skypilot/{handle.job_name}"
+    assert ssm.get_parameters_by_path(Path=path)["Parameters"] == []
+
+
+def test_submit_twice_with_one_name_launches_once(box):
+    backend = AwsBackend(CONN)
+    task = load_task({"num_nodes": 2, "run": "sleep 300",
+                      "resources": {"accelerators": "A10G:1"}})
+    offer = _offer(backend, task)
+    name = _name("twice")
+    first = backend.submit(task, offer, name, {})
+    again = AwsBackend(CONN).submit(task, offer, name, {})  # a restarted worker
+    assert again.adopted and not first.adopted
+    assert again.extra["instance_ids"] == first.extra["instance_ids"]
+    assert len(_instances(box, name)) == 2
+    found = AwsBackend(CONN).find(name)
+    assert found is not None and found.adopted and found.location == first.location
+    assert AwsBackend(CONN).find(_name("never")) is None
+    backend.cancel(again)
+    assert {i["State"]["Name"] for i in _instances(box, name)} == {"terminated"}
+
+
+def test_secrets_reach_the_job_but_not_user_data_and_are_deleted(box):
+    secret = "hf_SECRET value with 'quotes' and $(cmd)\nand a second line"
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    backend = AwsBackend(CONN)
+    task = load_task({"run": 'printf %s "$HF_TOKEN" | sha256sum; sleep 3',
+                      "resources": {"accelerators": "A10G:1"}, "secrets": {"HF_TOKEN": secret}})
+    handle = backend.submit(task, _offer(backend, task), _name("secret"), {})
+    ssm = _client(box, "ssm")
+    path = f"/airflow-skypilot/{handle.job_name}"
+    params = ssm.get_parameters_by_path(Path=path)["Parameters"]
+    assert [(p["Name"], p["Type"]) for p in params] == [(f"{path}/HF_TOKEN", "SecureString")]
+    (inst,) = _instances(box, handle.job_name)
+    raw = _client(box, "ec2").describe_instance_attribute(
+        InstanceId=inst["InstanceId"], Attribute="userData")["UserData"]["Value"]
+    user_data = base64.b64decode(raw)
+    assert secret.encode() not in user_data
+    assert base64.b64encode(secret.encode()) not in user_data
+    assert b"HF_TOKEN" in user_data  # the parameter's name, to fetch it
+    status = _wait(backend, handle)
+    assert status.state == JobState.SUCCEEDED
+    assert digest in backend.read_log(handle)[0]
+    backend.cleanup(handle)
+    assert ssm.get_parameters_by_path(Path=path)["Parameters"] == []
+    rows = {(r["service"], r["action"], r["caller"]) for r in box.requests()}
+    assert ("ssm", "GetParameters", f"instance:{inst['InstanceId']}") in rows
+
+
+def test_large_workdir_is_staged_in_s3(box, tmp_path):
+    (tmp_path / "data.bin").write_bytes(os.urandom(40_000))  # does not compress under 16 KB
+    digest = hashlib.sha256((tmp_path / "data.bin").read_bytes()).hexdigest()
+    (tmp_path / "task.yaml").write_text(
+        "resources:\n  accelerators: A10G:1\nworkdir: .\nrun: sha256sum data.bin\n")
+    task = load_task(str(tmp_path / "task.yaml"))
+    backend = AwsBackend(CONN)
+    handle = backend.submit(task, _offer(backend, task), _name("big"), {})
+    assert handle.extra["payload_staged"]
+    assert _wait(backend, handle).state == JobState.SUCCEEDED
+    assert digest in backend.read_log(handle)[0]
+    backend.cleanup(handle)
+    keys = [o["Key"] for o in _client(box, "s3").list_objects_v2(
+        Bucket=BUCKET, Prefix=f"jobs/{handle.job_name}/").get("Contents", [])]
+    assert f"jobs/{handle.job_name}/payload.tgz" not in keys
+    assert f"jobs/{handle.job_name}/rank-0/log" in keys
+
+
+def test_polling_is_batched_one_describe_per_region(box):
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "sleep 300", "resources": {"accelerators": "A10G:1"}})
+    offer = _offer(backend, task)
+    handles = [backend.submit(task, offer, _name(f"batch{i}"), {}) for i in range(3)]
+    for h in handles:
+        _wait(backend, h, {JobState.RUNNING})
+
+    async def polls(n):
+        poller = AwsBackend(CONN)
+        try:
+            return [await poller.poll(handles) for _ in range(n)]
+        finally:
+            await poller.aclose()
+
+    box.reset_requests()
+    results = asyncio.run(polls(2))
+    for statuses in results:
+        assert {s.state for s in statuses.values()} == {JobState.RUNNING}
+        assert set(statuses) == {h.job_id for h in handles}
+    mine = [r for r in box.requests() if r["caller"] == "client"]
+    describes = [r for r in mine if r["action"] == "DescribeInstances"]
+    assert [(r["region"], r["count"]) for r in describes] == [("us-east-1", 2)]
+    lists = sum(r["count"] for r in mine if r["action"] == "ListObjectsV2")
+    assert lists <= 2 * len(handles)
+    for h in handles:
+        backend.cancel(h)
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+
+def _json_out(text: str):
+    """The CLI's JSON. Airflow's default logging writes to stdout too (the amazon provider logs
+    one info line per client it creates), so skip any log line before the JSON document."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line in ("[", "{", "[]", "{}"))
+    return json.loads("\n".join(lines[start:]))
+
+
+def test_cli_show_gpus_and_plan(box, tmp_path, capsys):
+    assert cli(["show-gpus", "--conn", CONN, "--json"]) == 0
+    rows = _json_out(capsys.readouterr().out)
+    by_key = {(r["location"], r["accelerator"]): r for r in rows}
+    a10g = by_key[("us-east-1/us-east-1a", "A10G")]
+    assert a10g["connection"] == CONN and a10g["total"] is None and a10g["pending"] is None
+    assert a10g["free"] == 64 and a10g["price_per_hour"] == 1.006
+    assert a10g["details"]["instance_type"] == "g5.xlarge"
+    assert "on-demand" in a10g["details"]["price_basis"]
+    assert by_key[("us-east-1/us-east-1a", "A100")]["price_per_hour"] == 21.96
+    assert all(r.get("error") is None for r in rows)
+
+    path = tmp_path / "task.yaml"
+    path.write_text("resources:\n  accelerators: A10G:1\n  use_spot: true\nrun: echo hi\n")
+    assert cli(["plan", str(path), "--conn", CONN, "--json", "--policy", "cheapest"]) == 0
+    plan = _json_out(capsys.readouterr().out)
+    chosen = plan["chosen"]
+    assert chosen["connection"] == CONN and chosen["spot"] is True
+    assert chosen["instance_type"] == "g5.xlarge" and chosen["price_per_hour"] > 0
+    assert any(r["verdict"] == "chosen" and r["price"] for r in plan["rows"])

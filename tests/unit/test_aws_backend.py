@@ -1,0 +1,670 @@
+"""The AWS backend's pure parts: user-data, instance type choice, quotas, prices, status map.
+
+The bootstrap script is run for real here, with bash, against stub ``curl`` (IMDS), ``aws``
+(S3 into a directory, SSM from files) and ``shutdown`` commands: the sandbox tests run it
+against moto and the real AWS CLI.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shlex
+import stat
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_skypilot.backends import _aws_userdata as ud
+from airflow_skypilot.backends import jobscript
+from airflow_skypilot.backends.aws import (
+    AwsBackend,
+    AwsSettings,
+    InstanceView,
+    Markers,
+    QuotaView,
+    RegionState,
+    _decode_log,
+    build_markers,
+    judge,
+    marker_keys,
+    parse_instance_types,
+    price_catalog,
+    quota_class,
+    suitable_types,
+    vcpus_in_use,
+)
+from airflow_skypilot.backends.base import JobState
+from airflow_skypilot.spec import load_task
+
+TRICKY = {
+    "SPACES": "a b  c",
+    "QUOTES": "it's \"quoted\" `back`",
+    "SUBST": "$(touch /tmp/airflow-skypilot-aws-pwned) ${HOME} $HOME",
+    "NEWLINES": "line1\nline2\n\nline4\n",
+    "BACKSLASH": "a\\nb\\\\c",
+    "UNICODE": "naïve ☃",
+    "TABS": "a\tb",
+}
+
+
+# --- canned DescribeInstanceTypes data (shapes as EC2 returns them) -------------------------
+
+
+def _type(name: str, vcpus: int, mem_gib: float, gpu: tuple[str, int, int] | None = None,
+          arch: str = "x86_64") -> dict:
+    out = {"InstanceType": name, "VCpuInfo": {"DefaultVCpus": vcpus},
+           "MemoryInfo": {"SizeInMiB": int(mem_gib * 1024)},
+           "ProcessorInfo": {"SupportedArchitectures": [arch]}}
+    if gpu:
+        label, count, mem_mib = gpu
+        out["GpuInfo"] = {"Gpus": [{"Name": label, "Manufacturer": "NVIDIA", "Count": count,
+                                    "MemoryInfo": {"SizeInMiB": mem_mib}}]}
+    return out
+
+
+CANNED = [
+    _type("g5.xlarge", 4, 16, ("A10G", 1, 22888)),
+    _type("g5.2xlarge", 8, 32, ("A10G", 1, 22888)),
+    _type("g5.4xlarge", 16, 64, ("A10G", 1, 22888)),
+    _type("g5.12xlarge", 48, 192, ("A10G", 4, 22888)),
+    _type("g5.48xlarge", 192, 768, ("A10G", 8, 22888)),
+    _type("g6.xlarge", 4, 16, ("L4", 1, 22888)),
+    _type("g6f.large", 2, 8, ("L4", 0, 2861)),
+    _type("g6f.4xlarge", 16, 64, ("L4", 0, 11444)),
+    _type("p4d.24xlarge", 96, 1152, ("A100", 8, 40960)),
+    _type("p4de.24xlarge", 96, 1152, ("A100", 8, 81920)),
+    _type("p3dn.24xlarge", 96, 768, ("V100", 8, 32768)),
+    _type("g5g.xlarge", 4, 8, ("T4g", 1, 16384), arch="arm64"),
+    _type("m6i.large", 2, 8),
+    _type("m6i.xlarge", 4, 16),
+    _type("m6i.2xlarge", 8, 32),
+    _type("m6i.4xlarge", 16, 64),
+    _type("m6i.metal", 128, 512),
+    _type("c6i.xlarge", 4, 8),
+]
+CATALOG = parse_instance_types(CANNED)
+
+
+def _req(**resources):
+    return load_task({"run": "true", "resources": resources}).candidates[0]
+
+
+def _price(name: str) -> float | None:
+    return price_catalog().prices.get(name)
+
+
+def _choose(**resources):
+    types, why = suitable_types(CATALOG, _req(**resources), price_of=_price)
+    return [t.name for t in types], why
+
+
+def test_gpu_names_from_ec2_gpuinfo():
+    assert CATALOG["p4d.24xlarge"].gpu == "A100"
+    assert CATALOG["p4de.24xlarge"].gpu == "A100-80GB"
+    assert CATALOG["p3dn.24xlarge"].gpu == "V100-32GB"
+    assert CATALOG["g5.xlarge"].gpu == "A10G" and CATALOG["g5.xlarge"].gpu_memory_gb == 22.4
+    assert CATALOG["g6f.large"].gpus == 0.125 and CATALOG["g6f.4xlarge"].gpus == 0.5
+    assert CATALOG["m6i.large"].gpu is None and CATALOG["g5g.xlarge"].arch == "arm64"
+
+
+@pytest.mark.parametrize("resources, first, why", [
+    ({"accelerators": "A10G:1"}, "g5.xlarge", ""),
+    ({"accelerators": "A10G:2"}, "g5.12xlarge", ""),  # at least 2: the 4-GPU type
+    ({"accelerators": "A10G:1", "cpus": "16+"}, "g5.4xlarge", ""),
+    ({"accelerators": "A10G:1", "cpus": "8"}, "g5.2xlarge", ""),  # exactly 8 vCPUs
+    ({"accelerators": "A100:8"}, "p4d.24xlarge", ""),
+    ({"accelerators": "A100-80GB:8"}, "p4de.24xlarge", ""),
+    ({"accelerators": "L4:0.5"}, "g6f.4xlarge", ""),
+    ({"accelerators": "L4:1"}, "g6.xlarge", ""),
+    ({"accelerators": "A100:16"}, None, "no EC2 instance type has 16 x A100 (at most 8)"),
+    ({"accelerators": "H100:8"}, None, "no EC2 instance type has H100"),
+    ({"accelerators": "A10G:1", "memory": "1000+"}, None,
+     "no EC2 instance type with 1 x A10G has at least 1000 GB of memory"),
+    ({}, "m6i.2xlarge", ""),  # SkyPilot's default: 8+ vCPUs
+    ({"cpus": 4, "memory": 16}, "m6i.xlarge", ""),
+    ({"cpus": "2+"}, "m6i.large", ""),
+    ({"cpus": 200}, None, "no m6i instance type has 200 CPUs"),
+    ({"instance_type": "c6i.xlarge"}, "c6i.xlarge", ""),
+    ({"instance_type": "g5.xlarge", "accelerators": "A100:1"}, None,
+     "g5.xlarge has 1 x A10G, not A100"),
+    ({"instance_type": "x9.huge"}, None, "unknown EC2 instance type x9.huge"),
+])
+def test_instance_type_choice(resources, first, why):
+    names, reason = _choose(**resources)
+    if first is None:
+        assert names == [] and reason.startswith(why), reason
+    else:
+        assert names[0] == first and reason == "", (names, reason)
+
+
+def test_cheaper_type_first_among_same_gpu_count():
+    names, _ = _choose(accelerators="A10G:1")
+    assert names[:3] == ["g5.xlarge", "g5.2xlarge", "g5.4xlarge"]
+    assert "g5.12xlarge" not in names[:3]
+
+
+# --- quotas ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("itype, cls", [
+    ("g5.xlarge", "g"), ("g6e.48xlarge", "g"), ("gr6.4xlarge", "g"), ("vt1.3xlarge", "g"),
+    ("p4d.24xlarge", "p"), ("p6-b200.48xlarge", "p"), ("m6i.large", "standard"),
+    ("c7g.xlarge", "standard"), ("t3.micro", "standard"), ("inf2.xlarge", None),
+    ("trn1.32xlarge", None), ("x2idn.16xlarge", None), ("dl1.24xlarge", None),
+    ("f1.2xlarge", None),
+])
+def test_quota_class(itype, cls):
+    assert quota_class(itype) == cls
+
+
+def test_quota_arithmetic():
+    running = [
+        {"InstanceType": "p4d.24xlarge", "State": {"Name": "running"}},
+        {"InstanceType": "g5.xlarge", "State": {"Name": "pending"}},
+        {"InstanceType": "g5.xlarge", "State": {"Name": "running"},
+         "InstanceLifecycle": "spot"},
+        {"InstanceType": "g5.xlarge", "State": {"Name": "terminated"}},  # not counted
+        {"InstanceType": "m6i.large", "State": {"Name": "running"},
+         "CpuOptions": {"CoreCount": 1, "ThreadsPerCore": 2}},
+    ]
+    used = vcpus_in_use(running, lambda t: CATALOG[t].vcpus)
+    assert used == {("p", False): 96, ("g", False): 4, ("g", True): 4, ("standard", False): 2}
+    p = QuotaView("p", False, "L-417A185B", limit=128, used=used[("p", False)])
+    assert p.room == 32 and p.nodes(96) == (0, 1)
+    assert p.describe(192) == ("needs 192 vCPUs of the P on-demand quota (L-417A185B), "
+                               "32 of 128 left")
+    g = QuotaView("g", True, "L-3819A6DF", limit=64, used=4)
+    assert g.nodes(4) == (15, 16) and g.label == "G and VT spot"
+    assert QuotaView("g", False, None, limit=None).nodes(4) == (None, None)
+
+
+# --- prices ---------------------------------------------------------------------------------
+
+
+def test_price_catalog_names_its_source_and_date():
+    catalog = price_catalog()
+    assert "aws.amazon.com/ec2/pricing" in catalog.source
+    assert time.strptime(catalog.as_of, "%Y-%m-%d")
+    assert catalog.prices["g5.xlarge"] == 1.006 and catalog.prices["m6i.2xlarge"] == 0.384
+    assert all(p > 0 for p in catalog.prices.values())
+    price, source = catalog.price("us-east-1", "p4d.24xlarge")
+    assert price and catalog.as_of in source
+    price, source = catalog.price("eu-west-1", "g5.xlarge")
+    assert price == 1.006 and "may differ" in source
+    assert catalog.price("us-east-1", "p6-b300.48xlarge")[0] is None
+    # The file ships with the package (pyproject package-data has **/*.json).
+    data = Path(__file__).resolve().parents[2] / "airflow_skypilot/backends/data/aws_prices.json"
+    raw = json.loads(data.read_text())
+    assert {"source", "as_of", "prices", "regions"} <= set(raw)
+
+
+def test_price_override_and_estimate():
+    backend = AwsBackend("x", settings=AwsSettings(regions=["us-east-1"],
+                                                   prices={"g5.xlarge": 0.5}))
+    assert backend.on_demand_price("us-east-1", CATALOG["g5.xlarge"])[0] == 0.5
+    catalog = dict(CATALOG)
+    odd = parse_instance_types([_type("g5.96xlarge", 384, 1536, ("A10G", 16, 22888))])
+    catalog.update(odd)
+    price, source = backend.on_demand_price("us-east-1", odd["g5.96xlarge"], catalog)
+    assert source.startswith("estimated") and "not in the shipped catalog" in source
+    assert price == pytest.approx(16 * 1.006)  # the cheapest A10G per GPU, times 16
+    unknown = parse_instance_types([_type("zz1.large", 2, 4, ("Nope", 1, 1024))])["zz1.large"]
+    assert backend.on_demand_price("us-east-1", unknown, {**catalog, "zz1.large": unknown})[0] \
+        is None
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+def test_settings_from_extras():
+    s = AwsSettings.from_extra({
+        "region_name": "eu-west-1", "s3_bucket": "b", "s3_prefix": "/x/y",
+        "subnet_id": {"eu-west-1": "subnet-1,subnet-2", "default": ["subnet-9"]},
+        "security_group_ids": "sg-1", "ami_id": {"eu-west-1": "ami-1"},
+        "instance_profile": "role", "max_price_per_hour": "12.5", "boot_seconds": 90,
+        "ssm_prefix": "secrets/sky/",
+    })
+    assert s.regions == ["eu-west-1"] and s.s3_prefix == "x/y/"
+    assert s.pick(s.subnet_id, "eu-west-1") == ["subnet-1", "subnet-2"]
+    assert s.pick(s.subnet_id, "us-east-1") == ["subnet-9"]
+    assert s.pick(s.security_group_ids, "anywhere") == ["sg-1"]
+    assert s.pick(s.ami_id, "us-east-1") is None and s.pick(s.ami_id, "eu-west-1") == "ami-1"
+    assert s.max_price_per_hour == 12.5 and s.boot_seconds == 90
+    assert s.ssm_prefix == "/secrets/sky" and s.ami_name_pattern == "Deep Learning*GPU*"
+    assert AwsSettings.from_extra({"regions": ["a", "b"]}).regions == ["a", "b"]
+
+
+# --- offers from a region's state (no AWS) ---------------------------------------------------
+
+
+def _state(quotas=None, spot=None, offered=None, subnets=None) -> RegionState:
+    return RegionState(
+        region="us-east-1", catalog=CATALOG,
+        offered=offered or {n: {"us-east-1a", "us-east-1b"} for n in CATALOG},
+        spot_prices=spot or {}, quotas=quotas or {}, subnet_azs=subnets, now=1000.0)
+
+
+def _offers(task_spec, state, **settings):
+    backend = AwsBackend("aws_x", settings=AwsSettings(regions=["us-east-1"], **settings))
+    task = load_task({"run": "true", **task_spec})
+    req = task.candidates[0]
+    types, why = suitable_types(CATALOG, req, price_of=_price)
+    return backend._offers_for(task, req, state, types, why)
+
+
+def test_offers_carry_price_quota_and_start():
+    quotas = {("g", False): QuotaView("g", False, "L-DB2E81BA", limit=64, used=52)}
+    offers = _offers({"resources": {"accelerators": "A10G:1"}, "num_nodes": 2},
+                     _state(quotas=quotas))
+    assert [o.location for o in offers] == ["us-east-1/us-east-1a", "us-east-1/us-east-1b"]
+    o = offers[0]
+    assert o.fits and o.instance_type == "g5.xlarge" and o.infra == "aws/us-east-1/us-east-1a"
+    assert o.price_per_hour == pytest.approx(2 * 1.006) and not o.spot
+    assert o.nodes_free == 3 and o.nodes_total == 16 and o.gpus_free == 3
+    assert o.free_now and o.est_start == 1000.0 + 120.0
+    assert o.details["quota_code"] == "L-DB2E81BA"
+
+
+def test_offer_not_free_when_quota_used_and_no_fit_when_quota_too_small():
+    quotas = {("p", False): QuotaView("p", False, "L-417A185B", limit=128, used=96)}
+    offer = _offers({"resources": {"accelerators": "A100:8"}}, _state(quotas=quotas))[0]
+    assert offer.fits and not offer.free_now and offer.est_start is None
+    assert "needs 96 vCPUs of the P on-demand quota (L-417A185B), 32 of 128 left" in offer.reason
+    quotas = {("p", False): QuotaView("p", False, "L-417A185B", limit=64, used=0)}
+    offer = _offers({"resources": {"accelerators": "A100:8"}}, _state(quotas=quotas))[0]
+    assert not offer.fits
+    assert offer.reason == "needs 96 vCPUs of the P on-demand quota (L-417A185B); the quota is 64"
+
+
+def test_spot_offers_use_the_spot_price_and_say_when_there_is_none():
+    spot = {("g5.xlarge", "us-east-1a"): 0.35}
+    offers = _offers({"resources": {"accelerators": "A10G:1", "use_spot": True}},
+                     _state(spot=spot))
+    by_loc = {o.location: o for o in offers}
+    a = by_loc["us-east-1/us-east-1a"]
+    assert a.fits and a.spot and a.price_per_hour == 0.35
+    assert a.details["on_demand_price"] == 1.006 and a.details["spot_price"] == 0.35
+    assert a.est_start == 1120.0 and a.nodes_free is None  # no quota known: expect a launch
+    b = by_loc["us-east-1/us-east-1b"]
+    assert not b.fits and "no spot price for g5.xlarge in us-east-1b" in b.reason
+
+
+def test_no_fit_reasons():
+    offers = _offers({"resources": {"accelerators": "A100:16"}}, _state())
+    assert offers[0].reason == "no EC2 instance type has 16 x A100 (at most 8)"
+    offers = _offers({"resources": {"accelerators": "A10G:1"}},
+                     _state(offered={"p4d.24xlarge": {"us-east-1a"}}))
+    assert not offers[0].fits and "not offered in us-east-1" in offers[0].reason
+    offers = _offers({"resources": {"accelerators": "A10G:1"}}, _state(),
+                     max_price_per_hour=0.5)
+    assert not offers[0].fits and "max_price_per_hour $0.5" in offers[0].reason
+    offers = _offers({"resources": {"accelerators": "A10G:1", "infra": "aws/us-east-1/us-east-1c"}},
+                     _state())
+    assert len(offers) == 1 and not offers[0].fits
+    assert offers[0].location == "us-east-1/us-east-1c"
+    offers = _offers({"resources": {"accelerators": "A10G:1"}},
+                     _state(subnets={"us-east-1b": "subnet-1"}))
+    assert [o.location for o in offers] == ["us-east-1/us-east-1b"]
+
+
+def test_probe_explains_what_aws_cannot_run(monkeypatch):
+    backend = AwsBackend("aws_x", settings=AwsSettings(regions=["us-east-1", "us-west-2"]))
+    monkeypatch.setattr(backend, "_probe_region", lambda *a: pytest.fail("no AWS call"))
+    task = load_task({"run": "true", "resources": {"image_id": "docker:ubuntu"}})
+    (offer,) = backend.probe(task)
+    assert not offer.fits and "docker" in offer.reason
+    task = load_task({"run": "true", "resources": {"infra": "aws/eu-west-1"}})
+    (offer,) = backend.probe(task)
+    assert "names no region of connection aws_x (us-east-1,us-west-2)" in offer.reason
+    task = load_task({"run": "true", "resources": {"infra": "k8s"}})
+    assert backend.probe(task) == []  # another cloud's candidate
+
+
+# --- status mapping -------------------------------------------------------------------------
+
+
+def _inst(rank, state, spot=False, code="", tags=None):
+    return InstanceView(instance_id=f"i-{rank}", rank=rank, state=state, spot=spot,
+                        reason_code=code, reason="", launch_time=100.0,
+                        private_ip=f"10.0.0.{rank + 1}", reservation_id="r-1", tags=tags or {})
+
+
+def _markers(**kw):
+    return Markers(**kw)
+
+
+STATUS_TABLE = [
+    # (nodes, spot, instances, markers, expected state, exit code, reason contains)
+    (1, False, [_inst(0, "pending")], {}, JobState.PENDING, None, ""),
+    (1, False, [_inst(0, "running")], {}, JobState.RUNNING, None, ""),
+    (2, False, [_inst(0, "running"), _inst(1, "pending")], {}, JobState.PENDING, None,
+     "1 of 2"),
+    (1, False, [_inst(0, "running")], {"exit_codes": {0: 0}}, JobState.SUCCEEDED, 0, ""),
+    (1, False, [_inst(0, "terminated")], {"exit_codes": {0: 0}}, JobState.SUCCEEDED, 0, ""),
+    (1, False, [], {"exit_codes": {0: 0}}, JobState.SUCCEEDED, 0, ""),  # EC2 forgot it
+    (1, False, [_inst(0, "terminated")], {"exit_codes": {0: 3}}, JobState.FAILED, 3,
+     "exit code 3"),
+    (2, False, [_inst(0, "running"), _inst(1, "terminated")], {"exit_codes": {1: 7}},
+     JobState.FAILED, 7, "exit code 7 on rank 1"),
+    (2, False, [_inst(0, "running"), _inst(1, "terminated")], {"exit_codes": {1: 0}},
+     JobState.RUNNING, None, ""),
+    (1, False, [_inst(0, "terminated", code="Client.UserInitiatedShutdown")], {},
+     JobState.INFRA_FAILED, None, "without an exit code"),
+    (1, False, [_inst(0, "stopped")], {}, JobState.INFRA_FAILED, None, "stopped"),
+    (1, True, [_inst(0, "terminated", spot=True, code="Server.SpotInstanceTermination")], {},
+     JobState.PREEMPTED, None, "spot instance reclaimed"),
+    (1, True, [_inst(0, "running", spot=True)], {"preempted": {0: "{...}"}},
+     JobState.PREEMPTED, None, "spot interruption notice on rank 0"),
+    (1, False, [_inst(0, "running")], {"errors": {0: "cannot read secrets"}},
+     JobState.INFRA_FAILED, None, "bootstrap failed on rank 0: cannot read secrets"),
+    (1, False, [_inst(0, "terminated", tags={"skypilot-airflow:cancelled": "1"})], {},
+     JobState.CANCELLED, None, "cancelled"),
+    (1, True, [_inst(0, "terminated", spot=True, tags={"skypilot-airflow:cancelled": "1"})],
+     {"preempted": {0: ""}}, JobState.PREEMPTED, None, "spot interruption notice"),
+    (1, True, [_inst(0, "terminated", spot=True, code="Server.SpotInstanceTermination",
+                     tags={"skypilot-airflow:cancelled": "1"})], {}, JobState.PREEMPTED, None,
+     "reclaimed"),
+    (1, False, [], {}, JobState.LOST, None, "no instance"),
+    (2, False, [_inst(0, "terminated"), _inst(1, "terminated")],
+     {"exit_codes": {0: 2}, "aborted": {1}}, JobState.FAILED, 2, "exit code 2 on rank 0"),
+]
+
+
+@pytest.mark.parametrize("nodes, spot, instances, markers, state, code, reason", STATUS_TABLE)
+def test_status_mapping(nodes, spot, instances, markers, state, code, reason):
+    status = judge(nodes, spot, instances, _markers(**markers), now=200.0)
+    assert status.state == state, status
+    assert status.exit_code == code
+    assert reason in status.reason
+    if state.terminal:
+        assert status.ended_at == 200.0
+    if instances:
+        assert status.started_at == 100.0
+
+
+def test_markers_from_s3_keys():
+    keys = ["rank-0/log", "rank-0/exit_code", "rank-1/exit_code", "rank-1/preempted",
+            "rank-2/bootstrap_error", "handle.json", "rank-0/setup_done", "rank-3/aborted"]
+    found = marker_keys(keys)
+    assert {(r, n) for _, r, n in found} == {(0, "exit_code"), (1, "exit_code"),
+                                             (1, "preempted"), (2, "bootstrap_error"),
+                                             (0, "setup_done"), (3, "aborted")}
+    m = build_markers(found, {"rank-0/exit_code": "0\n", "rank-1/exit_code": "137\n",
+                              "rank-2/bootstrap_error": "IMDS unreachable\n"})
+    assert m.exit_codes == {0: 0, 1: 137} and m.errors == {2: "IMDS unreachable"}
+    assert m.preempted == {1: ""} and m.aborted == {3} and m.setup_done == {0}
+
+
+def test_log_decoding_keeps_partial_characters():
+    data = "héllo ☃".encode()
+    text, used = _decode_log(data[:-1])
+    assert text == "héllo " and used == len(data) - 3
+    assert _decode_log(data) == ("héllo ☃", len(data))
+    assert _decode_log(b"") == ("", 0)
+
+
+# --- user-data ------------------------------------------------------------------------------
+
+
+def _render(task, secrets_names=(), payload=True, **boot):
+    env = jobscript.skypilot_env(task, task_id="sky-task-1", num_gpus_per_node=1,
+                                 cluster_info={"cloud": "AWS"}, extra={"SKYPILOT_TASK_ID": "x"})
+    p = ud.render_payload(task, env)
+    b = ud.Bootstrap(job_name="sky-job-1", region="us-east-1",
+                     s3_job_uri="s3://bucket/jobs/sky-job-1/", num_nodes=task.num_nodes,
+                     spot=False, tag_key="skypilot-airflow:job-name",
+                     secret_params=[f"/airflow-skypilot/sky-job-1/{k}" for k in secrets_names],
+                     payload_b64=p.b64 if payload else None,
+                     payload_uri=None if payload else "s3://bucket/jobs/sky-job-1/payload.tgz",
+                     **boot)
+    return ud.render_user_data(b), p
+
+
+def _unpack(payload: ud.Payload) -> dict[str, bytes]:
+    with tarfile.open(fileobj=io.BytesIO(payload.data), mode="r:gz") as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def test_user_data_is_small_and_has_no_secret():
+    secret = "hf_s3cr3t-Value/with+chars=="
+    task = load_task({"run": "python train.py", "setup": "pip install -r req.txt",
+                      "envs": TRICKY, "secrets": {"HF_TOKEN": secret, "DB_PASS": "pw$(x)"}})
+    script, payload = _render(task, sorted(task.secrets))
+    assert ud.user_data_size(script) < 8 * 1024 < ud.USER_DATA_BUDGET
+    files = _unpack(payload)
+    everything = script.encode() + b"".join(files.values())
+    for value in task.secrets.values():
+        assert value.encode() not in everything
+        assert base64.b64encode(value.encode()) not in everything
+    assert "/airflow-skypilot/sky-job-1/HF_TOKEN" in script  # names only
+    assert set(files) >= {"node.sh", "env.sh", "setup.sh", "run.sh"}
+    assert files["run.sh"] == b"python train.py\n"
+    # Same job, same bytes: a resubmission renders the same user-data.
+    assert _render(task, sorted(task.secrets))[0] == script
+
+
+def test_env_round_trips_through_the_payload(tmp_path):
+    task = load_task({"run": "true", "envs": TRICKY})
+    _, payload = _render(task)
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_bytes(_unpack(payload)["env.sh"])
+    dump = subprocess.run(
+        ["bash", "-c", f'. {shlex.quote(str(env_sh))} && python3 -c "import json, os; '
+                       f'print(json.dumps(dict(os.environ)))"'],
+        capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]})
+    seen = json.loads(dump.stdout)
+    for key, value in TRICKY.items():
+        assert seen[key] == value, key
+    assert seen["SKYPILOT_TASK_ID"] == "sky-task-1"
+    assert not Path("/tmp/airflow-skypilot-aws-pwned").exists()
+
+
+def test_large_payload_is_fetched_from_s3_instead():
+    task = load_task({"run": "true"})
+    script, _ = _render(task, payload=False)
+    assert "PAYLOAD_URI=s3://bucket/jobs/sky-job-1/payload.tgz" in script
+    assert "AIRFLOW_SKYPILOT_PAYLOAD" not in script
+
+
+# --- the bootstrap, run locally against stub commands ----------------------------------------
+
+STUB_CURL = r"""#!/bin/bash
+# IMDS stub: answers from $FAKE/imds/<path>; 404 (exit 22) when the file is missing.
+url=""; for a in "$@"; do case $a in http*) url=$a ;; esac; done
+path=${url#*/latest/}
+case $path in
+  api/token) echo tok; exit 0 ;;
+  meta-data/*) f="$FAKE/imds/${path#meta-data/}"; [ -f "$f" ] && { cat "$f"; exit 0; }; exit 22 ;;
+esac
+exit 22
+"""
+
+STUB_AWS = r"""#!/bin/bash
+# AWS CLI stub: s3 cp/ls against $FAKE/s3, ssm get-parameters from $FAKE/ssm, ec2 from a file.
+echo "$*" >> "$FAKE/aws.calls"
+case "$1 $2" in
+  "s3 cp")
+    shift 2; args=(); for a in "$@"; do [ "$a" = --only-show-errors ] || args+=("$a"); done
+    src=${args[0]}; dst=${args[1]}
+    if [[ $dst == s3://* ]]; then
+      key=${dst#s3://}; mkdir -p "$FAKE/s3/$(dirname "$key")"
+      if [ "$src" = - ]; then cat > "$FAKE/s3/$key"; else cp "$src" "$FAKE/s3/$key"; fi
+    else
+      cp "$FAKE/s3/${src#s3://}" "$dst"
+    fi ;;
+  "s3 ls")
+    root=${4#s3://}; (cd "$FAKE/s3" && find "$root" -type f | sed 's/^/2026-01-01 00:00:00 1 /') ;;
+  "ssm get-parameters")
+    names=(); shift 2
+    while [ $# -gt 0 ]; do
+      case $1 in
+        --names) shift
+                 while [ $# -gt 0 ] && [[ $1 != --* ]]; do names+=("$1"); shift; done ;;
+        *) shift ;;
+      esac
+    done
+    for n in "${names[@]}"; do  # a missing parameter is left out, as SSM does
+      f="$FAKE/ssm/${n##*/}"; [ -f "$f" ] && printf '%s\t%s\n' "$n" "$(cat "$f")"
+    done
+    true ;;
+  "ec2 describe-instances") cat "$FAKE/peers" ;;
+  *) echo "aws stub: unexpected $*" >&2; exit 2 ;;
+esac
+"""
+
+STUB_SHUTDOWN = """#!/bin/bash
+echo "$*" > "$FAKE/shutdown"
+"""
+
+
+def _stubs(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    fake = tmp_path / "fake"
+    bin_dir = tmp_path / "bin"
+    for d in (fake / "imds", fake / "s3", fake / "ssm", bin_dir, tmp_path / "home"):
+        d.mkdir(parents=True, exist_ok=True)
+    for name, text in (("curl", STUB_CURL), ("aws", STUB_AWS), ("shutdown", STUB_SHUTDOWN)):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path / "home"),
+           "FAKE": str(fake), "AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://imds.invalid"}
+    return fake, env
+
+
+def _imds(fake: Path, rank: int, ip: str) -> None:
+    for key, value in {"ami-launch-index": str(rank), "local-ipv4": ip,
+                       "instance-id": f"i-{rank}", "reservation-id": "r-1"}.items():
+        (fake / "imds" / key).write_text(value)
+
+
+def test_bootstrap_runs_setup_and_run_with_env_and_secrets(tmp_path):
+    task = load_task({
+        "setup": 'echo "setup rank=$SKYPILOT_SETUP_NODE_RANK"',
+        "run": 'echo "rank=$SKYPILOT_NODE_RANK ips=$SKYPILOT_NODE_IPS n=$SKYPILOT_NUM_NODES"\n'
+               'python3 -c "import json, os; print(\'ENV=\' + json.dumps({k: os.environ[k] '
+               'for k in os.environ if k in $KEYS}))"\nexit 4',
+        "envs": {**TRICKY, "KEYS": json.dumps(sorted([*TRICKY, "TOKEN", "PASS"]))},
+        "secrets": {"TOKEN": "tok en\n$(x)'\"", "PASS": "p\\w\td"},
+    })
+    script, _ = _render(task, sorted(task.secrets), log_interval=1)
+    fake, env = _stubs(tmp_path)
+    _imds(fake, 0, "10.0.0.5")
+    for key, value in task.secrets.items():
+        (fake / "ssm" / key).write_text("b64:" + base64.b64encode(value.encode()).decode())
+    user_data = tmp_path / "user-data"
+    user_data.write_text(script)
+    proc = subprocess.run(["bash", str(user_data)], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    s3 = fake / "s3" / "bucket/jobs/sky-job-1/rank-0"
+    log = (s3 / "log").read_text()
+    assert (s3 / "exit_code").read_text() == "4\n", log
+    assert "setup rank=0" in log and "rank=0 ips=10.0.0.5 n=1" in log
+    seen = json.loads(next(ln for ln in log.splitlines() if ln.startswith("ENV="))[4:])
+    assert seen == {**TRICKY, **task.secrets}
+    assert (fake / "shutdown").read_text().strip() == "-h now"
+    job_dir = tmp_path / "home/.airflow-skypilot/sky-job-1"
+    assert not (job_dir / "secrets.sh").exists()  # removed when the job ended
+    assert log.rstrip().endswith("exit_code: 4")  # the last upload is after the run
+
+
+def test_bootstrap_second_rank_lists_its_peers_and_waits_for_setup(tmp_path):
+    task = load_task({"num_nodes": 2, "run": 'echo "ips=$(echo $SKYPILOT_NODE_IPS | tr " " ,)"'})
+    script, _ = _render(task, barrier_interval=1)
+    fake, env = _stubs(tmp_path)
+    _imds(fake, 1, "10.0.0.9")
+    (fake / "peers").write_text("1\t10.0.0.9\n0\t10.0.0.8\n")
+    done = fake / "s3" / "bucket/jobs/sky-job-1/rank-0"
+    done.mkdir(parents=True)
+    (done / "setup_done").write_text("0\n")  # rank 0 finished its setup already
+    (tmp_path / "user-data").write_text(script)
+    proc = subprocess.run(["bash", str(tmp_path / "user-data")], env=env, capture_output=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = fake / "s3" / "bucket/jobs/sky-job-1/rank-1"
+    assert (out / "exit_code").read_text() == "0\n"
+    assert (out / "setup_done").exists()
+    assert "ips=10.0.0.8,10.0.0.9" in (out / "log").read_text()
+
+
+def test_bootstrap_reports_missing_secrets_as_bootstrap_error(tmp_path):
+    task = load_task({"run": "echo should-not-run", "secrets": {"TOKEN": "x"}})
+    script, _ = _render(task, ["TOKEN"])
+    fake, env = _stubs(tmp_path)
+    _imds(fake, 0, "10.0.0.5")
+    # no $FAKE/ssm/TOKEN: SSM does not return the parameter
+    (tmp_path / "user-data").write_text(script)
+    subprocess.run(["bash", str(tmp_path / "user-data")], env=env, capture_output=True,
+                   timeout=60)
+    out = fake / "s3" / "bucket/jobs/sky-job-1/rank-0"
+    assert "secrets" in (out / "bootstrap_error").read_text()
+    assert not (out / "exit_code").exists()
+    assert "should-not-run" not in (out / "log").read_text()
+    assert (fake / "shutdown").exists()
+
+
+# --- launch parameters and an unreachable account --------------------------------------------
+
+
+def test_launch_parameters():
+    backend = AwsBackend("aws_x", settings=AwsSettings(
+        regions=["us-east-1"], key_name="kp", security_group_ids={"*": ["sg-1"]},
+        instance_profile={"us-east-1": "arn:aws:iam::1:instance-profile/sky"},
+        tags={"team": "ml"}))
+    task = load_task({"num_nodes": 2, "run": "true", "resources": {
+        "accelerators": "A10G:1", "use_spot": True, "disk_size": 200,
+        "labels": {"project": "x"}}})
+    req = task.candidates[0]
+    params = backend._launch_params(task, req, "sky-j", CATALOG["g5.xlarge"], "ami-1",
+                                    "/dev/sda1", "#!/bin/bash\n", {"n": 2})
+    assert params["MinCount"] == params["MaxCount"] == 2
+    assert params["InstanceInitiatedShutdownBehavior"] == "terminate"
+    assert params["MetadataOptions"]["HttpTokens"] == "required"
+    assert params["InstanceMarketOptions"]["MarketType"] == "spot"
+    assert params["BlockDeviceMappings"][0]["Ebs"]["VolumeSize"] == 200
+    tags = {t["Key"]: t["Value"] for t in params["TagSpecifications"][0]["Tags"]}
+    assert tags["skypilot-airflow:job-name"] == "sky-j" and tags["Name"] == "sky-j"
+    assert tags["project"] == "x" and tags["team"] == "ml"
+    assert json.loads(tags["skypilot-airflow:meta"]) == {"n": 2}
+    assert params["KeyName"] == "kp"
+    placed = backend._region_params("us-east-1", "us-east-1b", None)
+    assert placed == {"Placement": {"AvailabilityZone": "us-east-1b"},
+                      "SecurityGroupIds": ["sg-1"],
+                      "IamInstanceProfile": {"Arn": "arn:aws:iam::1:instance-profile/sky"}}
+    assert backend._region_params("us-east-1", "us-east-1b", {"us-east-1b": "subnet-2"})[
+        "SubnetId"] == "subnet-2"
+
+
+def test_unreachable_account_raises_backend_unreachable(monkeypatch):
+    import asyncio
+
+    from airflow_skypilot.backends.base import JobHandle
+    from airflow_skypilot.exceptions import BackendUnreachable
+
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DOWN", json.dumps({
+        "conn_type": "aws", "login": "AKIAEXAMPLE", "password": "x",
+        "extra": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1",
+                  "s3_bucket": "b"}}))
+    backend = AwsBackend("aws_down")
+    task = load_task({"run": "true", "resources": {"accelerators": "A10G:1"}})
+    with pytest.raises(BackendUnreachable):
+        backend.probe(task)
+    with pytest.raises(BackendUnreachable):
+        backend.capacity()
+    handle = JobHandle(backend="aws", connection="aws_down", job_id="j", job_name="j",
+                       location="us-east-1/us-east-1a", infra="aws/us-east-1/us-east-1a",
+                       extra={"region": "us-east-1", "bucket": "b", "prefix": "p/j/"})
+
+    async def poll():
+        try:
+            return await backend.poll([handle])
+        finally:
+            await backend.aclose()
+
+    with pytest.raises(BackendUnreachable):
+        asyncio.run(poll())
