@@ -160,6 +160,14 @@ def airflow_k8s(airflow, slurm, k8s) -> Airflow:
     return airflow
 
 
+@pytest.fixture
+def airflow_all(airflow, slurm, k8s, aws) -> Airflow:
+    """Airflow with every sandbox: two Slurm clusters, Kubernetes and AWS."""
+    airflow.connect({**slurm.connections(), **k8s.connections(), **aws.connections()},
+                    ["slurm_alpha", "slurm_beta", "k8s_sandbox", "aws_sandbox"])
+    return airflow
+
+
 def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
