@@ -66,9 +66,11 @@ class Narrator:
             "same place first", "restart", "skipped for this placement", "failed:", "gave up",
             "Nothing can take", "DagRun Finished", "resuming", "epoch", "eval:", "wrote ")
 
+    TABLE_ROWS = 10  # the full table is in the task log, XCom and the UI
+
     def __init__(self):
         self.in_table = False
-        self.epoch_lines = 0
+        self.table_rows = 0
         self.lines: list[str] = []
 
     def feed(self, line: str) -> None:
@@ -76,9 +78,17 @@ class Narrator:
         self.lines.append(line)
         stamped = bool(_STAMP.match(line))
         if self.in_table and not stamped:
-            say(f"    {line}")
+            if line.startswith("placed on") or line.startswith("no placement"):
+                say(f"    {_SUFFIX.sub('', line)}")
+                return
+            self.table_rows += 1
+            if self.table_rows <= self.TABLE_ROWS + 2:
+                say(f"    {line}")
+            elif self.table_rows == self.TABLE_ROWS + 3:
+                say("    ... (the whole table: task log, XCom skypilot_placement, the UI)")
             return
         self.in_table = False
+        self.table_rows = 0
         text = _SUFFIX.sub("", _STAMP.sub("", line))
         if "Placement (policy" in text:
             self.in_table = True
@@ -87,7 +97,15 @@ class Narrator:
             if "Submitted slurm job" in text or "Submitted kubernetes job" in text \
                     or "Submitted aws job" in text:
                 return  # the backend's own line says the same
-            say(f"  {text[:200]}")
+            epoch = re.search(r"epoch (\d+)/", text)
+            if epoch and int(epoch.group(1)) > 2 and int(epoch.group(1)) % 10:
+                return  # a few epochs tell the story
+            if "DagRun Finished" in text:
+                state = re.search(r"state=(\w+)", text)
+                duration = re.search(r"run_duration=([\d.]+)", text)
+                text = (f"DagRun finished: {state.group(1) if state else '?'} in "
+                        f"{float(duration.group(1)) if duration else 0:.0f}s")
+            say(f"  {text[:160]}")
 
 
 def inject_failure(handle: dict) -> str:
@@ -113,9 +131,18 @@ def inject_failure(handle: dict) -> str:
     if backend == "aws":
         box = sandbox("aws")
         ids = handle["extra"].get("instance_ids") or []
-        for instance_id in ids:
-            box.interrupt_spot(instance_id, notice_seconds=2)
-        return f"interrupted instance(s) {', '.join(ids)} (spot reclaim)"
+        spot = {i["instance_id"] for i in box.instances() if i.get("lifecycle") == "spot"}
+        if ids and set(ids) <= spot:
+            for instance_id in ids:
+                box.interrupt_spot(instance_id, notice_seconds=2)
+            return f"interrupted spot instance(s) {', '.join(ids)} (capacity reclaimed)"
+        import boto3
+
+        region = handle["location"].split("/")[0]
+        ec2 = boto3.client("ec2", region_name=region, endpoint_url=box.endpoint_url(),
+                           aws_access_key_id="x", aws_secret_access_key="x")
+        ec2.terminate_instances(InstanceIds=ids)
+        return f"terminated instance(s) {', '.join(ids)} under the job (host failure)"
     return f"no fault for backend {backend}"
 
 
@@ -133,6 +160,10 @@ def main() -> int:
         say("no sandbox is up: run `make demo` (or `python -m tests.sandbox up`) first")
         return 1
     env = airflow_env(conns)
+    for name in ("slurm", "kubernetes", "aws"):  # a clean start: no jobs, every node up
+        box = sandbox(name)
+        if box.is_up():
+            box.reset()
     HOME.mkdir(parents=True, exist_ok=True)
     db = HOME / "airflow.db"
     if not db.exists():
@@ -143,7 +174,7 @@ def main() -> int:
     cli = str(Path(sys.executable).parent / "airflow-skypilot")
     ids = env["AIRFLOW__SKYPILOT__CONNECTIONS"].split(",")
     subprocess.run([cli, "show-gpus", *[a for c in ids for a in ("--conn", c)]], env=env,
-                   check=False)
+                   check=False, stderr=subprocess.DEVNULL)
     say()
     say("== airflow dags test train_pipeline  (preprocess -> train -> evaluate)")
     before = latest_run(db)
