@@ -36,6 +36,7 @@ def get_provider_info() -> dict[str, Any]:
                 ],
             }
         ],
+        "extra-links": ["airflow_skypilot.links.skypilot.SkyPilotJobLink"],
         "config": {
             "skypilot": {
                 "description": "Defaults of the SkyPilot operator and sensor.",

@@ -30,6 +30,7 @@ from airflow_skypilot.backends.base import (
 )
 from airflow_skypilot.exceptions import BackendError, SubmissionError
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+from airflow_skypilot.links import SkyPilotJobLink
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.triggers.skypilot import (
     LOG_TAIL_LINES,
@@ -80,6 +81,8 @@ class SkyPilotOperator(BaseOperator):
     template_fields: Sequence[str] = ("task_spec", "connections", "envs", "secrets", "policy")
     template_fields_renderers = {"task_spec": "yaml", "envs": "json"}
     ui_color = "#d6e4ff"
+    # "SkyPilot job" button: the plugin's page with this try's placement table and attempts
+    operator_extra_links = (SkyPilotJobLink(),)
 
     def __init__(
         self,
