@@ -97,7 +97,7 @@ def test_operator_and_provider_register_the_link_and_plugin():
     from importlib.metadata import entry_points
 
     assert [e.value for e in entry_points(group="airflow.plugins") if e.name == "skypilot"] == \
-        [PLUGIN_CLASS]
+        [PLUGIN_CLASS.replace(".SkyPilotPlugin", ":SkyPilotPlugin")]
     # the plugin keeps its own copy of the keys so that loading it stays cheap
     assert (plugin.XCOM_HANDLE, plugin.XCOM_PLACEMENT) == (XCOM_HANDLE, XCOM_PLACEMENT)
 
