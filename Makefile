@@ -11,9 +11,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Python venv support; real Slurm (controller, node daemon, client, munge); sshd for the login
-# nodes; util-linux/procps/iproute2/curl for the job scripts and the sandboxes' process control.
+# nodes; util-linux/procps/iproute2/curl for the job scripts and the sandboxes' process control;
+# shellcheck and docker-compose for the static checks of docker/ (no Docker engine is needed).
 DEBS := python3-venv python3-pip python3-dev gcc slurmctld slurmd slurm-client munge \
-        openssh-server openssh-client util-linux procps iproute2 curl ca-certificates
+        openssh-server openssh-client util-linux procps iproute2 curl ca-certificates \
+        shellcheck docker-compose
 PYTEST_ARGS ?=
 
 .PHONY: help venv system-deps lint unit test demo sandbox sandbox-down sandbox-status clean

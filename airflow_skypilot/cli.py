@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -183,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _airflow_environment() -> None:
+    """Read connections the way Airflow's own CLI does: outside a task, Airflow 3 reads the
+    metadata DB (``airflow connections import``) only in a "server" process context."""
+    os.environ.setdefault("_AIRFLOW_PROCESS_CONTEXT", "server")
+    _logs_to_stderr()
+
+
 def _logs_to_stderr() -> None:
     """Airflow logs to stdout by default; this CLI's stdout is its output (``--json``)."""
     try:
@@ -197,7 +205,7 @@ def _logs_to_stderr() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "validate":  # validate never imports Airflow: it stays fast
-        _logs_to_stderr()
+        _airflow_environment()
     try:
         return args.func(args)
     except SystemExit as exc:
