@@ -199,7 +199,9 @@ def _logs_to_stderr() -> None:
     except Exception:  # without Airflow's logging there is nothing to move
         return
     configure_logging.cache_clear()
-    configure_logging(output=sys.stderr)
+    # The process's own stderr: a replaced sys.stderr (a test's capture) may be closed later,
+    # and the logging configuration outlives this call.
+    configure_logging(output=sys.__stderr__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

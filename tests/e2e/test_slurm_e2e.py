@@ -167,9 +167,10 @@ def test_killing_the_task_cancels_the_slurm_job(slurm):
                .stdout.strip() == "CANCELLED", 30, what="the job cancelled")
     # Running in a worker (deferrable=False): the operator's on_kill.
     op = SkyPilotOperator(task_id="run", task=str(REPO / "tests/e2e/dags/tasks/sleep.yaml"),
-                          connections=["slurm_beta"], deferrable=False, poll_interval=1)
-    thread = threading.Thread(target=lambda: _swallow(op.execute, {"ti": _TI("r2")}),
-                              daemon=True)
+                          connections=["slurm_beta"], deferrable=False, poll_interval=1,
+                          max_failovers=0, reprobe_interval=1)
+    ti = _TI(f"manual__{uuid.uuid4().hex}")  # job dirs outlive the sandbox: a fresh name
+    thread = threading.Thread(target=lambda: _swallow(op.execute, {"ti": ti}), daemon=True)
     thread.start()
     wait_until(lambda: op._handle is not None, 60, what="submission")
     op.on_kill()
@@ -177,6 +178,7 @@ def test_killing_the_task_cancels_the_slurm_job(slurm):
     wait_until(lambda: slurm.run("beta", "squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T")
                .stdout.strip() == "CANCELLED", 30, what="the job cancelled")
     thread.join(60)
+    assert not thread.is_alive(), "the killed task's worker loop ended"
 
 
 def _swallow(fn, *args):
