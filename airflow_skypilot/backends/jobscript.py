@@ -44,6 +44,8 @@ def skypilot_env(task: Task, *, task_id: str, num_gpus_per_node: int, cluster_in
     """
     env: dict[str, str] = dict(task.envs)
     env.update(extra or {})
+    if task.secrets:  # names only: node.sh masks these variables' values in the job's output
+        env["AIRFLOW_SKYPILOT_SECRET_NAMES"] = " ".join(sorted(task.secrets))
     env.update({
         "SKYPILOT_TASK_ID": task_id,
         "SKYPILOT_NUM_NODES": str(task.num_nodes),
@@ -78,14 +80,40 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "  setup)",
         '    export SKYPILOT_SETUP_NODE_RANK="$SKYPILOT_NODE_RANK"',
         '    export SKYPILOT_SETUP_NODE_IPS="$SKYPILOT_NODE_IPS"',
-        '    exec bash "$JOB_DIR/setup.sh" ;;' if has_setup else "    exit 0 ;;",
+        '    script="$JOB_DIR/setup.sh" ;;' if has_setup else "    exit 0 ;;",
         "  run)",
-        '    exec bash "$JOB_DIR/run.sh" ;;' if has_run else "    exit 0 ;;",
+        '    script="$JOB_DIR/run.sh" ;;' if has_run else "    exit 0 ;;",
+        '  *) echo "node.sh: expected setup or run, got $1" >&2; exit 2 ;;',
         "esac",
-        'echo "node.sh: expected setup or run, got $1" >&2',
-        "exit 2",
+        "# Secret values never reach the job's log in clear: every line of output is filtered.",
+        'if [ -z "${AIRFLOW_SKYPILOT_SECRET_NAMES:-}" ]; then exec bash "$script"; fi',
+        'bash "$script" 2>&1 | awk -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
+        f"  {shlex.quote(_MASK_AWK)}",
+        'exit "${PIPESTATUS[0]}"',
     ]
     return "\n".join(lines) + "\n"
+
+
+#: awk program: replace each secret's value (each line of it, if it has several) by ``***``.
+#: Values shorter than 4 characters are left alone, as Airflow's own masker does.
+_MASK_AWK = r"""BEGIN {
+  n = split(names, ns, " ")
+  for (i = 1; i <= n; i++) {
+    k = split(ENVIRON[ns[i]], parts, "\n")
+    for (j = 1; j <= k; j++) if (length(parts[j]) >= 4) { m++; s[m] = parts[j] }
+  }
+}
+{
+  line = $0
+  for (i = 1; i <= m; i++) {
+    out = ""
+    while ((p = index(line, s[i])) > 0) {
+      out = out substr(line, 1, p - 1) "***"; line = substr(line, p + length(s[i]))
+    }
+    line = out line
+  }
+  print line; fflush()
+}"""
 
 
 def user_script(body: str | None) -> str:

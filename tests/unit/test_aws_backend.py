@@ -8,6 +8,7 @@ against moto and the real AWS CLI.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -547,8 +548,10 @@ def test_bootstrap_runs_setup_and_run_with_env_and_secrets(tmp_path):
     task = load_task({
         "setup": 'echo "setup rank=$SKYPILOT_SETUP_NODE_RANK"',
         "run": 'echo "rank=$SKYPILOT_NODE_RANK ips=$SKYPILOT_NODE_IPS n=$SKYPILOT_NUM_NODES"\n'
-               'python3 -c "import json, os; print(\'ENV=\' + json.dumps({k: os.environ[k] '
-               'for k in os.environ if k in $KEYS}))"\nexit 4',
+               'python3 -c "import hashlib, json, os; print(\'ENV=\' + json.dumps({k: '
+               '(hashlib.sha256(os.environ[k].encode()).hexdigest() if k in (\'TOKEN\', '
+               '\'PASS\') else os.environ[k]) for k in os.environ if k in $KEYS}))"\n'
+               'echo "token=$TOKEN"\nexit 4',
         "envs": {**TRICKY, "KEYS": json.dumps(sorted([*TRICKY, "TOKEN", "PASS"]))},
         "secrets": {"TOKEN": "tok en\n$(x)'\"", "PASS": "p\\w\td"},
     })
@@ -566,7 +569,9 @@ def test_bootstrap_runs_setup_and_run_with_env_and_secrets(tmp_path):
     assert (s3 / "exit_code").read_text() == "4\n", log
     assert "setup rank=0" in log and "rank=0 ips=10.0.0.5 n=1" in log
     seen = json.loads(next(ln for ln in log.splitlines() if ln.startswith("ENV="))[4:])
-    assert seen == {**TRICKY, **task.secrets}
+    digests = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in task.secrets.items()}
+    assert seen == {**TRICKY, **digests}  # secrets arrive byte for byte...
+    assert "token=***" in log and "tok en" not in log  # ...and never reach the log in clear
     assert (fake / "shutdown").read_text().strip() == "-h now"
     job_dir = tmp_path / "home/.airflow-skypilot/sky-job-1"
     assert not (job_dir / "secrets.sh").exists()  # removed when the job ended
