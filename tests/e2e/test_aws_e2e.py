@@ -42,7 +42,7 @@ def test_full_on_prem_overflows_to_spot_and_survives_a_reclaim(airflow_all, slur
     os.makedirs(ckpt, exist_ok=True)
     os.chmod(ckpt, 0o1777)
     proc = airflow_all.start("e2e_task", {"task": "tasks/spot_overflow.yaml",
-                                          "envs": {"CKPT_DIR": ckpt, "STEPS": "25"}})
+                                          "envs": {"CKPT_DIR": ckpt, "STEPS": "15"}})
     try:
         wait_until(lambda: "Submitted aws job" in proc.output(), 120, what="a spot launch")
         wait_until(lambda: os.listdir(ckpt) and open(os.path.join(ckpt, os.listdir(ckpt)[0]))

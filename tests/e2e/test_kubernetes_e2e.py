@@ -23,7 +23,7 @@ def test_slurm_full_runs_on_kubernetes_and_eviction_brings_it_back(airflow_k8s, 
     os.makedirs(ckpt, exist_ok=True)
     os.chmod(ckpt, 0o1777)
     proc = airflow_k8s.start("e2e_task", {"task": "tasks/train_ckpt.yaml",
-                                          "envs": {"CKPT_DIR": ckpt, "STEPS": "25"}})
+                                          "envs": {"CKPT_DIR": ckpt, "STEPS": "12"}})
     try:
         pod = wait_until(lambda: _pods(k8s), 120, what="the training pod running")[0]
         wait_until(lambda: any(os.listdir(ckpt)) and

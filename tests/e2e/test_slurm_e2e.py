@@ -69,7 +69,7 @@ def test_node_failure_moves_the_job_to_the_other_cluster(airflow_slurm, slurm):
     ckpt = f"/tmp/airflow-skypilot-e2e/{uuid.uuid4().hex}"
     _fill(slurm, "beta", "gpu:h100:8", 1)  # beta busy: the first attempt goes to alpha
     proc = airflow_slurm.start("e2e_task", {"task": "tasks/train_ckpt.yaml",
-                                            "envs": {"CKPT_DIR": ckpt, "STEPS": "25"}})
+                                            "envs": {"CKPT_DIR": ckpt, "STEPS": "12"}})
     try:
         job = wait_until(lambda: [j for j in _our_jobs(slurm, "alpha") if j[2] == "RUNNING"],
                          90, what="the training job running on alpha")[0]

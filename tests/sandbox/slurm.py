@@ -1059,12 +1059,24 @@ class SlurmSandbox:
 
     def _wait_nodes_idle(self, cluster: str, timeout: float) -> None:
         """Wait (bounded) until no job is active and every node is plain IDLE."""
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        forced: set[str] = set()
         while True:
             states = self._node_states(cluster)
             jobs = self._active_jobs(cluster)
             if states and not jobs and all(s == "IDLE" for s in states.values()):
                 return
+            # A node whose slurmd was killed and restarted can stay COMPLETING for minutes
+            # (its epilog message was lost). A real admin takes it down and resumes it; so do we.
+            if time.monotonic() - start > 15:
+                for node, state in states.items():
+                    if "COMPLETING" in state and node not in forced:
+                        forced.add(node)
+                        self.run(cluster, "scontrol", "update", f"NodeName={node}", "State=DOWN",
+                                 "Reason=sandbox-reset-stuck-completing", check=False,
+                                 as_root=True)
+                        self.resume_node(node)
             if time.monotonic() > deadline:
                 bad = {n: s for n, s in states.items() if s != "IDLE"}
                 logs = "\n".join(_tail(self._log_file(cluster, f"slurmd-{n}"), 10) for n in bad)

@@ -21,7 +21,7 @@ with DAG(
         task="{{ params.task }}",
         envs="{{ params.envs }}",
         policy="{{ params.policy }}",
-        poll_interval=2,
+        poll_interval=1,
         reprobe_interval=5,
         max_failovers=2,
     )
