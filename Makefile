@@ -8,7 +8,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml .ci/constraints.txt | sha1sum | cut -c1-12)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Python venv support; real Slurm (controller, node daemon, client, munge); sshd for the login
 # nodes; util-linux/procps/iproute2/curl for the job scripts and the sandboxes' process control;
@@ -34,11 +34,12 @@ system-deps:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-$(STAMP): pyproject.toml
+# Installed with the versions the suite last ran green with (.ci/constraints.txt).
+$(STAMP): pyproject.toml .ci/constraints.txt
 	@$(MAKE) --no-print-directory system-deps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" -c .ci/constraints.txt
 	@rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 venv: $(STAMP)
