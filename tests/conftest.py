@@ -26,55 +26,50 @@ def use_connections(monkeypatch: pytest.MonkeyPatch, conns: dict[str, dict]) -> 
         monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
 
 
-@pytest.fixture(scope="session")
-def slurm_sandbox_session():
-    from tests.sandbox.slurm import SlurmSandbox
+def _sandbox(name: str):
+    """The sandbox ``name`` (tests/sandbox/<name>), started if it is not up."""
+    from tests.sandbox.__main__ import sandbox
 
-    box = SlurmSandbox()
+    box = sandbox(name)
     box.up()
     return box
+
+
+def _clean(box, monkeypatch: pytest.MonkeyPatch):
+    """Undo what the previous test did, and make the sandbox's connections visible."""
+    box.reset()
+    use_connections(monkeypatch, box.connections())
+    return box
+
+
+@pytest.fixture(scope="session")
+def slurm_sandbox_session():
+    return _sandbox("slurm")
+
+
+@pytest.fixture(scope="session")
+def k8s_sandbox_session():
+    return _sandbox("kubernetes")
+
+
+@pytest.fixture(scope="session")
+def aws_sandbox_session():
+    return _sandbox("aws")
 
 
 @pytest.fixture
 def slurm(slurm_sandbox_session, monkeypatch) -> Iterator:
     """The two Slurm clusters, clean (no jobs, every node up), connections set."""
-    box = slurm_sandbox_session
-    box.reset()
-    use_connections(monkeypatch, box.connections())
-    yield box
-
-
-@pytest.fixture(scope="session")
-def k8s_sandbox_session():
-    from tests.sandbox.kubernetes import KubernetesSandbox
-
-    box = KubernetesSandbox()
-    box.up()
-    return box
+    yield _clean(slurm_sandbox_session, monkeypatch)
 
 
 @pytest.fixture
 def k8s(k8s_sandbox_session, monkeypatch) -> Iterator:
     """The Kubernetes sandbox, clean, connections set."""
-    box = k8s_sandbox_session
-    box.reset()
-    use_connections(monkeypatch, box.connections())
-    yield box
-
-
-@pytest.fixture(scope="session")
-def aws_sandbox_session():
-    from tests.sandbox.aws import AwsSandbox
-
-    box = AwsSandbox()
-    box.up()
-    return box
+    yield _clean(k8s_sandbox_session, monkeypatch)
 
 
 @pytest.fixture
 def aws(aws_sandbox_session, monkeypatch) -> Iterator:
     """The AWS sandbox, clean (nothing running), connections set."""
-    box = aws_sandbox_session
-    box.reset()
-    use_connections(monkeypatch, box.connections())
-    yield box
+    yield _clean(aws_sandbox_session, monkeypatch)
