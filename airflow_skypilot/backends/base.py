@@ -232,6 +232,19 @@ class Backend(ABC):
     def cancel(self, handle: JobHandle) -> None:
         """Stop the job and release everything it holds. Safe to call twice."""
 
+    async def aprepare(self) -> None:
+        """Read the Airflow connection off the event loop, once, before the first poll.
+
+        Backends read their connection with the sync SDK call. In the triggerer that call must
+        not run on the event loop thread (only a trigger's own task may block on it there, and
+        only through greenback), so the shared poller calls this first: in a worker thread the
+        SDK reaches the triggerer's supervisor the normal way.
+        """
+        import asyncio
+
+        if hasattr(type(self), "settings"):
+            await asyncio.to_thread(getattr, self, "settings")
+
     @abstractmethod
     async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """Status of many jobs on this connection in one request; keyed by ``handle.job_id``.

@@ -657,6 +657,13 @@ def slice_log(data: bytes, offset: int, final: bool, limit: int = LOG_CHUNK) -> 
 # --- the backend ----------------------------------------------------------------------------
 
 
+def _import_clients() -> None:
+    import kubernetes.utils
+    import kubernetes_asyncio.client
+    import kubernetes_asyncio.config  # noqa: F401
+    from airflow.providers.cncf.kubernetes.hooks import kubernetes  # noqa: F401
+
+
 class KubernetesBackend(Backend):
     """One namespace of one Kubernetes cluster (context)."""
 
@@ -1191,6 +1198,11 @@ class KubernetesBackend(Backend):
                     node_not_ready_grace=s.node_not_ready_grace,
                     pending_timeout=s.pending_timeout, namespace=ns)
         return out
+
+    async def aprepare(self) -> None:
+        await super().aprepare()
+        # the generated async client takes about a second to import: not on the triggerer's loop
+        await asyncio.to_thread(_import_clients)
 
     async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """One Job list and one pod list per namespace, and one node list, for all handles."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import fnmatch
+import importlib
 import logging
 import os
 import re
@@ -48,6 +49,11 @@ from airflow_skypilot.spec import fields
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
 log = logging.getLogger(__name__)
+
+# asyncssh logs every channel at INFO: six lines per poll in each watched task's log. Quiet it
+# unless the deployment configured that logger itself.
+if logging.getLogger("asyncssh").level == logging.NOTSET:
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
 
 #: Node states in which a node cannot start a job now (any of these words in sinfo's StateLong)
 _BAD_STATES = ("down", "drain", "fail", "maint", "reserved", "power", "future", "inval",
@@ -498,6 +504,12 @@ class SlurmBackend(Backend):
                 raise
             self.close()
             raise BackendUnreachable(f"{self.conn_id}: {type(exc).__name__}: {exc}") from exc
+
+    async def aprepare(self) -> None:
+        await super().aprepare()
+        # the ssh provider imports asyncssh inside get_conn(): a blocking import on the
+        # triggerer's loop the first time; import it in a thread first
+        await asyncio.to_thread(importlib.import_module, "asyncssh")
 
     async def arun(self, script: str, timeout: float | None = None) -> tuple[int, str, str]:
         """Async :meth:`run` on one cached asyncssh connection (the triggerer's loop)."""

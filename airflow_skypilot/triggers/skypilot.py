@@ -23,6 +23,7 @@ from airflow_skypilot.backends.base import (
     JobHandle,
     JobState,
     JobStatus,
+    backend_class,
     backend_for_handle,
 )
 
@@ -62,6 +63,7 @@ class SharedPoller:
         self.interval = interval
         self._subs: list[_Sub] = []
         self._task: asyncio.Task | None = None
+        self._prepared = False
         #: requests sent (tests and the benchmark check: one per interval, whatever the count)
         self.status_polls = 0
         self.log_polls = 0
@@ -102,6 +104,9 @@ class SharedPoller:
         handles = list({s.handle.job_id: s.handle for s in subs}.values())
         self.status_polls += 1
         try:
+            if not self._prepared:
+                await self.backend.aprepare()
+                self._prepared = True
             statuses = await self.backend.poll(handles)
         except Exception as exc:  # reported to every watcher; the loop goes on
             error = PollError(f"{type(exc).__name__}: {exc}")
@@ -184,6 +189,8 @@ class SkyPilotJobTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
             handle = JobHandle.from_dict(self.handle)
+            # the first import of a backend module takes a moment: not on the triggerer's loop
+            await asyncio.to_thread(backend_class, handle.backend)
             poller = shared_poller(handle, self.poll_interval)
         except Exception as exc:
             yield TriggerEvent({"status": "error", "handle": self.handle, "state": self.state,

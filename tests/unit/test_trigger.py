@@ -119,3 +119,48 @@ async def test_on_kill_cancels_unless_told_not_to():
 async def test_wait_trigger_hands_back_the_state():
     event = await _first_event(SkyPilotWaitTrigger(0.01, state={"phase": "waiting"}))
     assert event == {"status": "reprobe", "state": {"phase": "waiting"}}
+
+
+class _SettingsBackend(FakeBackend):
+    """Records which thread reads the connection (the SDK call may not run on the loop)."""
+
+    reads: list[int] = []
+
+    @property
+    def settings(self):
+        import threading
+
+        self.reads.append(threading.get_ident())
+        return {}
+
+
+async def test_the_connection_is_read_once_and_off_the_event_loop():
+    import threading
+
+    base.register_backend("fake_settings", "tests.unit.test_trigger:_SettingsBackend")
+    _SettingsBackend.reads = []
+    handles = []
+    for i in range(3):
+        h = _job(str(i))
+        h.backend = "fake_settings"
+        handles.append(h)
+    triggers = [SkyPilotJobTrigger(h.to_dict(), poll_interval=0.05) for h in handles]
+    tasks = [asyncio.create_task(_first_event(t)) for t in triggers]
+    await asyncio.sleep(0.2)
+    for job in FakeBackend.jobs.values():
+        job["status"] = JobStatus(JobState.SUCCEEDED)
+    events = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert {e["job_status"]["state"] for e in events} == {"succeeded"}
+    assert len(_SettingsBackend.reads) == 1, "one read for the connection's shared poller"
+    assert _SettingsBackend.reads[0] != threading.get_ident(), "read on the event loop thread"
+
+
+async def test_a_connection_that_cannot_be_read_is_a_poll_error_not_a_crash(monkeypatch):
+    async def missing(self):
+        raise RuntimeError("The conn_id `c1` isn't defined")
+
+    monkeypatch.setattr(FakeBackend, "aprepare", missing)
+    t = SkyPilotJobTrigger(_job("1").to_dict(), poll_interval=0.01, max_unreachable=2)
+    event = await asyncio.wait_for(_first_event(t), 5)
+    status = JobStatus.from_dict(event["job_status"])
+    assert status.state == JobState.LOST and "isn't defined" in status.reason

@@ -1,0 +1,228 @@
+"""A real Airflow deployment, not ``airflow dags test``: api-server, scheduler (LocalExecutor),
+dag-processor and triggerer as separate processes on one SQLite home, driven through the REST API.
+
+This is the path users run: the worker defers, the trigger is serialized to the database and
+re-created in the triggerer process, the job's end wakes a second worker for
+``execute_complete``; and marking the deferred task failed in the UI makes the triggerer cancel
+the trigger, whose ``on_kill`` cancels the Slurm job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import E2E_DAGS, REPO, wait_until
+
+AIRFLOW = str(Path(sys.executable).parent / "airflow")
+DAG_ID = "e2e_task"
+COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Deployment:
+    home: Path
+    url: str
+    env: dict[str, str]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    token: str = ""
+
+    def log(self, component: str) -> str:
+        return (self.home / f"{component}.log").read_text(errors="replace")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {c} ---\n{self.log(c)[-3000:]}" for c in COMPONENTS)
+
+    def trigger_log(self, run_id: str) -> str:
+        """What the triggerer logged for this run's task (``attempt=1.log.trigger.<id>.log``)."""
+        files = sorted(self.home.glob(f"logs/dag_id={DAG_ID}/run_id={run_id}/task_id=run/"
+                                      "*.log.trigger.*.log"))
+        return "".join(f.read_text(errors="replace") for f in files)
+
+    def api(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        return httpx.request(method, f"{self.url}/api/v2{path}", timeout=30,
+                             headers={"Authorization": f"Bearer {self.token}"}, **kw)
+
+    def trigger(self, conf: dict[str, Any]) -> str:
+        r = self.api("POST", f"/dags/{DAG_ID}/dagRuns", json={"logical_date": None, "conf": conf})
+        assert r.status_code == 200, r.text
+        return r.json()["dag_run_id"]
+
+    def ti(self, run_id: str) -> dict[str, Any]:
+        r = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/run")
+        return r.json() if r.status_code == 200 else {}
+
+    def run_state(self, run_id: str) -> str:
+        return self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}").json().get("state", "")
+
+    def xcom(self, run_id: str, key: str) -> Any:
+        r = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/run/xcomEntries/{key}")
+        if r.status_code != 200:
+            return None
+        value = r.json()["value"]
+        return json.loads(value) if isinstance(value, str) else value
+
+    def wait_ti(self, run_id: str, states: set[str], timeout: float) -> str:
+        def reached():
+            state = self.ti(run_id).get("state")
+            return state if state in states else None
+        try:
+            return wait_until(reached, timeout, 1, what=f"task state in {states}")
+        except AssertionError:
+            raise AssertionError(f"task is {self.ti(run_id).get('state')!r}, not in {states}\n"
+                                 + self.logs()) from None
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
+               aws_sandbox_session) -> Iterator[Deployment]:
+    sandboxes = (slurm_sandbox_session, k8s_sandbox_session, aws_sandbox_session)
+    conns = {cid: c for box in sandboxes for cid, c in box.connections().items()}
+    home = tmp_path_factory.mktemp("airflow-deployment")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    (home / "passwords.json").write_text(json.dumps({"admin": "admin"}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "PYTHONPATH": str(REPO),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(E2E_DAGS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+        "AIRFLOW__API__BASE_URL": url,
+        "AIRFLOW__API_AUTH__JWT_SECRET": "e2e-deployment-not-a-real-secret",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__SKYPILOT__CONNECTIONS": ",".join(sorted(conns)),
+    })
+    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True,
+                   timeout=300)
+    # connections in the metadata DB, as users add them: the triggerer then reads them through
+    # its supervisor (env-var connections would skip that path)
+    (home / "connections.json").write_text(json.dumps(conns))
+    subprocess.run([AIRFLOW, "connections", "import", str(home / "connections.json")], env=env,
+                   check=True, capture_output=True, timeout=120)
+    dep = Deployment(home, url, env)
+    argv = {"api-server": ["api-server", "--host", "127.0.0.1", "--port", str(port),
+                           "--workers", "1"]}
+    try:
+        for component in COMPONENTS:
+            with open(home / f"{component}.log", "w") as log:
+                dep.procs[component] = subprocess.Popen(
+                    [AIRFLOW, *argv.get(component, [component])], env=env, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+
+        def ready():
+            for name, proc in dep.procs.items():
+                assert proc.poll() is None, f"{name} exited\n{dep.logs()}"
+            try:
+                r = httpx.post(f"{url}/auth/token", json={"username": "admin",
+                                                          "password": "admin"}, timeout=5)
+            except httpx.HTTPError:
+                return False
+            if r.status_code != 201:
+                return False
+            dep.token = r.json()["access_token"]
+            return dep.api("GET", f"/dags/{DAG_ID}").status_code == 200
+        wait_until(ready, 180, 1, what="the deployment up with the DAG parsed")
+        yield dep
+    finally:
+        for proc in dep.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in dep.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+OK_TASK = """\
+name: ok
+resources:
+  infra: {infra}
+run: echo "ok from $SKYPILOT_TASK_ID"
+"""
+
+
+@pytest.mark.parametrize("infra, sandbox, prefix", [
+    ("slurm", "slurm", "slurm_"), ("k8s", "k8s", "k8s_"), ("aws", "aws", "aws_"),
+])
+def test_a_deferred_job_completes_through_the_triggerer(deployment, request, infra, sandbox,
+                                                        prefix):
+    box = request.getfixturevalue(sandbox)  # clean sandbox
+    run_id = deployment.trigger({"task": OK_TASK.format(infra=infra)})
+    assert deployment.wait_ti(run_id, {"success", "failed"}, 240) == "success", deployment.logs()
+    result = deployment.xcom(run_id, "return_value")
+    assert result["connection"].startswith(prefix)
+    assert [a["state"] for a in result["attempts"]] == ["succeeded"]
+    # the scheduler marks the run a moment after its last task
+    wait_until(lambda: deployment.run_state(run_id) == "success", 60, what="the run succeeded")
+    # the job was watched in the triggerer process: its output is in the trigger's log
+    trigger_log = deployment.trigger_log(run_id)
+    assert "airflow_skypilot.triggers.skypilot.SkyPilotJobTrigger" in trigger_log
+    assert f"ok from sky-airflow_{DAG_ID}_run_" in trigger_log
+    assert "Polling" not in trigger_log  # no failed poll: the connection came from the DB
+    if sandbox == "aws":
+        wait_until(lambda: box.running_instances() == [], 60, what="no instance left running")
+
+
+SLEEP_ON_SLURM = """\
+name: sleep
+resources:
+  infra: slurm
+  accelerators: {A100: 1, H100: 1}
+run: sleep 600
+"""
+
+
+def test_marking_the_deferred_task_failed_cancels_the_slurm_job(deployment, slurm):
+    run_id = deployment.trigger({"task": SLEEP_ON_SLURM})
+    deployment.wait_ti(run_id, {"deferred"}, 180)
+    handle = wait_until(lambda: deployment.xcom(run_id, "skypilot_handle"), 30,
+                        what="the job handle in XCom")
+    cluster = handle["connection"].removeprefix("slurm_")
+
+    def slurm_state() -> str:
+        return slurm.run(cluster, "squeue", "-h", "-t", "all", "-j", handle["job_id"],
+                         "-o", "%T").stdout.strip()
+    wait_until(lambda: slurm_state() == "RUNNING", 60, what="the Slurm job running")
+    # on_kill runs in the triggerer: the trigger must have been picked up (a task marked failed
+    # before any triggerer runs its trigger leaves the job running; README, known limits)
+    wait_until(lambda: "airflow-skypilot: job" in deployment.trigger_log(run_id), 90,
+               what="the triggerer watching the job")
+
+    r = deployment.api("PATCH", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/run",
+                       json={"new_state": "failed"})
+    assert r.status_code == 200, r.text
+    wait_until(lambda: slurm_state() == "CANCELLED", 90,
+               what=f"job {handle['job_id']} cancelled\n{deployment.logs()}")
+    trigger_log = deployment.trigger_log(run_id)
+    assert "cancelled by user action" in trigger_log, trigger_log[-3000:]
+    assert f"cancelling slurm job {handle['job_id']}" in trigger_log.lower(), trigger_log[-3000:]
+    assert deployment.ti(run_id)["state"] == "failed"
