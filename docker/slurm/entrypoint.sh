@@ -48,7 +48,7 @@ readonly HOST_KEY="${LOGIN_DIR}/ssh_host_ed25519_key"
 readonly READY_FILE=/run/slurm-cluster.ready
 readonly CTLD_PORT=6817
 readonly FIRST_SLURMD_PORT=6818
-readonly NODE_ENV=SKYPILOT_DOCKER_NODE          # slurmd (and its slurmstepds) carry their node
+readonly NODE_ENV=SKYPILOT_DOCKER_NODE          # each slurmd carries its node in its environment
 readonly SSH_PUBLIC_DIR="${SSH_PUBLIC_DIR:-/keys/public}"
 readonly LOGIN_USER="${LOGIN_USER:-skyuser}"
 
@@ -169,15 +169,25 @@ render() {
 
 proc_comm() { cat "/proc/$1/comm" 2>/dev/null || true; }
 
-# Pids of live processes named $1 whose environment has SKYPILOT_DOCKER_NODE=$2.
+# Pids of live processes named $1 (slurmd or slurmstepd) of node $2: those whose environment has
+# SKYPILOT_DOCKER_NODE=$2, or that hold the node's slurmd log open. slurmstepd inherits slurmd's
+# environment but overwrites it with its process title ("slurmstepd: [1006.batch]"), so a job
+# step is found by its log file (SlurmdLogFile=/var/log/slurm/slurmd-%n.log in slurm.conf).
 pids_of_node() {
-    local comm="$1" node="$2" dir pid
+    local comm="$1" node="$2" dir pid fd
     for dir in /proc/[0-9]*; do
         pid="${dir#/proc/}"
         [ "$(proc_comm "$pid")" = "$comm" ] || continue
         if tr '\0' '\n' <"${dir}/environ" 2>/dev/null | grep -qx "${NODE_ENV}=${node}"; then
             printf '%s\n' "$pid"
+            continue
         fi
+        for fd in "${dir}"/fd/*; do
+            if [ "$(readlink "$fd" 2>/dev/null)" = "${LOG_DIR}/slurmd-${node}.log" ]; then
+                printf '%s\n' "$pid"
+                break
+            fi
+        done
     done
 }
 
@@ -240,7 +250,11 @@ munge_works() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
 
 ctld_up() { scontrol ping 2>/dev/null | grep -q ' is UP'; }
 
-sshd_listens() { (exec 3<>/dev/tcp/127.0.0.1/22) 2>/dev/null; }
+# A listening socket on port 22 (state 0A), read from /proc rather than by connecting: every
+# probe connection would make sshd log two lines, every 5 s from the healthcheck.
+sshd_listens() {
+    grep -qE '^ *[0-9]+: [0-9A-F]+:0016 [0-9A-F]+:0000 0A ' /proc/net/tcp /proc/net/tcp6 2>/dev/null
+}
 
 node_state() { scontrol show node -o "$1" 2>/dev/null | tr ' ' '\n' | sed -n 's/^State=//p'; }
 

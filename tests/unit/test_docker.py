@@ -674,5 +674,5 @@ def test_readme_covers_the_essentials():
     readme = (DOCKER / "README.md").read_text()
     for text in ("docker compose -f docker/docker-compose.yml", "up --build",
                  "http://localhost:8080", "admin", "kill-node", "start-node",
-                 "Differences from the test sandbox", "no Docker engine"):
+                 "Differences from the test sandbox", "CI has no Docker engine"):
         assert text in readme, text
