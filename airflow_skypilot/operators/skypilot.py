@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
 XCOM_HANDLE = "skypilot_handle"
+#: Airflow's next_method for "resume only to fail" (trigger timeout or trigger failure)
+TRIGGER_FAIL_REPR = "__fail__"
 XCOM_PLACEMENT = "skypilot_placement"
 
 
@@ -72,7 +74,8 @@ class SkyPilotOperator(BaseOperator):
     :param deferrable: free the worker slot while the job queues and runs.
     :param poll_interval: seconds between status polls.
     :param wait_for_completion: False: submit, push the handle, return it (see the sensor).
-    :param cancel_on_kill: cancel the backend job when the task is killed or marked failed.
+    :param cancel_on_kill: cancel the backend job when the task is killed or marked failed, or
+        when its deferral times out (``execution_timeout``) before the job ends.
     :param probe_timeout: seconds each connection gets to answer a capacity probe.
     :param reprobe_interval: seconds between probes while nothing fits anywhere.
     :param stream_logs: copy the job's output into the task log as it runs.
@@ -482,6 +485,36 @@ class SkyPilotOperator(BaseOperator):
         return "\n".join(f"  attempt {i + 1}: {a['connection']}/{a['location']} job "
                          f"{a['job_id']}: {a['state']} {a.get('reason') or ''}"
                          for i, a in enumerate(state["attempts"]))
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None,
+                         context: Context) -> Any:
+        """Also stop the job when Airflow resumes the task only to fail it.
+
+        When the deferral times out (``execution_timeout``) or the trigger itself crashes,
+        Airflow schedules the task with ``next_method="__fail__"`` and the base class raises
+        without calling ``execute_complete`` or any ``on_kill``: the job would run on unwatched
+        (and a retry would start a second one). The handle is in XCom (pushed before deferring).
+        """
+        if next_method == TRIGGER_FAIL_REPR:
+            self._cancel_unwatched_job(context, (next_kwargs or {}).get("error", "unknown"))
+        return super().resume_execution(next_method, next_kwargs, context)
+
+    def _cancel_unwatched_job(self, context: Context, why: Any) -> None:
+        if not self.cancel_on_kill:
+            return
+        ti = context["ti"]
+        try:
+            raw = ti.xcom_pull(task_ids=ti.task_id, key=XCOM_HANDLE, map_indexes=ti.map_index)
+        except Exception as exc:
+            self.log.warning("Could not read the job handle to cancel the job: %s", exc)
+            return
+        if not raw:
+            return
+        handle = JobHandle.from_dict(raw)
+        self._handle = handle
+        self.log.warning("The deferral ended without the job's end (%s): cancelling %s job %s "
+                         "on %s", why, handle.backend, handle.job_id, handle.connection)
+        self._cleanup(handle, cancel=True)
 
     def on_kill(self) -> None:
         """Cancel the backend job when the task is killed while running in the worker."""

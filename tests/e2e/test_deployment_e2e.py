@@ -50,43 +50,52 @@ class Deployment:
     def logs(self) -> str:
         return "\n".join(f"--- {c} ---\n{self.log(c)[-3000:]}" for c in COMPONENTS)
 
-    def trigger_log(self, run_id: str) -> str:
+    def trigger_log(self, run_id: str, dag_id: str = DAG_ID) -> str:
         """What the triggerer logged for this run's task (``attempt=1.log.trigger.<id>.log``)."""
-        files = sorted(self.home.glob(f"logs/dag_id={DAG_ID}/run_id={run_id}/task_id=run/"
-                                      "*.log.trigger.*.log"))
+        return self._task_log(run_id, dag_id, "*.log.trigger.*.log")
+
+    def task_log(self, run_id: str, dag_id: str = DAG_ID) -> str:
+        """What the workers logged for this run's task."""
+        return self._task_log(run_id, dag_id, "attempt=*.log")
+
+    def _task_log(self, run_id: str, dag_id: str, pattern: str) -> str:
+        files = sorted(self.home.glob(f"logs/dag_id={dag_id}/run_id={run_id}/task_id=run/"
+                                      + pattern))
         return "".join(f.read_text(errors="replace") for f in files)
 
     def api(self, method: str, path: str, **kw: Any) -> httpx.Response:
         return httpx.request(method, f"{self.url}/api/v2{path}", timeout=30,
                              headers={"Authorization": f"Bearer {self.token}"}, **kw)
 
-    def trigger(self, conf: dict[str, Any]) -> str:
-        r = self.api("POST", f"/dags/{DAG_ID}/dagRuns", json={"logical_date": None, "conf": conf})
+    def trigger(self, conf: dict[str, Any], dag_id: str = DAG_ID) -> str:
+        r = self.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
         assert r.status_code == 200, r.text
         return r.json()["dag_run_id"]
 
-    def ti(self, run_id: str) -> dict[str, Any]:
-        r = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/run")
+    def ti(self, run_id: str, dag_id: str = DAG_ID) -> dict[str, Any]:
+        r = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/run")
         return r.json() if r.status_code == 200 else {}
 
     def run_state(self, run_id: str) -> str:
         return self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}").json().get("state", "")
 
-    def xcom(self, run_id: str, key: str) -> Any:
-        r = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/run/xcomEntries/{key}")
+    def xcom(self, run_id: str, key: str, dag_id: str = DAG_ID) -> Any:
+        r = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/run/xcomEntries/{key}")
         if r.status_code != 200:
             return None
         value = r.json()["value"]
         return json.loads(value) if isinstance(value, str) else value
 
-    def wait_ti(self, run_id: str, states: set[str], timeout: float) -> str:
+    def wait_ti(self, run_id: str, states: set[str], timeout: float,
+                dag_id: str = DAG_ID) -> str:
         def reached():
-            state = self.ti(run_id).get("state")
+            state = self.ti(run_id, dag_id).get("state")
             return state if state in states else None
         try:
             return wait_until(reached, timeout, 1, what=f"task state in {states}")
         except AssertionError:
-            raise AssertionError(f"task is {self.ti(run_id).get('state')!r}, not in {states}\n"
+            raise AssertionError(f"task is {self.ti(run_id, dag_id).get('state')!r}, "
+                                 f"not in {states}\n"
                                  + self.logs()) from None
 
 
@@ -115,6 +124,7 @@ def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
         "AIRFLOW__API__BASE_URL": url,
         "AIRFLOW__API_AUTH__JWT_SECRET": "e2e-deployment-not-a-real-secret",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL": "2",
         "AIRFLOW__SKYPILOT__CONNECTIONS": ",".join(sorted(conns)),
     })
     subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True,
@@ -145,7 +155,8 @@ def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
             if r.status_code != 201:
                 return False
             dep.token = r.json()["access_token"]
-            return dep.api("GET", f"/dags/{DAG_ID}").status_code == 200
+            return all(dep.api("GET", f"/dags/{d}").status_code == 200
+                       for d in (DAG_ID, "e2e_timeout"))
         wait_until(ready, 180, 1, what="the deployment up with the DAG parsed")
         yield dep
     finally:
@@ -156,7 +167,7 @@ def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
                 pass
         for proc in dep.procs.values():
             try:
-                proc.wait(30)
+                proc.wait(5)  # nothing to keep: the home is thrown away
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
@@ -226,3 +237,23 @@ def test_marking_the_deferred_task_failed_cancels_the_slurm_job(deployment, slur
     assert "cancelled by user action" in trigger_log, trigger_log[-3000:]
     assert f"cancelling slurm job {handle['job_id']}" in trigger_log.lower(), trigger_log[-3000:]
     assert deployment.ti(run_id)["state"] == "failed"
+
+
+def test_a_job_outliving_its_execution_timeout_is_cancelled(deployment, slurm):
+    # the scheduler times the deferral out and resumes the task only to fail it (no
+    # execute_complete, no on_kill): the operator still stops the job
+    run_id = deployment.trigger({}, dag_id="e2e_timeout")
+    deployment.wait_ti(run_id, {"deferred"}, 180, dag_id="e2e_timeout")
+    handle = deployment.xcom(run_id, "skypilot_handle", dag_id="e2e_timeout")
+    cluster = handle["connection"].removeprefix("slurm_")
+
+    def slurm_state() -> str:
+        return slurm.run(cluster, "squeue", "-h", "-t", "all", "-j", handle["job_id"],
+                         "-o", "%T").stdout.strip()
+    assert deployment.wait_ti(run_id, {"failed", "success"}, 180, dag_id="e2e_timeout") == \
+        "failed"
+    wait_until(lambda: slurm_state() == "CANCELLED", 30,
+               what=f"job {handle['job_id']} cancelled\n{deployment.logs()}")
+    log = deployment.task_log(run_id, dag_id="e2e_timeout")
+    assert "The deferral ended without the job's end" in log, log[-3000:]
+    assert "TaskDeferralTimeout" in log

@@ -297,3 +297,37 @@ def test_deferrable_is_the_default():
 def test_bad_policy_is_refused():
     with pytest.raises(ValueError, match="policy must be one of"):
         SkyPilotOperator(task_id="t", task={"run": "x"}, policy="random")
+
+
+class _PullTI(TI):
+    def xcom_pull(self, task_ids=None, key="return_value", map_indexes=None):
+        assert (task_ids, map_indexes) == (self.task_id, self.map_index)
+        return self.xcom.get(key)
+
+
+@pytest.mark.parametrize("error, raised", [("Trigger/execution timeout", "TaskDeferralTimeout"),
+                                           ("Trigger failure", "TaskDeferralError")])
+def test_resumed_only_to_fail_cancels_the_job(error, raised):
+    from airflow.models.trigger import TriggerFailureReason
+
+    reason = {"Trigger/execution timeout": TriggerFailureReason.TRIGGER_TIMEOUT,
+              "Trigger failure": TriggerFailureReason.TRIGGER_FAILURE}[error]
+    deferred, ti = _start(_op(), _PullTI())
+    job_id = deferred.trigger.handle["job_id"]
+    assert not FakeBackend.jobs[job_id]["status"].state.terminal
+    with pytest.raises(Exception) as info:
+        _op().resume_execution("__fail__", {"error": reason}, {"ti": ti})
+    assert type(info.value).__name__ == raised  # Airflow's own failure, unchanged
+    assert FakeBackend.jobs[job_id]["status"].state == JobState.CANCELLED
+
+
+def test_resumed_only_to_fail_keeps_the_job_when_told_to():
+    from airflow.models.trigger import TriggerFailureReason
+
+    deferred, ti = _start(_op(cancel_on_kill=False), _PullTI())
+    job_id = deferred.trigger.handle["job_id"]
+    with pytest.raises(Exception) as info:
+        _op(cancel_on_kill=False).resume_execution(
+            "__fail__", {"error": TriggerFailureReason.TRIGGER_TIMEOUT}, {"ti": ti})
+    assert type(info.value).__name__ == "TaskDeferralTimeout"
+    assert not FakeBackend.jobs[job_id]["status"].state.terminal
