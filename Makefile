@@ -62,7 +62,7 @@ sandbox-status: venv
 # The sandbox is stopped whatever pytest says; pytest's exit 5 (no tests) is not a failure.
 test: venv lint
 	@$(PY) -m tests.sandbox up || { $(PY) -m tests.sandbox down; exit 1; }; \
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	$(PY) -m tests.sandbox down || { [ $$rc -eq 0 ] && rc=1; }; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected (exit 5)"; rc=0; fi; \
 	exit $$rc
