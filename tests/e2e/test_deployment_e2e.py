@@ -257,3 +257,21 @@ def test_a_job_outliving_its_execution_timeout_is_cancelled(deployment, slurm):
     log = deployment.task_log(run_id, dag_id="e2e_timeout")
     assert "The deferral ended without the job's end" in log, log[-3000:]
     assert "TaskDeferralTimeout" in log
+
+
+def test_the_ui_pages_read_db_connections_and_list_the_jobs(deployment, slurm):
+    run_id = deployment.trigger({"task": OK_TASK.format(infra="slurm")})
+    assert deployment.wait_ti(run_id, {"success", "failed"}, 240) == "success", deployment.logs()
+    with httpx.Client(base_url=deployment.url, timeout=120,
+                      headers={"Authorization": f"Bearer {deployment.token}"}) as c:
+        # the capacity page probes from the api-server process, with the connections in the DB
+        body = c.get("/skypilot/api/capacity", params={"refresh": "true"}).json()
+        assert not [r for r in body["rows"] if r.get("error")], body["rows"]
+        rows = {(r["connection"], r["location"], r.get("accelerator")): r for r in body["rows"]}
+        assert rows[("slurm_alpha", "batch", "A100")]["total"] == 8
+        assert rows[("slurm_beta", "main", "H100")]["total"] == 8
+        assert {"k8s_sandbox", "aws_sandbox"} <= {conn for conn, _, _ in rows}
+        # the jobs page lists the run, placed where the task says
+        jobs = c.get("/skypilot/api/jobs").json()["jobs"]
+    job = next(j for j in jobs if j["run_id"] == run_id)
+    assert job["dag_id"] == DAG_ID and job["connection"].startswith("slurm_"), job
