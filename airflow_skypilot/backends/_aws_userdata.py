@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from airflow_skypilot.backends import jobscript
+from airflow_skypilot.backends.workdir import ignore_patterns, is_ignored
 from airflow_skypilot.spec.task import Task
 
 #: EC2's limit on raw user-data; we keep a margin below it.
@@ -64,28 +65,12 @@ def _add(tar: tarfile.TarFile, name: str, content: str | bytes, mode: int = 0o60
     tar.addfile(info, io.BytesIO(raw))
 
 
-def _skyignore(root: str) -> list[str]:
-    patterns = [".git"]
-    path = os.path.join(root, ".skyignore")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            patterns += [ln.strip() for ln in fh if ln.strip() and not ln.startswith("#")]
-    return patterns
-
-
 def _add_tree(tar: tarfile.TarFile, local: str, arcname: str) -> None:
-    import fnmatch
-
-    patterns = _skyignore(local)
-
-    def skip(rel: str) -> bool:
-        base = os.path.basename(rel)
-        return any(fnmatch.fnmatch(rel, p.strip("/")) or fnmatch.fnmatch(base, p.strip("/"))
-                   for p in patterns)
+    patterns = ignore_patterns(local)
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         rel = os.path.relpath(info.name, arcname) if info.name != arcname else "."
-        if rel != "." and skip(rel):
+        if rel != "." and is_ignored(rel, patterns):
             return None
         info.uid = info.gid = 0
         info.uname = info.gname = ""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import fnmatch
 import io
 import os
 import shlex
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_skypilot.backends import jobscript
+from airflow_skypilot.backends.workdir import ignore_patterns, is_ignored
 from airflow_skypilot.spec.task import Task
 
 #: labels and annotations (``skypilot.airflow/`` is ours)
@@ -115,21 +115,6 @@ class Bundle:
         return sum(len(v) for v in self.data.values())
 
 
-def _ignore_patterns(root: str) -> list[str]:
-    patterns = [".git"]
-    path = os.path.join(root, ".skyignore")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            patterns += [ln.strip() for ln in fh if ln.strip() and not ln.startswith("#")]
-    return patterns
-
-
-def _ignored(rel: str, patterns: list[str]) -> bool:
-    name = os.path.basename(rel)
-    return any(fnmatch.fnmatch(rel, p.strip("/")) or fnmatch.fnmatch(name, p.strip("/"))
-               for p in patterns)
-
-
 def _root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
     """Files unpack as the pod's user, whatever uid the Airflow worker has."""
     info.uid = info.gid = 0
@@ -153,18 +138,18 @@ def _tar_b64(entries: list[tuple[str, str]], raw_limit: int) -> str:
 
 def _tree(local: str) -> list[tuple[str, str]]:
     """Every file and directory under ``local`` (minus .git and .skyignore), archive-relative."""
-    patterns = _ignore_patterns(local)
+    patterns = ignore_patterns(local)
     out: list[tuple[str, str]] = []
     for root, dirs, files in os.walk(local):
         rel_root = os.path.relpath(root, local)
         dirs[:] = sorted(d for d in dirs
-                         if not _ignored(os.path.normpath(os.path.join(rel_root, d)), patterns))
+                         if not is_ignored(os.path.normpath(os.path.join(rel_root, d)), patterns))
         for name in sorted(dirs):
             rel = os.path.normpath(os.path.join(rel_root, name))
             out.append((os.path.join(root, name), rel))
         for name in sorted(files):
             rel = os.path.normpath(os.path.join(rel_root, name))
-            if not _ignored(rel, patterns):
+            if not is_ignored(rel, patterns):
                 out.append((os.path.join(root, name), rel))
     return out
 

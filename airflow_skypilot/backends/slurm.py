@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import fnmatch
 import importlib
 import logging
 import os
@@ -43,6 +42,7 @@ from airflow_skypilot.backends.base import (
     JobStatus,
     Offer,
 )
+from airflow_skypilot.backends.workdir import ignore_patterns, is_ignored
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import fields
@@ -1040,28 +1040,18 @@ def _sftp_makedirs(sftp: Any, path: str, mode: int) -> None:
             sftp.mkdir(current, mode)
 
 
-def _ignored(rel: str, patterns: list[str]) -> bool:
-    name = os.path.basename(rel)
-    return any(fnmatch.fnmatch(rel, p.strip("/")) or fnmatch.fnmatch(name, p.strip("/"))
-               for p in patterns)
-
-
 def _sftp_put_tree(sftp: Any, local: str, remote: str) -> None:
     """Copy a local directory tree; skips ``.git`` and what ``.skyignore`` lists."""
-    patterns = [".git"]
-    ignore = os.path.join(local, ".skyignore")
-    if os.path.exists(ignore):
-        with open(ignore, encoding="utf-8") as fh:
-            patterns += [ln.strip() for ln in fh if ln.strip() and not ln.startswith("#")]
+    patterns = ignore_patterns(local)
     for root, dirs, files in os.walk(local):
         rel_root = os.path.relpath(root, local)
         dirs[:] = [d for d in dirs
-                   if not _ignored(os.path.normpath(os.path.join(rel_root, d)), patterns)]
+                   if not is_ignored(os.path.normpath(os.path.join(rel_root, d)), patterns)]
         target_root = remote if rel_root == "." else f"{remote}/{rel_root}"
         _sftp_makedirs(sftp, target_root, 0o755)
         for name in files:
             rel = os.path.normpath(os.path.join(rel_root, name))
-            if _ignored(rel, patterns):
+            if is_ignored(rel, patterns):
                 continue
             path = os.path.join(root, name)
             sftp.put(path, f"{target_root}/{name}")
