@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,18 @@ def use_connections(monkeypatch: pytest.MonkeyPatch, conns: dict[str, dict]) -> 
     """Make Airflow connections visible to hooks in this process (AIRFLOW_CONN_<ID> JSON)."""
     for conn_id, conn in conns.items():
         monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
+
+
+def wait_for_job(backend, handle, states, timeout: float):
+    """Poll ``backend`` until the job reaches one of ``states`` (JobState values); its status."""
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline:
+        status = backend.status([handle])[handle.job_id]
+        if status.state in states:
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"job {handle.job_id} still {status} after {timeout}s")
 
 
 def _sandbox(name: str):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,14 @@ def airflow_all(airflow, slurm, k8s, aws) -> Airflow:
     airflow.connect({**slurm.connections(), **k8s.connections(), **aws.connections()},
                     ["slurm_alpha", "slurm_beta", "k8s_sandbox", "aws_sandbox"])
     return airflow
+
+
+def shared_dir() -> str:
+    """A fresh directory every job of a test can write (checkpoints), whoever it runs as."""
+    path = f"/tmp/airflow-skypilot-e2e/{uuid.uuid4().hex}"
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o1777)
+    return path
 
 
 def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 from kubernetes import client, config
 
-from tests.e2e.conftest import wait_until
+from tests.e2e.conftest import shared_dir, wait_until
 from tests.e2e.test_slurm_e2e import _fill
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.e2e]
@@ -38,9 +37,7 @@ def test_full_on_prem_overflows_to_spot_and_survives_a_reclaim(airflow_all, slur
     _fill(slurm, "alpha", "gpu:a100:4", 2)
     _fill(slurm, "beta", "gpu:h100:8", 1)
     _fill_k8s(k8s)
-    ckpt = f"/tmp/airflow-skypilot-e2e/{uuid.uuid4().hex}"
-    os.makedirs(ckpt, exist_ok=True)
-    os.chmod(ckpt, 0o1777)
+    ckpt = shared_dir()
     proc = airflow_all.start("e2e_task", {"task": "tasks/spot_overflow.yaml",
                                           "envs": {"CKPT_DIR": ckpt, "STEPS": "15"}})
     try:

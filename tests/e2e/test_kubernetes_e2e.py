@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 
-from tests.e2e.conftest import wait_until
+from tests.e2e.conftest import shared_dir, wait_until
 from tests.e2e.test_slurm_e2e import _fill
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.e2e]
@@ -19,9 +18,7 @@ def _pods(k8s, prefix="sky-e2e-task-run"):
 
 def test_slurm_full_runs_on_kubernetes_and_eviction_brings_it_back(airflow_k8s, slurm, k8s):
     fillers = _fill(slurm, "alpha", "gpu:a100:4", 2) + _fill(slurm, "beta", "gpu:h100:8", 1)
-    ckpt = f"/tmp/airflow-skypilot-e2e/{uuid.uuid4().hex}"
-    os.makedirs(ckpt, exist_ok=True)
-    os.chmod(ckpt, 0o1777)
+    ckpt = shared_dir()
     proc = airflow_k8s.start("e2e_task", {"task": "tasks/train_ckpt.yaml",
                                           "envs": {"CKPT_DIR": ckpt, "STEPS": "12"}})
     try:

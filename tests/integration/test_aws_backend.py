@@ -23,7 +23,7 @@ from airflow_skypilot.backends.base import JobState
 from airflow_skypilot.cli import main as cli
 from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.spec import load_task
-from tests.conftest import use_connections
+from tests.conftest import use_connections, wait_for_job
 from tests.sandbox.aws.config import ACCESS_KEY_ID, BUCKET, SECRET_ACCESS_KEY
 
 pytestmark = pytest.mark.sandbox
@@ -72,14 +72,7 @@ def _offer(backend, task, location=None):
 
 
 def _wait(backend, handle, states=DONE, timeout=90.0):
-    deadline = time.monotonic() + timeout
-    status = None
-    while time.monotonic() < deadline:
-        status = backend.status([handle])[handle.job_id]
-        if status.state in states:
-            return status
-        time.sleep(0.5)
-    raise AssertionError(f"{handle.job_id} still {status} after {timeout}s")
+    return wait_for_job(backend, handle, states, timeout)
 
 
 def _instances(box, job_name: str, region: str = "us-east-1") -> list[dict]:

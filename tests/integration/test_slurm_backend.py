@@ -16,6 +16,7 @@ from airflow_skypilot.cli import main as cli
 from airflow_skypilot.exceptions import BackendUnreachable
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.spec import load_task
+from tests.conftest import wait_for_job
 
 pytestmark = pytest.mark.sandbox
 
@@ -33,15 +34,7 @@ def _task(run: str = "true", **fields):
 
 
 def _wait(backend, handle, states, timeout=60.0):
-    """Poll until the job reaches one of ``states`` (JobState values); return the status."""
-    deadline = time.monotonic() + timeout
-    status = None
-    while time.monotonic() < deadline:
-        status = backend.status([handle])[handle.job_id]
-        if status.state in states:
-            return status
-        time.sleep(0.5)
-    raise AssertionError(f"job {handle.job_id} still {status} after {timeout}s")
+    return wait_for_job(backend, handle, states, timeout)
 
 
 def _log(backend, handle) -> str:
