@@ -532,6 +532,12 @@ def marker_keys(keys: Iterable[str]) -> list[tuple[str, int, str]]:
     return out
 
 
+def _add_listing(objects: dict[str, str], page: Mapping[str, Any], prefix: str) -> None:
+    """One ``list_objects_v2`` page into ``objects``: key relative to ``prefix`` -> ETag."""
+    for obj in page.get("Contents", []):
+        objects[obj["Key"][len(prefix):]] = obj.get("ETag", "")
+
+
 def build_markers(found: Iterable[tuple[str, int, str]], content: Mapping[str, str]) -> Markers:
     markers = Markers()
     for key, rank, name in found:
@@ -1653,21 +1659,15 @@ class AwsBackend(Backend):
         objects: dict[str, str] = {}
         async for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
                                                                        Prefix=prefix):
-            for obj in page.get("Contents", []):
-                objects[obj["Key"][len(prefix):]] = obj.get("ETag", "")
-        found = marker_keys(objects)
-        content: dict[str, str] = {}
-        for key, _, name in found:
-            if name not in CONTENT_MARKERS:
-                continue
-            cache_key = (f"{bucket}/{prefix}{key}", objects[key])
+            _add_listing(objects, page, prefix)
+        found, wanted = self._content_markers(bucket, prefix, objects)
+        for key, cache_key in wanted.items():
             if cache_key not in self._marker_cache:
                 resp = await s3.get_object(Bucket=bucket, Key=prefix + key)
                 async with resp["Body"] as stream:
                     self._marker_cache[cache_key] = (await stream.read()).decode("utf-8",
                                                                                   "replace")
-            content[key] = self._marker_cache[cache_key]
-        return build_markers(found, content)
+        return build_markers(found, {k: self._marker_cache[c] for k, c in wanted.items()})
 
     def _markers(self, handle: JobHandle) -> Markers:
         bucket, prefix = self._bucket_of(handle)
@@ -1678,21 +1678,26 @@ class AwsBackend(Backend):
         try:
             for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
                                                                      Prefix=prefix):
-                for obj in page.get("Contents", []):
-                    objects[obj["Key"][len(prefix):]] = obj.get("ETag", "")
-            found = marker_keys(objects)
-            content: dict[str, str] = {}
-            for key, _, name in found:
-                if name not in CONTENT_MARKERS:
-                    continue
-                cache_key = (f"{bucket}/{prefix}{key}", objects[key])
+                _add_listing(objects, page, prefix)
+            found, wanted = self._content_markers(bucket, prefix, objects)
+            for key, cache_key in wanted.items():
                 if cache_key not in self._marker_cache:
                     body = s3.get_object(Bucket=bucket, Key=prefix + key)["Body"].read()
                     self._marker_cache[cache_key] = body.decode("utf-8", "replace")
-                content[key] = self._marker_cache[cache_key]
         except Exception as exc:
             raise self._unreachable(exc, f"listing s3://{bucket}/{prefix}") from exc
-        return build_markers(found, content)
+        return build_markers(found, {k: self._marker_cache[c] for k, c in wanted.items()})
+
+    @staticmethod
+    def _content_markers(bucket: str, prefix: str, objects: Mapping[str, str]
+                         ) -> tuple[list[tuple[str, int, str]], dict[str, tuple[str, str]]]:
+        """The markers among ``objects`` (relative key -> ETag), and the cache key of each one
+        whose content matters (object and ETag: each version is read once), for the sync and
+        async readers alike."""
+        found = marker_keys(objects)
+        wanted = {key: (f"{bucket}/{prefix}{key}", objects[key])
+                  for key, _, name in found if name in CONTENT_MARKERS}
+        return found, wanted
 
     # --- logs --------------------------------------------------------------------------------
     def _log_key(self, handle: JobHandle) -> tuple[str, str]:
