@@ -4,7 +4,8 @@ Why: the Slurm backend talks to clusters only over SSH (the ssh provider's hooks
 honest test double is a real slurmctld/slurmd pair reached through a real sshd. Everything runs
 from Debian's packages with our own config files (``SLURM_CONF``, ``sshd -f``); nothing is
 written to /etc/slurm or /etc/ssh. Runtime state lives under a state dir (default
-``<repo>/.sandbox/slurm``) and is wiped on every start.
+``<repo>/.sandbox/slurm``, or /var/tmp/airflow-skypilot-sandbox/<checkout hash>/slurm when the
+checkout is not world-traversable) and is wiped on every start.
 
 CLI (from the repo root)::
 
@@ -37,6 +38,7 @@ fails (no slurmdbd).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pwd
@@ -53,6 +55,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STATE_DIR = REPO_ROOT / ".sandbox" / "slurm"
+# Where the state goes when the checkout is not world-traversable (``mktemp -d`` is 0700): the
+# login user must read slurm.conf and the ssh wrapper. One dir per checkout, found again by
+# ``down``.
+FALLBACK_STATE_ROOT = Path("/var/tmp/airflow-skypilot-sandbox")
 PORT_BASE_ENV = "SKYPILOT_SANDBOX_PORT_BASE"
 DEFAULT_PORT_BASE = 28000
 # Slurm takes ports base+100 .. base+119 so other sandboxes can share one base.
@@ -380,11 +386,26 @@ exec -a -bash /bin/bash
 # --------------------------------------------------------------------------- the sandbox
 
 
+def _traversable(path: Path) -> bool:
+    """Can any user reach ``path`` (o+x on it, or where it will be made, and every parent)?"""
+    return all(p.stat().st_mode & stat.S_IXOTH for p in [path, *path.parents] if p.exists())
+
+
+def _default_state_dir() -> Path:
+    """``<repo>/.sandbox/slurm``, or a per-checkout dir under /var/tmp if the login user
+    could not reach that one."""
+    default = DEFAULT_STATE_DIR.resolve()
+    if _traversable(default):
+        return default
+    digest = hashlib.sha1(str(REPO_ROOT).encode()).hexdigest()[:12]
+    return FALLBACK_STATE_ROOT / digest / "slurm"
+
+
 class SlurmSandbox:
     """Start, stop, inspect and break the two local Slurm clusters."""
 
     def __init__(self, state_dir: Path | None = None) -> None:
-        self.state_dir = Path(state_dir or DEFAULT_STATE_DIR).resolve()
+        self.state_dir = Path(state_dir).resolve() if state_dir else _default_state_dir()
         self.hostname = socket.gethostname().split(".")[0]
 
     # ---- paths
