@@ -15,7 +15,7 @@ from airflow.sdk.exceptions import TaskDeferred
 from airflow_skypilot.backends.base import JobHandle
 from airflow_skypilot.operators import SkyPilotOperator
 from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger, pollers_in_this_loop
-from tests.e2e.conftest import REPO, wait_until
+from tests.e2e.conftest import REPO, shared_dir, wait_until
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.e2e]
 
@@ -51,7 +51,7 @@ def test_full_cluster_is_skipped_at_once_and_the_table_says_why(airflow_slurm, s
     _fill(slurm, "alpha", "gpu:a100:4", 2)  # every A100 busy
     start = time.monotonic()
     run = airflow_slurm.run("e2e_task", {"task": "tasks/train_ckpt.yaml", "envs": {
-        "CKPT_DIR": f"/tmp/airflow-skypilot-e2e/{uuid.uuid4().hex}", "STEPS": "1"}})
+        "CKPT_DIR": shared_dir(), "STEPS": "1"}})
     elapsed = time.monotonic() - start
     assert run.returncode == 0, run.output[-4000:]
     result = run.result("run")
@@ -66,7 +66,7 @@ def test_full_cluster_is_skipped_at_once_and_the_table_says_why(airflow_slurm, s
 
 
 def test_node_failure_moves_the_job_to_the_other_cluster(airflow_slurm, slurm):
-    ckpt = f"/tmp/airflow-skypilot-e2e/{uuid.uuid4().hex}"
+    ckpt = shared_dir()
     _fill(slurm, "beta", "gpu:h100:8", 1)  # beta busy: the first attempt goes to alpha
     proc = airflow_slurm.start("e2e_task", {"task": "tasks/train_ckpt.yaml",
                                             "envs": {"CKPT_DIR": ckpt, "STEPS": "12"}})
@@ -105,7 +105,7 @@ def test_user_failure_is_not_failed_over_and_shows_the_log_tail(airflow_slurm, s
 
 
 def test_max_restarts_on_errors_restarts_once(airflow_slurm):
-    marks = f"/tmp/airflow-skypilot-e2e/{uuid.uuid4().hex}"
+    marks = shared_dir()
     run = airflow_slurm.run("e2e_task", {"task": "tasks/fail_once.yaml",
                                          "envs": {"MARK_DIR": marks}})
     assert run.returncode == 0, run.output[-4000:]
