@@ -26,3 +26,8 @@ class SubmissionError(BackendError):
 
 class NoPlacementError(SkyPilotError):
     """No connection offers capacity that fits the task."""
+
+
+class ConfigurationError(SkyPilotError):
+    """The deployment is misconfigured (unknown connection, unsupported connection type):
+    retrying or waiting cannot help, so it fails the task at once."""

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airflow_skypilot import placement  # noqa: E402
-from airflow_skypilot.backends import base  # noqa: E402
+from airflow_skypilot.backends import registry  # noqa: E402
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus  # noqa: E402
 from airflow_skypilot.backends.slurm import parse_cluster  # noqa: E402
 from airflow_skypilot.spec import load_task  # noqa: E402
@@ -117,7 +117,7 @@ async def _watch(handles: list[JobHandle], interval: float, periods: int
 
 
 def bench_poller(quick: bool) -> None:
-    base.register_backend("fake", "tests.fakes:FakeBackend", ["fake"])
+    registry.register_backend(FakeBackend)
     real_poll = FakeBackend.poll
 
     async def slow_poll(self, handles, _real=real_poll, latency=0.05):

@@ -1,4 +1,8 @@
-"""Backends: one module per kind of place a job can run, all behind :class:`Backend`."""
+"""Backends: one package per kind of place a job can run, all behind :class:`Backend`.
+
+``base`` is the protocol and the plain types that cross it; ``registry`` finds the backend
+classes (built-in and entry points); ``common`` holds what every backend shares.
+"""
 
 from airflow_skypilot.backends.base import (
     Backend,
@@ -7,6 +11,8 @@ from airflow_skypilot.backends.base import (
     JobState,
     JobStatus,
     Offer,
+)
+from airflow_skypilot.backends.registry import (
     backend_class,
     backend_for_connection,
     backend_for_handle,

@@ -32,8 +32,8 @@ import tarfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from airflow_skypilot.backends import jobscript
-from airflow_skypilot.backends.workdir import ignore_patterns, is_ignored
+from airflow_skypilot.backends.common import jobscript
+from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
 from airflow_skypilot.spec.task import Task
 
 #: EC2's limit on raw user-data; we keep a margin below it.

@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_skypilot.backends import jobscript
-from airflow_skypilot.backends.workdir import ignore_patterns, is_ignored
+from airflow_skypilot.backends.common import jobscript
+from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
 from airflow_skypilot.spec.task import Task
 
 #: labels and annotations (``skypilot.airflow/`` is ours)

@@ -53,7 +53,6 @@ from importlib import resources
 from typing import Any
 
 from airflow_skypilot.backends import _aws_userdata as userdata
-from airflow_skypilot.backends import jobscript
 from airflow_skypilot.backends.base import (
     Backend,
     CapacityRow,
@@ -62,6 +61,8 @@ from airflow_skypilot.backends.base import (
     JobStatus,
     Offer,
 )
+from airflow_skypilot.backends.common import jobscript
+from airflow_skypilot.backends.common.features import Feature
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import fields
@@ -630,23 +631,6 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
 # --- misc helpers ----------------------------------------------------------------------------
 
 
-def unsupported(task: Task, req: ResourceRequest) -> str:
-    """Why this backend cannot run the candidate at all ("" when it can)."""
-    if req.container_image:
-        return ("image_id docker:... is not run on AWS by this backend (jobs run directly on the "
-                "instance's AMI: give an ami-... image_id, or use Kubernetes for containers)")
-    if isinstance(req.image_id, str) and not req.image_id.startswith(("ami-", "skypilot:")):
-        return f"image_id {req.image_id!r} is not an AMI id (ami-...)"
-    if task.volumes:
-        return "volumes are Kubernetes volumes; EC2 instances here have none"
-    if isinstance(task.workdir, dict):
-        return "a git workdir is not cloned on AWS; use a local workdir"
-    for dst, src in task.file_mounts.items():
-        if not isinstance(src, str) or ("://" in src and not src.startswith("s3://")):
-            return f"file_mounts {dst}: only local paths and s3:// sources work on AWS"
-    return ""
-
-
 def _client_error(exc: BaseException) -> tuple[str, str]:
     response = getattr(exc, "response", None) or {}
     err = response.get("Error") or {}
@@ -703,6 +687,22 @@ class AwsBackend(Backend):
 
     name = "aws"
     conn_types = ("aws",)
+    unsupported_features = {
+        Feature.DOCKER_IMAGE: "not run on AWS by this backend (jobs run directly on the "
+                              "instance's AMI: give an ami-... image_id, or use Kubernetes for "
+                              "containers)",
+        Feature.GIT_WORKDIR: "a git workdir is not cloned on AWS; use a local workdir",
+        Feature.STORAGE_MOUNTS: "only local paths and s3:// sources work on AWS",
+        Feature.OTHER_BUCKET_MOUNTS: "only local paths and s3:// sources work on AWS",
+        Feature.VOLUMES: "volumes are Kubernetes volumes; EC2 instances here have none",
+    }
+
+    def unsupported(self, task: Task, req: ResourceRequest) -> str:
+        why = super().unsupported(task, req)
+        if not why and isinstance(req.image_id, str) and not req.image_id.startswith(
+                ("ami-", "skypilot:")) and not req.container_image:
+            why = f"image_id {req.image_id!r} is not an AMI id (ami-...)"
+        return why
 
     def __init__(self, conn_id: str, settings: AwsSettings | None = None):
         super().__init__(conn_id)
@@ -969,7 +969,7 @@ class AwsBackend(Backend):
                     f"infra {req.infra} names no region of connection {self.conn_id} "
                     f"({everywhere})"), now))
                 continue
-            if why := unsupported(task, req):
+            if why := self.unsupported(task, req):
                 offers.append(self._no_fit(task, req, everywhere, why, now))
                 continue
             for region in regions:
@@ -1246,7 +1246,7 @@ class AwsBackend(Backend):
                      job_name, self.conn_id, ", ".join(existing.extra.get("instance_ids", [])))
             return existing
         req = offer.request
-        if why := unsupported(task, req):
+        if why := self.unsupported(task, req):
             raise SubmissionError(why, retry_elsewhere=True)
         if not s.s3_bucket:
             raise SubmissionError(f"connection {self.conn_id} has no s3_bucket extra (needed for "

@@ -8,14 +8,14 @@ touches them. Handles and statuses are JSON-serialisable: they travel through tr
 
 from __future__ import annotations
 
-import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from airflow_skypilot.backends.common.features import Feature, unsupported_reason
 from airflow_skypilot.spec.task import ResourceRequest, request_from_json
 
 if TYPE_CHECKING:
@@ -200,9 +200,17 @@ class Backend(ABC):
     name: ClassVar[str]
     #: Airflow connection types served by this backend
     conn_types: ClassVar[tuple[str, ...]] = ()
+    #: task features this backend cannot provide, each with the reason shown in the placement
+    #: table (cf. SkyPilot's ``_CLOUD_UNSUPPORTED_FEATURES``)
+    unsupported_features: ClassVar[Mapping[Feature, str]] = {}
 
     def __init__(self, conn_id: str):
         self.conn_id = conn_id
+
+    def unsupported(self, task: Task, req: ResourceRequest) -> str:
+        """Why this backend can never run candidate ``req`` ("" when it might): the declared
+        unsupported features. Backends extend it only for checks no feature expresses."""
+        return unsupported_reason(self.unsupported_features, task, req)
 
     # --- placement ------------------------------------------------------------------------
     @abstractmethod
@@ -281,58 +289,3 @@ class Backend(ABC):
         """Remove what the job left behind (staged secrets, objects). Default: nothing."""
         return None
 
-
-# --- registry -------------------------------------------------------------------------------
-
-#: backend name -> "module:Class"; imported lazily so the CLI stays fast
-_BACKENDS: dict[str, str] = {
-    "slurm": "airflow_skypilot.backends.slurm:SlurmBackend",
-    "kubernetes": "airflow_skypilot.backends.kubernetes:KubernetesBackend",
-    "aws": "airflow_skypilot.backends.aws:AwsBackend",
-}
-#: Airflow connection type -> backend name
-_CONN_TYPES: dict[str, str] = {
-    "slurm": "slurm",
-    "ssh": "slurm",
-    "kubernetes": "kubernetes",
-    "aws": "aws",
-}
-
-
-def register_backend(name: str, target: str, conn_types: Iterable[str] = ()) -> None:
-    """Add a backend (``target`` is ``"module:Class"``) and the connection types it serves."""
-    _BACKENDS[name] = target
-    for conn_type in conn_types:
-        _CONN_TYPES[conn_type] = name
-
-
-def backend_name_for_conn_type(conn_type: str) -> str:
-    try:
-        return _CONN_TYPES[conn_type]
-    except KeyError:
-        known = ", ".join(sorted(_CONN_TYPES))
-        raise ValueError(
-            f"connection type {conn_type!r} is not served by any backend (known: {known})"
-        ) from None
-
-
-def backend_class(name: str) -> type[Backend]:
-    try:
-        target = _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}") from None
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def backend_for_connection(conn_id: str, conn_type: str | None = None) -> Backend:
-    """The backend instance for an Airflow connection id (its type picks the backend)."""
-    if conn_type is None:
-        from airflow_skypilot.compat import get_connection
-
-        conn_type = get_connection(conn_id).conn_type or ""
-    return backend_class(backend_name_for_conn_type(conn_type))(conn_id)
-
-
-def backend_for_handle(handle: JobHandle) -> Backend:
-    return backend_class(handle.backend)(handle.connection)

@@ -44,7 +44,6 @@ from datetime import datetime
 from typing import Any
 
 from airflow_skypilot.backends import _k8s_manifests as m
-from airflow_skypilot.backends import jobscript
 from airflow_skypilot.backends.base import (
     Backend,
     CapacityRow,
@@ -53,6 +52,8 @@ from airflow_skypilot.backends.base import (
     JobStatus,
     Offer,
 )
+from airflow_skypilot.backends.common import jobscript
+from airflow_skypilot.backends.common.features import Feature
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import fields
@@ -349,26 +350,6 @@ def cluster_view(nodes: list[Mapping[str, Any]], pods: list[Mapping[str, Any]] |
                 node.used[key] = node.used.get(key, 0.0) + value
             node.used["pods"] = node.used.get("pods", 0.0) + 1
     return ClusterView(nodes=views, pods_known=pods is not None, pending=pending, note=note)
-
-
-def unsupported(task: Task, req: ResourceRequest) -> str:
-    """Why no Kubernetes cluster can run this candidate at all ("" when one can)."""
-    if req.instance_type:
-        return f"instance_type {req.instance_type} is a cloud VM type, not a Kubernetes resource"
-    if req.accelerator and not float(req.accelerator_count).is_integer():
-        return (f"{req.accelerator}:{req.accelerator_count}: Kubernetes allocates whole GPUs "
-                f"({m.GPU_RESOURCE} is an integer)")
-    if isinstance(task.workdir, dict):
-        return "a git workdir is not cloned on Kubernetes; use a local workdir"
-    for dst, src in task.file_mounts.items():
-        if not isinstance(src, str):
-            return f"file_mounts {dst}: storage mounts are not supported on Kubernetes here"
-        if "://" in src:
-            return f"file_mounts {dst}: {src.split('://')[0]}:// sources are not copied here"
-    for path, volume in task.volumes.items():
-        if not isinstance(volume, str):
-            return f"volumes {path}: give the name of a PersistentVolumeClaim"
-    return ""
 
 
 def _shape_of(req: ResourceRequest) -> tuple[int, float, float]:
@@ -669,6 +650,16 @@ class KubernetesBackend(Backend):
 
     name = "kubernetes"
     conn_types = ("kubernetes",)
+    unsupported_features = {
+        Feature.INSTANCE_TYPE: "a cloud VM type, not a Kubernetes resource",
+        Feature.FRACTIONAL_GPUS: f"Kubernetes allocates whole GPUs ({m.GPU_RESOURCE} is an "
+                                 "integer)",
+        Feature.GIT_WORKDIR: "a git workdir is not cloned on Kubernetes; use a local workdir",
+        Feature.STORAGE_MOUNTS: "storage mounts are not supported on Kubernetes here",
+        Feature.S3_MOUNTS: "bucket sources are not copied to Kubernetes here",
+        Feature.OTHER_BUCKET_MOUNTS: "bucket sources are not copied to Kubernetes here",
+        Feature.INLINE_VOLUMES: "give the name of a PersistentVolumeClaim",
+    }
 
     def __init__(self, conn_id: str, settings: KubernetesSettings | None = None):
         super().__init__(conn_id)
@@ -838,7 +829,7 @@ class KubernetesBackend(Backend):
             offer.fits, offer.reason = False, reason
             return offer
 
-        if why := unsupported(task, req):
+        if why := self.unsupported(task, req):
             return no(why)
         if bundle_error:
             return no(f"workdir/file_mounts: {bundle_error}")
@@ -990,7 +981,7 @@ class KubernetesBackend(Backend):
         existing = self._get_job(ns, job_name)
         if existing is not None:
             return self._adopt(existing, task, offer, job_name, env)
-        if why := unsupported(task, offer.request):
+        if why := self.unsupported(task, offer.request):
             raise SubmissionError(why, retry_elsewhere=True)
         if task.num_nodes > 1 and len(m.pod_hostname(job_name, task.num_nodes - 1)) > 63:
             raise SubmissionError(f"job name {job_name!r} is too long for the pod host names "
@@ -1411,4 +1402,4 @@ def _api_error(conn_id: str, status: int | None, body: Any) -> BackendError:
     return KubeApiError(status, message)
 
 
-__all__ = ["KubernetesBackend", "KubernetesSettings", "job_status", "unsupported"]
+__all__ = ["KubernetesBackend", "KubernetesSettings", "job_status"]

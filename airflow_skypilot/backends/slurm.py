@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_skypilot.backends import jobscript
 from airflow_skypilot.backends.base import (
     Backend,
     CapacityRow,
@@ -42,7 +41,9 @@ from airflow_skypilot.backends.base import (
     JobStatus,
     Offer,
 )
-from airflow_skypilot.backends.workdir import ignore_patterns, is_ignored
+from airflow_skypilot.backends.common import jobscript
+from airflow_skypilot.backends.common.features import Feature
+from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import fields
@@ -425,6 +426,18 @@ class SlurmBackend(Backend):
 
     name = "slurm"
     conn_types = ("slurm", "ssh")
+    unsupported_features = {
+        Feature.SPOT: "Slurm has no spot capacity",
+        Feature.INSTANCE_TYPE: "a cloud VM type, not a Slurm resource",
+        Feature.DOCKER_IMAGE: "needs a container runtime on the cluster; this backend runs "
+                              "jobs directly on the nodes",
+        Feature.FRACTIONAL_GPUS: "Slurm allocates whole GPUs",
+        Feature.GIT_WORKDIR: "a git workdir is not cloned on Slurm; use a local workdir",
+        Feature.STORAGE_MOUNTS: "only local files can be copied to a Slurm cluster",
+        Feature.S3_MOUNTS: "only local files can be copied to a Slurm cluster",
+        Feature.OTHER_BUCKET_MOUNTS: "only local files can be copied to a Slurm cluster",
+        Feature.VOLUMES: "volumes are Kubernetes volumes; a Slurm cluster has none",
+    }
 
     def __init__(self, conn_id: str, settings: SlurmSettings | None = None):
         super().__init__(conn_id)
@@ -609,7 +622,7 @@ class SlurmBackend(Backend):
                       f"(allowed: {', '.join(s.partitions)})")
         if not info.up:
             return no(f"partition {part} is down")
-        if why := unsupported(task, req):
+        if why := self.unsupported(task, req):
             return no(why)
         cpus, _ = req.cpus_needed()
         mem_gb, _ = req.memory_needed_gb()
@@ -742,7 +755,7 @@ class SlurmBackend(Backend):
             log.info("Adopting Slurm job %s (%s) on %s: it was submitted before",
                      existing.job_id, job_name, self.conn_id)
             return existing
-        if why := unsupported(task, offer.request):
+        if why := self.unsupported(task, offer.request):
             raise SubmissionError(why, retry_elsewhere=True)
         if not home:
             raise SubmissionError(f"{self.conn_id}: could not learn the remote $HOME")
@@ -995,25 +1008,6 @@ def _split_log(out: str, offset: int) -> tuple[str, int]:
         return "", offset
     data = base64.b64decode(body.strip() or b"")
     return data.decode("utf-8", "replace"), offset + len(data)
-
-
-def unsupported(task: Task, req: ResourceRequest) -> str:
-    """Why a Slurm cluster cannot run this candidate at all ("" when it can)."""
-    if req.use_spot:
-        return "Slurm has no spot capacity (use_spot: true)"
-    if req.instance_type:
-        return f"instance_type {req.instance_type} is a cloud VM type, not a Slurm resource"
-    if req.container_image:
-        return ("image_id docker:... needs a container runtime on the cluster; this backend "
-                "runs jobs directly on the nodes")
-    for dst, src in task.file_mounts.items():
-        if not isinstance(src, str) or "://" in src:
-            return f"file_mounts {dst}: only local files can be copied to a Slurm cluster"
-    if task.volumes:
-        return "volumes are Kubernetes volumes; a Slurm cluster has none"
-    if isinstance(task.workdir, dict):
-        return "a git workdir is not cloned on Slurm; use a local workdir"
-    return ""
 
 
 def _task_sbatch_options(task: Task) -> list[str]:

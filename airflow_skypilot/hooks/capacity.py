@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from airflow_skypilot.backends.base import Backend, CapacityRow, Offer, backend_for_connection
+from airflow_skypilot.backends.base import Backend, CapacityRow, Offer
+from airflow_skypilot.backends.registry import backend_for_connection
 from airflow_skypilot.spec.task import Task
 
 log = logging.getLogger(__name__)

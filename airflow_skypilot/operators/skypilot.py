@@ -20,14 +20,14 @@ from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_skypilot import placement, recovery
-from airflow_skypilot.backends import jobscript
 from airflow_skypilot.backends.base import (
     Backend,
     JobHandle,
     JobState,
     JobStatus,
-    backend_for_handle,
 )
+from airflow_skypilot.backends.common import jobscript
+from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.exceptions import BackendError, SubmissionError
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.links import SkyPilotJobLink

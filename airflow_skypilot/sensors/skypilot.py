@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowException
 
-from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, backend_for_handle
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.operators.skypilot import default_deferrable
 from airflow_skypilot.triggers.skypilot import LOG_TAIL_LINES, SkyPilotJobTrigger
 

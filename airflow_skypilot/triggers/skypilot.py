@@ -23,9 +23,8 @@ from airflow_skypilot.backends.base import (
     JobHandle,
     JobState,
     JobStatus,
-    backend_class,
-    backend_for_handle,
 )
+from airflow_skypilot.backends.registry import backend_class, backend_for_handle
 
 LOG_TAIL_LINES = 40
 

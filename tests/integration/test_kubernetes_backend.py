@@ -21,8 +21,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from airflow_skypilot.backends import _k8s_manifests as m
-from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, backend_for_connection
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.kubernetes import KubernetesBackend, KubernetesSettings
+from airflow_skypilot.backends.registry import backend_for_connection
 from airflow_skypilot.cli import main as cli
 from airflow_skypilot.spec import load_task
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from airflow_skypilot.backends import _aws_userdata as ud
-from airflow_skypilot.backends import jobscript
 from airflow_skypilot.backends.aws import (
     AwsBackend,
     AwsSettings,
@@ -41,6 +40,7 @@ from airflow_skypilot.backends.aws import (
     vcpus_in_use,
 )
 from airflow_skypilot.backends.base import JobState
+from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.spec import load_task
 
 TRICKY = {

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from airflow_skypilot.backends import base
+from airflow_skypilot.backends import registry
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, Offer
+from airflow_skypilot.exceptions import ConfigurationError
 from tests.fakes import FakeBackend, offer
 
 
@@ -44,15 +45,15 @@ def test_state_classes(state, terminal, infra):
 
 
 def test_registry_maps_connection_types_to_backends():
-    assert base.backend_name_for_conn_type("ssh") == "slurm"
-    assert base.backend_name_for_conn_type("slurm") == "slurm"
-    assert base.backend_name_for_conn_type("kubernetes") == "kubernetes"
-    assert base.backend_name_for_conn_type("aws") == "aws"
-    with pytest.raises(ValueError, match="not served by any backend"):
-        base.backend_name_for_conn_type("ftp")
+    assert registry.backend_name_for_conn_type("ssh") == "slurm"
+    assert registry.backend_name_for_conn_type("slurm") == "slurm"
+    assert registry.backend_name_for_conn_type("kubernetes") == "kubernetes"
+    assert registry.backend_name_for_conn_type("aws") == "aws"
+    with pytest.raises(ConfigurationError, match="which no backend serves"):
+        registry.backend_name_for_conn_type("ftp")
 
 
 def test_register_a_new_backend_without_touching_the_rest():
-    base.register_backend("fake", "tests.fakes:FakeBackend", conn_types=["fake"])
-    backend = base.backend_for_connection("c1", conn_type="fake")
+    registry.register_backend(FakeBackend)
+    backend = registry.backend_for_connection("c1", conn_type="fake")
     assert isinstance(backend, FakeBackend) and backend.conn_id == "c1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from airflow_skypilot.backends import jobscript
+from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.spec import load_task
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
-from airflow_skypilot.backends import base
+from airflow_skypilot.backends import registry
 from airflow_skypilot.backends.base import JobState, JobStatus
 from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.operators import SkyPilotOperator
@@ -31,7 +31,7 @@ class TI:
 
 @pytest.fixture(autouse=True)
 def _fake(monkeypatch):
-    base.register_backend("fake", "tests.fakes:FakeBackend", ["fake"])
+    registry.register_backend(FakeBackend)
     for conn in ("c1", "c2"):
         monkeypatch.setenv(f"AIRFLOW_CONN_{conn.upper()}", json.dumps({"conn_type": "fake"}))
     FakeBackend.reset()

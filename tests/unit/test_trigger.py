@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from airflow_skypilot.backends import base
+from airflow_skypilot.backends import registry
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.triggers import skypilot as trig
 from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger, SkyPilotWaitTrigger
@@ -15,7 +15,7 @@ from tests.fakes import FakeBackend
 
 @pytest.fixture(autouse=True)
 def _fake():
-    base.register_backend("fake", "tests.fakes:FakeBackend", ["fake"])
+    registry.register_backend(FakeBackend)
     FakeBackend.reset()
     FakeBackend.polls = 0
     yield
@@ -124,6 +124,7 @@ async def test_wait_trigger_hands_back_the_state():
 class _SettingsBackend(FakeBackend):
     """Records which thread reads the connection (the SDK call may not run on the loop)."""
 
+    name = "fake_settings"
     reads: list[int] = []
 
     @property
@@ -137,7 +138,7 @@ class _SettingsBackend(FakeBackend):
 async def test_the_connection_is_read_once_and_off_the_event_loop():
     import threading
 
-    base.register_backend("fake_settings", "tests.unit.test_trigger:_SettingsBackend")
+    registry.register_backend(_SettingsBackend)
     _SettingsBackend.reads = []
     handles = []
     for i in range(3):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from airflow_skypilot.backends.workdir import ignore_patterns, is_ignored
+from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
 
 
 def test_skyignore_lines_plus_git(tmp_path):
