@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from airflow.utils.log.logging_mixin import LoggingMixin
+
 from airflow_skypilot.backends.common.features import Feature, unsupported_reason
 from airflow_skypilot.spec.task import ResourceRequest, request_from_json
 
@@ -192,7 +194,7 @@ class CapacityRow:
         return out
 
 
-class Backend(ABC):
+class Backend(LoggingMixin, ABC):
     """One kind of place to run jobs. Sync methods run in the worker; ``poll`` and
     ``read_log_async`` run in the triggerer's event loop and must not block it."""
 
@@ -205,6 +207,7 @@ class Backend(ABC):
     unsupported_features: ClassVar[Mapping[Feature, str]] = {}
 
     def __init__(self, conn_id: str):
+        super().__init__()
         self.conn_id = conn_id
 
     def unsupported(self, task: Task, req: ResourceRequest) -> str:

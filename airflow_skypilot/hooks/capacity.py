@@ -7,25 +7,20 @@ reached, or does not answer in time, is reported and skipped; it never fails the
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from airflow.sdk import BaseHook
+
 from airflow_skypilot.backends.base import Backend, CapacityRow, Offer
 from airflow_skypilot.backends.registry import backend_for_connection
 from airflow_skypilot.spec.task import Task
 
-log = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
-try:  # Airflow's BaseHook when available; the CLI and pure tests work without a running Airflow
-    from airflow.sdk import BaseHook as _HookBase
-except Exception:  # pragma: no cover - only when Airflow is absent
-    _HookBase = object  # type: ignore[assignment,misc]
 
 
 @dataclass
@@ -37,7 +32,7 @@ class ProbeResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-class SkyPilotCapacityHook(_HookBase):  # type: ignore[misc,valid-type]
+class SkyPilotCapacityHook(BaseHook):
     """Probe live capacity across Slurm, Kubernetes and AWS connections concurrently.
 
     :param connections: Airflow connection ids; their connection types pick the backends.
@@ -48,8 +43,7 @@ class SkyPilotCapacityHook(_HookBase):  # type: ignore[misc,valid-type]
 
     def __init__(self, connections: Iterable[str], timeout: float = 60.0,
                  backend_factory: Callable[[str], Backend] | None = None, **kwargs: Any):
-        if _HookBase is not object:
-            super().__init__(**kwargs)
+        super().__init__(**kwargs)
         self.connections = list(dict.fromkeys(connections))
         self.timeout = timeout
         self._factory = backend_factory or backend_for_connection
@@ -68,7 +62,7 @@ class SkyPilotCapacityHook(_HookBase):  # type: ignore[misc,valid-type]
             out.seconds[conn_id] = seconds
             if error is not None:
                 out.errors[conn_id] = error
-                log.warning("Connection %s skipped: %s", conn_id, error)
+                self.log.warning("Connection %s skipped: %s", conn_id, error)
             else:
                 out.offers.extend(value)
         return out
