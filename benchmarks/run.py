@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from airflow_skypilot import placement  # noqa: E402
 from airflow_skypilot.backends import registry  # noqa: E402
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus  # noqa: E402
-from airflow_skypilot.backends.slurm import parse_cluster  # noqa: E402
+from airflow_skypilot.backends.slurm.cluster import parse_cluster  # noqa: E402
 from airflow_skypilot.spec import load_task  # noqa: E402
 from tests.fakes import FakeBackend, offer  # noqa: E402
 

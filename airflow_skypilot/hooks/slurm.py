@@ -10,7 +10,7 @@ from typing import Any
 
 from airflow.providers.ssh.hooks.ssh import SSHHook
 
-from airflow_skypilot.backends.slurm import SlurmSettings
+from airflow_skypilot.backends.slurm.settings import SlurmSettings
 
 
 class SlurmHook(SSHHook):

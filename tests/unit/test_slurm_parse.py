@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from airflow_skypilot.backends.base import JobHandle, JobState
-from airflow_skypilot.backends.slurm import SlurmSettings, parse_cluster, parse_gres, parse_status
+from airflow_skypilot.backends.slurm.cluster import parse_cluster, parse_gres
+from airflow_skypilot.backends.slurm.settings import SlurmSettings
+from airflow_skypilot.backends.slurm.status import parse_status
 
 PROBE = """\
 @@now

@@ -1,0 +1,201 @@
+"""What a cluster has now, in one SSH command: the probe script and its parser.
+
+The probe uses only portable ``-o``/``-O`` formats that Slurm 22.05 to today print the same way:
+``sinfo -N -O`` (per node and partition: state, CPUs, memory, GRES and GRES in use),
+``sinfo -o`` (partitions), ``squeue -t PENDING`` (queue depth) and ``sbatch --test-only``
+(Slurm's own estimate of when a job of each shape would start; it submits nothing).
+``sinfo -N`` repeats a node once per partition: the parser counts it once.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from airflow_skypilot.backends.slurm.shell import parse_int, parse_sections
+
+#: Node states in which a node cannot start a job now (any of these words in sinfo's StateLong)
+_BAD_STATES = ("down", "drain", "fail", "maint", "reserved", "power", "future", "inval",
+               "unknown", "reboot", "planned", "boot", "blocked")
+_GRES_RE = re.compile(r"(?P<name>[A-Za-z_]\w*):(?:(?P<type>[^:(,]+):)?(?P<count>\d+)")
+
+#: one ``sbatch --test-only`` question: (GPUs per node, nodes, CPUs per task, memory in MB)
+Shape = tuple[int, int, int, int]
+
+
+@dataclass
+class NodeInfo:
+    name: str
+    partitions: list[str]
+    state: str
+    cpus_total: int
+    cpus_alloc: int
+    mem_total_mb: int
+    mem_alloc_mb: int
+    gpus: dict[str, int]  # gres type -> count configured ("" for untyped)
+    gpus_used: dict[str, int]
+    addr: str = ""
+
+    @property
+    def usable(self) -> bool:
+        state = self.state.lower()
+        return not state.endswith("*") and not any(word in state for word in _BAD_STATES)
+
+    @property
+    def cpus_free(self) -> int:
+        return max(0, self.cpus_total - self.cpus_alloc)
+
+    @property
+    def mem_free_mb(self) -> int:
+        return max(0, self.mem_total_mb - self.mem_alloc_mb)
+
+    def gpus_free(self, gres_type: str) -> int:
+        return max(0, self.gpus.get(gres_type, 0) - self.gpus_used.get(gres_type, 0))
+
+
+@dataclass
+class PartitionInfo:
+    name: str
+    up: bool = True
+    default: bool = False
+    time_limit: str = ""
+    pending: int = 0
+
+
+@dataclass
+class ClusterState:
+    """One probe's view of a cluster."""
+
+    nodes: dict[str, NodeInfo]
+    partitions: dict[str, PartitionInfo]
+    now: float
+    home: str = ""
+    #: (partition, gres type, GPUs per node, nodes) -> start epoch, or sbatch's refusal text
+    starts: dict[tuple[str, str, int, int], float | str] = field(default_factory=dict)
+
+    def nodes_in(self, partition: str) -> list[NodeInfo]:
+        return [n for n in self.nodes.values() if partition in n.partitions]
+
+
+PROBE_SCRIPT = r"""
+echo "@@now"; date +%s
+echo "@@home"; printf '%s\n' "$HOME"
+echo "@@nodes"
+sinfo -h -N -O \
+  'NodeList:|,Partition:|,StateLong:|,CPUsState:|,Memory:|,AllocMem:|,Gres:|,GresUsed:|,NodeAddr:|'
+echo "@@partitions"
+sinfo -h -o '%R|%a|%l'
+echo "@@pending"
+squeue -h -t PENDING -o '%i|%P|%D|%r'
+echo "@@testonly"
+test_one() {  # partition gres_type gpus nodes cpus mem_mb
+  local gres=()
+  if [ "$3" -gt 0 ]; then
+    if [ -n "$2" ]; then gres=(--gres="gpu:$2:$3"); else gres=(--gres="gpu:$3"); fi
+  fi
+  local extra=()
+  [ "$5" -gt 0 ] && extra+=(--cpus-per-task="$5")
+  [ "$6" -gt 0 ] && extra+=(--mem="${6}M")
+  local out when
+  out=$(sbatch --test-only --wrap=true -p "$1" -N "$4" "${gres[@]}" "${extra[@]}" \
+        "${COMMON[@]}" 2>&1 | tail -n 1)
+  when=$(printf '%s\n' "$out" | sed -n 's/.* to start at \([^ ]*\) .*/\1/p')
+  if [ -n "$when" ]; then when=$(date -d "$when" +%s 2>/dev/null || echo "$out"); else when=$out; fi
+  printf '%s|%s|%s|%s|%s\n' "$1" "$2" "$3" "$4" "$when"
+}
+sinfo -h -N -O 'Partition:|,Gres:|' | sort -u | while IFS='|' read -r part gres _; do
+  part=${part%\*}
+  case " $PARTS " in *" $part "*|"  ") ;; *) continue ;; esac
+  for shape in $SHAPES; do
+    IFS=: read -r gpus nodes cpus mem <<<"$shape"
+    if [ "$gpus" -gt 0 ]; then
+      for tok in $(printf '%s' "$gres" | tr ',' ' '); do
+        case $tok in
+          gpu:*:*) t=${tok#gpu:}; t=${t%%:*}
+                   test_one "$part" "$t" "$gpus" "$nodes" "$cpus" "$mem" ;;
+          gpu:[0-9]*) test_one "$part" "" "$gpus" "$nodes" "$cpus" "$mem" ;;
+        esac
+      done
+    else
+      test_one "$part" "" 0 "$nodes" "$cpus" "$mem"
+    fi
+  done
+done | sort -u
+"""
+
+
+def probe_script(common_args: Sequence[str], partitions: Sequence[str] | None,
+                 shapes: Sequence[Shape]) -> str:
+    """The probe for ``partitions`` (all when None), with a ``--test-only`` per shape."""
+    common = " ".join(shlex.quote(a) for a in common_args)
+    parts = " ".join(partitions or [])
+    return "\n".join([
+        f"COMMON=({common})",
+        f"PARTS={shlex.quote(parts)}",
+        f"SHAPES={shlex.quote(' '.join(':'.join(map(str, s)) for s in shapes))}",
+        PROBE_SCRIPT,
+    ])
+
+
+def parse_gres(text: str) -> dict[str, int]:
+    """``gpu:a100:4(S:0-1),gpu:h100:2`` -> {"a100": 4, "h100": 2}; untyped ``gpu:4`` -> {"": 4}."""
+    out: dict[str, int] = {}
+    for match in _GRES_RE.finditer(text or ""):
+        if match.group("name") != "gpu":
+            continue
+        gres_type = match.group("type") or ""
+        out[gres_type] = out.get(gres_type, 0) + int(match.group("count"))
+    return out
+
+
+def parse_cluster(output: str) -> ClusterState:
+    """The probe script's output -> ClusterState (a node in two partitions is one node)."""
+    sec = parse_sections(output)
+    nodes: dict[str, NodeInfo] = {}
+    partitions: dict[str, PartitionInfo] = {}
+    for line in sec.get("nodes", []):
+        parts = line.split("|")
+        if len(parts) < 9:
+            continue
+        name, part, state, cpus, mem, alloc_mem, gres, gres_used, addr = (
+            p.strip() for p in parts[:9])
+        default = part.endswith("*")
+        part = part.rstrip("*")
+        partitions.setdefault(part, PartitionInfo(name=part, default=default))
+        a, _i, _o, t = (cpus.split("/") + ["0"] * 4)[:4]
+        if name in nodes:
+            nodes[name].partitions.append(part)
+            continue
+        nodes[name] = NodeInfo(
+            name=name, partitions=[part], state=state, cpus_total=parse_int(t),
+            cpus_alloc=parse_int(a), mem_total_mb=parse_int(mem),
+            mem_alloc_mb=parse_int(alloc_mem), gpus=parse_gres(gres),
+            gpus_used=parse_gres(gres_used), addr=addr)
+    for line in sec.get("partitions", []):
+        parts = line.split("|")
+        if len(parts) >= 3:
+            name = parts[0].strip().rstrip("*")
+            info = partitions.setdefault(name, PartitionInfo(name=name))
+            info.up = parts[1].strip().lower() == "up"
+            info.time_limit = parts[2].strip()
+    for line in sec.get("pending", []):
+        parts = line.split("|")
+        if len(parts) >= 2:
+            for part in parts[1].split(","):
+                if part in partitions:
+                    partitions[part].pending += 1
+    starts: dict[tuple[str, str, int, int], float | str] = {}
+    for line in sec.get("testonly", []):
+        # partition|gres type|gpus per node|nodes|epoch or error text
+        parts = line.split("|", 4)
+        if len(parts) == 5:
+            key = (parts[0], parts[1], parse_int(parts[2]), parse_int(parts[3]))
+            starts[key] = float(parts[4]) if parts[4].strip().isdigit() else parts[4].strip()
+    now_lines = sec.get("now", [])
+    home_lines = sec.get("home", [])
+    return ClusterState(nodes=nodes, partitions=partitions,
+                        now=float(now_lines[0]) if now_lines else time.time(),
+                        home=home_lines[0] if home_lines else "", starts=starts)

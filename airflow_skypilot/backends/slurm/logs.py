@@ -1,0 +1,61 @@
+"""A job's output: ``slurm.log`` in its job dir, read from a byte offset.
+
+The bytes come back base64-encoded after an ``@@log`` line, so the offset counts bytes (not
+decoded characters) and a multi-byte character cut at the read limit is not lost. The triggerer
+reads every streamed job of a connection in one command, one ``@@log <job id>`` frame each.
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+from collections.abc import Sequence
+
+from airflow_skypilot.backends.base import JobHandle
+
+#: what one read returns at most: one job (worker side), each job of a batch (triggerer side)
+READ_LIMIT = 1 << 20
+BATCH_READ_LIMIT = 1 << 18
+
+
+def _read(handle: JobHandle, offset: int, limit: int) -> str:
+    path = shlex.quote(handle.extra.get("log", ""))
+    return (f"tail -c +{int(offset) + 1} {path} 2>/dev/null | head -c {int(limit)} "
+            f"| base64 -w0; echo")
+
+
+def log_script(handle: JobHandle, offset: int, limit: int = READ_LIMIT) -> str:
+    """Read one job's log from ``offset``."""
+    return f"echo @@log; {_read(handle, offset, limit)}"
+
+
+def split_log(out: str, offset: int) -> tuple[str, int]:
+    """:func:`log_script`'s output -> (text, next offset); nothing read keeps ``offset``."""
+    head, _, body = out.partition("\n")
+    if head.strip() != "@@log":
+        return "", offset
+    data = base64.b64decode(body.strip() or b"")
+    return data.decode("utf-8", "replace"), offset + len(data)
+
+
+def logs_script(requests: Sequence[tuple[JobHandle, int]],
+                limit: int = BATCH_READ_LIMIT) -> str:
+    """Read many jobs' logs, each from its own offset, in one script."""
+    return "\n".join(f"printf '@@log %s\\n' {shlex.quote(handle.job_id)}; "
+                     f"{_read(handle, offset, limit)}" for handle, offset in requests)
+
+
+def split_logs(out: str, requests: Sequence[tuple[JobHandle, int]]
+               ) -> dict[str, tuple[str, int]]:
+    """:func:`logs_script`'s output -> (text, next offset) per job id."""
+    texts: dict[str, tuple[str, int]] = {}
+    offsets = {h.job_id: o for h, o in requests}
+    current = None
+    for line in out.splitlines():
+        if line.startswith("@@log "):
+            current = line[6:].strip()
+        elif current is not None:
+            data = base64.b64decode(line.strip() or b"")
+            texts[current] = (data.decode("utf-8", "replace"), offsets[current] + len(data))
+            current = None
+    return {h.job_id: texts.get(h.job_id, ("", o)) for h, o in requests}

@@ -1,0 +1,219 @@
+"""The login node: bash scripts over SSH and file uploads over SFTP, on the ssh provider's hooks.
+
+The worker side uses ``SSHHook`` (paramiko) and the triggerer side ``SSHHookAsync`` (asyncssh),
+each with one cached connection. Scripts go on stdin to ``bash -s``, never on a command line.
+Anything that means "could not ask" (no route, auth refused, timeout, connection lost) is
+:class:`BackendUnreachable`; the connection is dropped so the next call connects again.
+
+Uploads are a list of steps (:class:`MakeDirs`, :class:`Chmod`, :class:`WriteFile`,
+:class:`PutFile`) worked out elsewhere without I/O and applied here in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
+
+# asyncssh logs every channel at INFO: six lines per poll in each watched task's log. Quiet it
+# unless the deployment configured that logger itself.
+if logging.getLogger("asyncssh").level == logging.NOTSET:
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
+
+
+@dataclass(frozen=True)
+class MakeDirs:
+    """Create ``path`` and its missing parents (each new one with ``mode``)."""
+
+    path: str
+    mode: int
+
+
+@dataclass(frozen=True)
+class Chmod:
+    path: str
+    mode: int
+
+
+@dataclass(frozen=True)
+class WriteFile:
+    """Write ``content`` to ``path``; its mode is set before any byte is written."""
+
+    path: str
+    content: str
+    mode: int
+
+
+@dataclass(frozen=True)
+class PutFile:
+    """Copy a local file; ``keep_mode`` copies its permission bits too."""
+
+    local: str
+    remote: str
+    keep_mode: bool = False
+
+
+UploadStep = MakeDirs | Chmod | WriteFile | PutFile
+
+
+async def aload_asyncssh() -> None:
+    """Import asyncssh in a thread: the ssh provider imports it inside ``get_conn()``, which
+    would block the triggerer's event loop the first time."""
+    await asyncio.to_thread(importlib.import_module, "asyncssh")
+
+
+class SSHRunner:
+    """Runs scripts on (and uploads to) the login node of one connection."""
+
+    def __init__(self, conn_id: str, command_timeout: float):
+        self.conn_id = conn_id
+        self.command_timeout = command_timeout
+        self._hook: Any = None
+        self._ahook: Any = None
+        self._aconn: Any = None
+        self._alock: asyncio.Lock | None = None
+
+    # --- sync (worker) ------------------------------------------------------------------------
+    def client(self) -> Any:
+        """The connected paramiko client."""
+        from airflow.providers.ssh.hooks.ssh import SSHHook
+
+        if self._hook is None:
+            self._hook = SSHHook(ssh_conn_id=self.conn_id, conn_timeout=15,
+                                 cmd_timeout=self.command_timeout, conn_retry_attempts=1)
+        try:
+            return self._hook.get_conn()
+        except Exception as exc:  # paramiko raises many kinds; all mean "cannot reach"
+            raise BackendUnreachable(f"cannot reach the login node of {self.conn_id}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        if self._hook is not None and getattr(self._hook, "client", None):
+            self._hook.client.close()
+            self._hook.client = None
+
+    def run(self, script: str, timeout: float | None = None) -> tuple[int, str, str]:
+        """Run a bash script on the login node: (exit status, stdout, stderr)."""
+        client = self.client()
+        timeout = timeout or self.command_timeout
+        try:
+            transport = client.get_transport()
+            chan = transport.open_session(timeout=15)
+            chan.settimeout(timeout)
+            chan.exec_command("bash -s")
+            chan.sendall(script.encode())
+            chan.shutdown_write()
+            out, err = bytearray(), bytearray()
+            deadline = time.monotonic() + timeout
+            while True:
+                if chan.recv_ready():
+                    out += chan.recv(65536)
+                elif chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                elif chan.exit_status_ready():
+                    while chan.recv_ready():
+                        out += chan.recv(65536)
+                    while chan.recv_stderr_ready():
+                        err += chan.recv_stderr(65536)
+                    break
+                else:
+                    if time.monotonic() > deadline:
+                        chan.close()
+                        raise BackendUnreachable(
+                            f"{self.conn_id}: command did not finish within {timeout:g}s")
+                    time.sleep(0.01)
+            rc = chan.recv_exit_status()
+            chan.close()
+            return rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        except (OSError, EOFError) as exc:
+            self.close()
+            raise BackendUnreachable(f"{self.conn_id}: connection lost: {exc}") from exc
+        except Exception as exc:
+            if isinstance(exc, BackendError):
+                raise
+            self.close()
+            raise BackendUnreachable(f"{self.conn_id}: {type(exc).__name__}: {exc}") from exc
+
+    def upload(self, steps: Sequence[UploadStep], job_dir: str) -> None:
+        """Apply ``steps`` over one SFTP session; failures are the job's ``SubmissionError``."""
+        client = self.client()
+        try:
+            sftp = client.open_sftp()
+        except Exception as exc:
+            raise SubmissionError(f"{self.conn_id}: SFTP unavailable: {exc}") from exc
+        try:
+            for step in steps:
+                _apply(sftp, step)
+        except (OSError, EOFError) as exc:
+            raise SubmissionError(f"{self.conn_id}: upload to {job_dir} failed: {exc}") from exc
+        finally:
+            sftp.close()
+
+    # --- async (triggerer) --------------------------------------------------------------------
+    async def arun(self, script: str, timeout: float | None = None) -> tuple[int, str, str]:
+        """Async :meth:`run` on one cached asyncssh connection (the triggerer's loop)."""
+        from airflow.providers.ssh.hooks.ssh import SSHHookAsync
+
+        timeout = timeout or self.command_timeout
+        if self._alock is None:
+            self._alock = asyncio.Lock()
+        async with self._alock:
+            try:
+                if self._aconn is None:
+                    self._ahook = SSHHookAsync(ssh_conn_id=self.conn_id)
+                    self._aconn = await asyncio.wait_for(self._ahook.get_conn(), 20)
+                result = await asyncio.wait_for(
+                    self._aconn.run("bash -s", input=script, check=False), timeout)
+            except Exception as exc:
+                await self.aclose()
+                raise BackendUnreachable(
+                    f"cannot reach the login node of {self.conn_id}: "
+                    f"{type(exc).__name__}: {exc}") from exc
+        out = result.stdout if isinstance(result.stdout, str) else (result.stdout or b"").decode()
+        err = result.stderr if isinstance(result.stderr, str) else (result.stderr or b"").decode()
+        return result.exit_status or 0, out, err
+
+    async def aclose(self) -> None:
+        if self._aconn is not None:
+            try:
+                self._aconn.close()
+            except Exception:  # closing a broken connection may raise; it is gone either way
+                pass
+            self._aconn = None
+
+
+def _apply(sftp: Any, step: UploadStep) -> None:
+    if isinstance(step, MakeDirs):
+        _makedirs(sftp, step.path, step.mode)
+    elif isinstance(step, Chmod):
+        sftp.chmod(step.path, step.mode)
+    elif isinstance(step, WriteFile):
+        with sftp.open(step.path, "w") as fh:
+            sftp.chmod(step.path, step.mode)  # before any byte is written
+            fh.write(step.content.encode())
+    else:
+        sftp.put(step.local, step.remote)
+        if step.keep_mode:
+            sftp.chmod(step.remote, stat.S_IMODE(os.stat(step.local).st_mode))
+
+
+def _makedirs(sftp: Any, path: str, mode: int) -> None:
+    parts = path.split("/")
+    current = "/" if path.startswith("/") else ""
+    for part in parts:
+        if not part:
+            continue
+        current = f"{current}{part}" if current.endswith("/") or not current else \
+            f"{current}/{part}"
+        try:
+            sftp.stat(current)
+        except OSError:
+            sftp.mkdir(current, mode)
