@@ -3,8 +3,8 @@
 
 The "clouds" side of the backend: no I/O here, only a :class:`ClusterState` read against the
 task. A partition is a node pool: its nodes (those with the requested GPU type, when one is
-asked for) must take one node's share of the job (at least one CPU, as Slurm allocates one to
-every job). Slurm's own start estimate (``sbatch --test-only``) sets
+asked for) go through the shared fit rule (:func:`fit_pool`, with at least one CPU, as Slurm
+allocates one to every job). Slurm's own start estimate (``sbatch --test-only``) sets
 ``est_start`` when no node is free now; prices come from the connection's extras.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from airflow_skypilot.backends.base import CapacityRow, Offer
-from airflow_skypilot.backends.common.fit import hourly_price, shape
-from airflow_skypilot.backends.slurm.cluster import ClusterState, Shape
+from airflow_skypilot.backends.common.fit import PoolNode, fit_pool, hourly_price, shape
+from airflow_skypilot.backends.slurm.cluster import ClusterState, NodeInfo, Shape
 from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import fields
@@ -60,6 +60,13 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
     return out
 
 
+def _pool_node(node: NodeInfo, gres_type: str) -> PoolNode:
+    return PoolNode(name=node.name, cpus=node.cpus_total, cpus_free=node.cpus_free,
+                    memory_gb=node.mem_total_mb / 1024, memory_free_gb=node.mem_free_mb / 1024,
+                    gpus=node.gpus.get(gres_type, 0), gpus_free=node.gpus_free(gres_type),
+                    usable=node.usable)
+
+
 def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
              settings: SlurmSettings, conn_id: str, unsupported: str = "") -> Offer:
     """Candidate ``req`` in partition ``part``: does it fit, how much is free, when could it
@@ -84,15 +91,10 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
         return no(f"partition {part} is down")
     if unsupported:
         return no(unsupported)
-    cpus, _ = req.cpus_needed()
-    mem_gb, _ = req.memory_needed_gb()
-    mem_mb = int((mem_gb or 0) * 1024)
     gres_type = ""
-    need = 0
     if req.accelerator:
         if not float(req.accelerator_count).is_integer():
             return no(f"{req.accelerator}:{req.accelerator_count}: Slurm allocates whole GPUs")
-        need = int(req.accelerator_count)
         types = sorted({t for n in nodes for t in n.gpus})
         matching = [t for t in types if t and acc.same_accelerator(req.accelerator, t)]
         if not matching:
@@ -100,26 +102,16 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
             return no(f"no {req.accelerator} in partition {part} (has: {have})")
         gres_type = matching[0]
         nodes = [n for n in nodes if n.gpus.get(gres_type, 0) > 0]
-        most = max(n.gpus[gres_type] for n in nodes)
-        offer.gpus_total = sum(n.gpus[gres_type] for n in nodes)
-        offer.gpus_free = sum(n.gpus_free(gres_type) for n in nodes if n.usable)
         offer.accelerator = gres_type
-        if need > most:
-            return no(f"needs {need} {req.accelerator} per node; nodes in {part} have at "
-                      f"most {most}")
-    if task.num_nodes > len(nodes):
-        return no(f"needs {task.num_nodes} nodes; {part} has {len(nodes)}"
-                  + (f" with {req.accelerator}" if req.accelerator else ""))
-    if cpus and cpus > max(n.cpus_total for n in nodes):
-        return no(f"needs {req.cpus} CPUs per node; nodes in {part} have at most "
-                  f"{max(n.cpus_total for n in nodes)}")
-    if mem_mb and mem_mb > max(n.mem_total_mb for n in nodes):
-        return no(f"needs {req.memory} GB per node; nodes in {part} have at most "
-                  f"{max(n.mem_total_mb for n in nodes) / 1024:.3g} GB")
-    free_nodes = [n for n in nodes if n.usable and n.gpus_free(gres_type) >= need
-                  and n.cpus_free >= (cpus or 1) and n.mem_free_mb >= mem_mb]
-    offer.nodes_free = len(free_nodes)
-    offer.nodes_total = len(nodes)
+    fit = fit_pool([_pool_node(n, gres_type) for n in nodes], req, task.num_nodes, part,
+                   min_cpus=1)
+    if req.accelerator:
+        offer.gpus_total, offer.gpus_free = fit.gpus_total, fit.gpus_free
+    if fit.reason:
+        return no(fit.reason)
+    need = shape(req)[0]
+    offer.nodes_free = fit.nodes_free
+    offer.nodes_total = fit.nodes_total
     offer.details.update({"gres_type": gres_type, "gpus_per_node": need,
                           "usable_nodes": sum(n.usable for n in nodes)})
     start = st.starts.get((part, gres_type, need, task.num_nodes))
