@@ -18,7 +18,7 @@ from typing import Any
 
 from airflow_skypilot.backends.base import JobHandle, Offer
 from airflow_skypilot.backends.common import jobscript
-from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
+from airflow_skypilot.backends.common.workdir import local_source, walk
 from airflow_skypilot.backends.slurm.remote import (
     Chmod,
     MakeDirs,
@@ -175,21 +175,11 @@ def render(task: Task, offer: Offer, settings: SlurmSettings, job_name: str,
 
 
 def _tree(local: str, remote: str) -> list[UploadStep]:
-    """Copy a local directory tree; skips ``.git`` and what ``.skyignore`` lists."""
-    patterns = ignore_patterns(local)
-    steps: list[UploadStep] = []
-    for root, dirs, files in os.walk(local):
-        rel_root = os.path.relpath(root, local)
-        dirs[:] = [d for d in dirs
-                   if not is_ignored(os.path.normpath(os.path.join(rel_root, d)), patterns)]
-        target_root = remote if rel_root == "." else f"{remote}/{rel_root}"
-        steps.append(MakeDirs(target_root, 0o755))
-        for name in files:
-            rel = os.path.normpath(os.path.join(rel_root, name))
-            if is_ignored(rel, patterns):
-                continue
-            steps.append(PutFile(os.path.join(root, name), f"{target_root}/{name}",
-                                 keep_mode=True))
+    """A local tree (what :func:`walk` says travels), parents first, file modes kept."""
+    steps: list[UploadStep] = [MakeDirs(remote, 0o755)]
+    for path, rel, is_dir in walk(local):
+        target = f"{remote}/{rel}"
+        steps.append(MakeDirs(target, 0o755) if is_dir else PutFile(path, target, keep_mode=True))
     return steps
 
 
@@ -201,14 +191,11 @@ def upload_plan(task: Task, job_dir: str, files: Mapping[str, tuple[str, int]],
     steps += [WriteFile(f"{job_dir}/{name}", content, mode)
               for name, (content, mode) in files.items()]
     steps.append(MakeDirs(f"{job_dir}/workdir", 0o700))
-    local = task.resolved_workdir()
-    if local:
-        steps += _tree(local, f"{job_dir}/workdir")
+    if isinstance(task.workdir, str):
+        steps += _tree(local_source(task, task.workdir), f"{job_dir}/workdir")
     for dst, src in task.file_mounts.items():
         if isinstance(src, str) and "://" not in src:
-            local = os.path.expanduser(src)
-            if not os.path.isabs(local) and task.base_dir:
-                local = os.path.join(task.base_dir, local)
+            local = local_source(task, src)
             target = abs_remote(dst, home)
             if os.path.isdir(local):
                 steps += _tree(local, target)
