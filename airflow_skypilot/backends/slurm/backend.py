@@ -62,11 +62,9 @@ class SlurmBackend(Backend):
     # --- connection --------------------------------------------------------------------------
     @property
     def settings(self) -> SlurmSettings:
+        """The connection's extras, read once (in the triggerer: off its loop, by aprepare)."""
         if self._settings is None:
-            from airflow_skypilot.compat import get_connection
-
-            conn = get_connection(self.conn_id)
-            self._settings = SlurmSettings.from_extra(self.conn_id, conn.extra_dejson or {})
+            self._settings = SlurmSettings.from_connection(self.conn_id)
         return self._settings
 
     @property

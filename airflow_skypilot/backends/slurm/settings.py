@@ -63,6 +63,13 @@ class SlurmSettings:
             command_timeout=float(extra.get("command_timeout") or 60.0),
         )
 
+    @classmethod
+    def from_connection(cls, conn_id: str) -> SlurmSettings:
+        """Read the Airflow connection (a blocking SDK call) and its extras."""
+        from airflow_skypilot.compat import get_connection
+
+        return cls.from_extra(conn_id, get_connection(conn_id).extra_dejson or {})
+
     def common_sbatch_args(self) -> list[str]:
         """The connection's options for every sbatch: account, qos, ... then its own list."""
         out = []
