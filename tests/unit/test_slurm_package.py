@@ -1,0 +1,98 @@
+"""The Slurm package's pure parts, without a cluster: offers from a probe, the job's files and
+its upload plan, and batched log reads."""
+
+from __future__ import annotations
+
+import base64
+
+from airflow_skypilot.backends.base import JobHandle
+from airflow_skypilot.backends.slurm import SlurmBackend, logs, offers, submit
+from airflow_skypilot.backends.slurm.cluster import parse_cluster
+from airflow_skypilot.backends.slurm.remote import Chmod, MakeDirs, PutFile, WriteFile
+from airflow_skypilot.backends.slurm.settings import SlurmSettings
+from airflow_skypilot.spec import load_task
+from tests.unit.test_slurm_parse import PROBE
+
+SETTINGS = SlurmSettings.from_extra("c", {"cluster": "alpha", "price_per_gpu_hour": 2,
+                                          "price_per_node_hour": 1, "account": "ml"})
+STATE = parse_cluster(PROBE + "@@partitions\nempty|up|infinite\n")
+
+
+def _offers(resources, num_nodes=1):
+    task = load_task({"run": "x", "num_nodes": num_nodes, "resources": resources})
+    backend = SlurmBackend("c", SETTINGS)
+    return task, {o.location: o for o in offers.offers(task, STATE, SETTINGS, "c",
+                                                        backend.unsupported)}
+
+
+def test_offers_read_the_probe_through_the_shared_fit_rule():
+    _, got = _offers({"accelerators": "A100:2"}, num_nodes=2)
+    batch = got["batch"]
+    assert batch.fits and batch.infra == "slurm/alpha/batch" and batch.accelerator == "a100"
+    assert (batch.nodes_total, batch.nodes_free) == (3, 2)  # a3 is down
+    assert (batch.gpus_total, batch.gpus_free) == (12, 6)
+    assert batch.pending_jobs == 2 and batch.price_per_hour == 2 * (2 * 2 + 1)
+    assert not got["short"].fits and got["short"].reason == "needs 2 nodes; short has 1 with A100"
+    assert got["empty"].reason == "no A100 in partition empty (has: no GPUs)"
+    _, got = _offers({"accelerators": "A100:8"})
+    assert got["batch"].reason == "needs 8 A100 per node; nodes in batch have at most 4"
+    _, got = _offers({"memory": "32+"})
+    assert got["batch"].reason == "needs 32+ GB per node; nodes in batch have at most 15.6 GB"
+    assert got["empty"].reason == "no nodes in empty"
+
+
+def test_slurms_start_estimate_and_refusals_reach_the_offer():
+    _, got = _offers({"accelerators": "A100:2"})
+    assert got["batch"].free_now and got["batch"].est_start == STATE.now
+    task = load_task({"run": "x", "resources": {"accelerators": "A100:1", "memory": 2}})
+    assert offers.probe_shapes(task, SETTINGS) == [(1, 1, 0, 2048)]
+    refused = parse_cluster(PROBE.replace("short|a100|8|1|", "short|a100|1|1|"))
+    offer = offers.offer_at(task, task.candidates[0], "short", refused, SETTINGS, "c")
+    assert not offer.fits and offer.reason.startswith(
+        "Slurm refuses this shape in short: allocation failure")
+
+
+def test_the_job_files_and_their_upload_plan(tmp_path):
+    (tmp_path / "src" / ".git").mkdir(parents=True)
+    (tmp_path / "src" / "pkg").mkdir()
+    (tmp_path / "src" / "pkg" / "train.py").write_text("print(1)\n")
+    (tmp_path / "src" / ".git" / "HEAD").write_text("ref")
+    (tmp_path / "data.txt").write_text("d")
+    (tmp_path / "t.yaml").write_text(
+        "workdir: src\nfile_mounts:\n  ~/in/data.txt: data.txt\nsecrets:\n  TOKEN: s3cr3t\n"
+        "resources:\n  accelerators: A100:2\n  cpus: 3\nrun: python pkg/train.py\n")
+    task = load_task(str(tmp_path / "t.yaml"))
+    _, got = _offers({"accelerators": "A100:2", "cpus": 3})
+    job_dir = "/home/u/.airflow-skypilot/jobs/sky-x"
+    assert submit.remote_job_dir(SETTINGS, "sky-x", "/home/u") == job_dir
+    files = submit.render(task, got["batch"], SETTINGS, "sky-x", {"SKYPILOT_TASK_ID": "t"},
+                          job_dir)
+    sbatch = files["job.sbatch"][0]
+    for directive in ("--partition=batch", "--gres=gpu:a100:2", "--cpus-per-task=3",
+                      "--account=ml", "--no-requeue"):
+        assert f"#SBATCH {directive}\n" in sbatch
+    assert files["secrets.sh"][1] == 0o600 and "s3cr3t" not in files["env.sh"][0]
+    assert files["run.sh"][0] == "python pkg/train.py\n"
+    plan = submit.upload_plan(task, job_dir, files, "/home/u")
+    assert plan[:2] == [MakeDirs(job_dir, 0o700), Chmod(job_dir, 0o700)]
+    written = {s.path: s.mode for s in plan if isinstance(s, WriteFile)}
+    assert written[f"{job_dir}/secrets.sh"] == 0o600
+    puts = [(s.local, s.remote) for s in plan if isinstance(s, PutFile)]
+    assert puts == [(str(tmp_path / "src" / "pkg" / "train.py"), f"{job_dir}/workdir/pkg/train.py"),
+                    (str(tmp_path / "data.txt"), "/home/u/in/data.txt")]
+    pkg = MakeDirs(f"{job_dir}/workdir/pkg", 0o755)
+    assert plan.index(pkg) < plan.index(PutFile(str(tmp_path / "src" / "pkg" / "train.py"),
+                                                f"{job_dir}/workdir/pkg/train.py", True))
+    dirs = [s.path for s in plan if isinstance(s, MakeDirs)]
+    assert "/home/u/in" in dirs and not any(".git" in d for d in dirs)
+
+
+def test_many_logs_are_read_in_one_script_each_from_its_offset():
+    handles = [JobHandle(backend="slurm", connection="c", job_id=i, job_name=i, location="b",
+                         infra="slurm/c/b", extra={"log": f"/j/{i}/slurm.log"}) for i in "12"]
+    script = logs.logs_script([(handles[0], 0), (handles[1], 10)])
+    assert "tail -c +1 /j/1/slurm.log" in script and "tail -c +11 /j/2/slurm.log" in script
+    out = f"@@log 1\n{base64.b64encode('héllo'.encode()).decode()}\n@@log 2\n\n"
+    got = logs.split_logs(out, [(handles[0], 0), (handles[1], 10)])
+    assert got == {"1": ("héllo", 6), "2": ("", 10)}
+    assert logs.split_log("@@log\n" + base64.b64encode(b"abc").decode(), 4) == ("abc", 7)
