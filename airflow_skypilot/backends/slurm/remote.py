@@ -6,7 +6,7 @@ Anything that means "could not ask" (no route, auth refused, timeout, connection
 :class:`BackendUnreachable`; the connection is dropped so the next call connects again.
 
 Uploads are a list of steps (:class:`MakeDirs`, :class:`Chmod`, :class:`WriteFile`,
-:class:`PutFile`) worked out elsewhere without I/O and applied here in order.
+:class:`PutFile`) planned elsewhere (no remote I/O there) and applied here, in order.
 """
 
 from __future__ import annotations
