@@ -132,6 +132,7 @@ class NodeView:
             pods=int(quantity(alloc.get("pods", 110))) or 110)
 
     def why_unusable(self, tolerations: list[Mapping[str, Any]]) -> str:
+        """Why a pod with ``tolerations`` cannot go here ("" when it can)."""
         if not self.ready:
             return "NotReady"
         if self.unschedulable:
@@ -143,6 +144,7 @@ class NodeView:
         return ""
 
     def gpu_labels(self) -> list[tuple[str, str]]:
+        """The (label, value) pairs that name the GPU type, most trusted first."""
         return [(k, self.labels[k]) for k in GPU_LABELS if self.labels.get(k)]
 
     @property
@@ -154,12 +156,14 @@ class NodeView:
         return acc.canonical_from_label(labels[0][1]) if labels else "gpu"
 
     def spot_label(self) -> tuple[str, str] | None:
+        """The label that marks this node as spot capacity, if one does."""
         for key, value in SPOT_LABELS:
             if str(self.labels.get(key, "")).lower() == value:
                 return key, self.labels[key]
         return None
 
     def free(self, resource: str) -> float:
+        """What is left of ``cpu``, ``memory`` (bytes), GPUs or ``pods`` (slots)."""
         total = {"cpu": self.cpus, "memory": self.memory_gb * 2**30,
                  GPU_RESOURCE: float(self.gpus), "pods": float(self.pods)}[resource]
         return max(0.0, total - self.used.get(resource, 0.0))

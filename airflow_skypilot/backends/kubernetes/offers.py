@@ -10,6 +10,7 @@ pods land where the capacity was counted. Pure: no I/O.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_skypilot.backends.base import CapacityRow, Offer
@@ -41,11 +42,22 @@ def pool_node(node: NodeView, tolerations: list[dict[str, Any]]) -> PoolNode:
                     usable=not node.why_unusable(tolerations), has_room=node.free("pods") >= 1)
 
 
-def _choose_nodes(settings: KubernetesSettings, req: ResourceRequest, gpus: int,
-                  nodes: list[NodeView]
-                  ) -> tuple[list[NodeView], dict[str, str], list[dict[str, Any]], str | None, str]:
-    """The nodes the candidate may use: (nodes, node selector and tolerations it adds to the
-    connection's, canonical GPU name, why none)."""
+@dataclass
+class NodeChoice:
+    """The nodes a candidate may use, and how its pods are sent there: the node selector and
+    tolerations it adds to the connection's (they travel in ``offer.details``)."""
+
+    nodes: list[NodeView] = field(default_factory=list)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    accelerator: str | None = None  # canonical name of the GPU type chosen
+    reason: str = ""  # why there are none
+
+
+def choose_nodes(settings: KubernetesSettings, req: ResourceRequest, gpus: int,
+                 nodes: list[NodeView]) -> NodeChoice:
+    """Spot nodes for ``use_spot`` (the spot label most of them share), the connection's
+    ``node_selector``, then for GPUs the type label most matching nodes share."""
     s = settings
     selector: dict[str, str] = {}
     extra_tols: list[dict[str, Any]] = []  # what this request adds to the connection's
@@ -53,8 +65,8 @@ def _choose_nodes(settings: KubernetesSettings, req: ResourceRequest, gpus: int,
         nodes = [n for n in nodes if n.spot_label()]
         if not nodes:
             keys = ", ".join(k for k, _ in SPOT_LABELS)
-            return [], {}, [], None, (f"use_spot: no spot nodes in {s.context} "
-                                      f"(none labelled {keys})")
+            return NodeChoice(reason=f"use_spot: no spot nodes in {s.context} "
+                                     f"(none labelled {keys})")
         labels = [n.spot_label() for n in nodes]
         key, value = max(labels, key=labels.count)  # type: ignore[arg-type]
         nodes = [n for n in nodes if n.spot_label() == (key, value)]
@@ -65,9 +77,9 @@ def _choose_nodes(settings: KubernetesSettings, req: ResourceRequest, gpus: int,
                                          for k, v in s.node_selector.items())]
     if not gpus:
         if not nodes:
-            return [], {}, [], None, (f"no nodes in {s.context} match the connection's "
-                                      f"node_selector {s.node_selector}")
-        return nodes, selector, extra_tols, None, ""
+            return NodeChoice(reason=f"no nodes in {s.context} match the connection's "
+                                     f"node_selector {s.node_selector}")
+        return NodeChoice(nodes, selector, extra_tols)
     extra_tols.append(dict(GPU_TOLERATION))
     matches: dict[tuple[str, str], list[NodeView]] = {}
     for n in nodes:
@@ -78,12 +90,12 @@ def _choose_nodes(settings: KubernetesSettings, req: ResourceRequest, gpus: int,
                 matches.setdefault((key, value), []).append(n)
     if not matches:
         have = sorted({f"{n.accelerator} x{n.gpus}" for n in nodes if n.gpus > 0})
-        return [], {}, [], None, (f"no {req.accelerator} nodes in {s.context}"
-                                  f" (has: {', '.join(have) or 'no GPU nodes'})")
+        return NodeChoice(reason=f"no {req.accelerator} nodes in {s.context}"
+                                 f" (has: {', '.join(have) or 'no GPU nodes'})")
     (key, value), nodes = max(matches.items(), key=lambda kv: (
         len(kv[1]), -GPU_LABELS.index(kv[0][0])))
     selector[key] = value
-    return nodes, selector, extra_tols, acc.canonical_from_label(value), ""
+    return NodeChoice(nodes, selector, extra_tols, acc.canonical_from_label(value))
 
 
 def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
@@ -115,16 +127,17 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
         if gpus:
             return no(f"cannot see the cluster's GPUs: {view.note}")
         return offer  # CPU only: fits by shape, nothing known about free capacity
-    nodes, selector, extra_tols, accelerator, why = _choose_nodes(s, req, gpus, view.nodes)
-    if why:
-        return no(why)
-    if accelerator:
-        offer.accelerator = accelerator
-    tolerations = s.tolerations + extra_tols
+    choice = choose_nodes(s, req, gpus, view.nodes)
+    if choice.reason:
+        return no(choice.reason)
+    if choice.accelerator:
+        offer.accelerator = choice.accelerator
+    nodes = choice.nodes
+    tolerations = s.tolerations + choice.tolerations
     fit = fit_pool([pool_node(n, tolerations) for n in nodes], req, task.num_nodes, s.context)
     offer.nodes_total = fit.nodes_total
-    offer.details.update({"node_selector": selector, "tolerations": extra_tols,
-                          "gpus_per_node": gpus})
+    offer.details.update({"node_selector": choice.node_selector,
+                          "tolerations": choice.tolerations, "gpus_per_node": gpus})
     if gpus:
         offer.gpus_total = fit.gpus_total
     if fit.reason:

@@ -3,8 +3,8 @@
 A cluster is an Airflow ``kubernetes`` connection (kubeconfig path or content, context,
 in-cluster, namespace: the provider's own extras, read by its hooks) with the extras of
 :class:`KubernetesSettings`. One connection is one place: ``<context>/<namespace>``, infra
-``kubernetes/<context>``. Every other module of the backend takes these settings as an
-argument; only the facade reads the connection.
+``kubernetes/<context>``. The other modules of the backend take these settings as an
+argument: only the facade reads our extras (and the provider's hooks theirs, in :mod:`.client`).
 """
 
 from __future__ import annotations
