@@ -232,6 +232,9 @@ class KubernetesBackend(Backend):
         listed = status.listed(self.conn_id, groups, results)
         out, seen = status.statuses(groups, listed, nodes, self.settings)
         now = time.monotonic()
+        # a stale entry is never used again: drop it (the triggerer's backend lives for long)
+        self._seen = {name: (at, pods) for name, (at, pods) in self._seen.items()
+                      if now - at <= SEEN_MAX_AGE}
         self._seen.update((name, (now, pods)) for name, pods in seen.items())
         return out
 
