@@ -20,9 +20,8 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from airflow_skypilot.backends import _k8s_manifests as m
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
-from airflow_skypilot.backends.kubernetes import KubernetesBackend, KubernetesSettings
+from airflow_skypilot.backends.kubernetes import KubernetesBackend, KubernetesSettings, names
 from airflow_skypilot.backends.registry import backend_for_connection
 from airflow_skypilot.cli import main as cli
 from airflow_skypilot.spec import load_task
@@ -90,7 +89,7 @@ def _terminal(backend, handle, timeout=40.0, use_poll=False) -> JobStatus:
 
 
 def _pods(api, job_name) -> list[client.V1Pod]:
-    return _core(api).list_namespaced_pod(NS, label_selector=f"{m.LABEL_JOB}={job_name}").items
+    return _core(api).list_namespaced_pod(NS, label_selector=f"{names.LABEL_JOB}={job_name}").items
 
 
 def _filler(api, name, gpus, node=None, extra=None) -> None:
@@ -232,7 +231,7 @@ def test_two_node_job_ranks_addresses_and_env(k8s, kube):
 
 
 def test_log_read_in_chunks_adds_up_to_the_whole_log(k8s, monkeypatch):
-    from airflow_skypilot.backends import kubernetes as kmod
+    from airflow_skypilot.backends.kubernetes import logs as kmod
 
     monkeypatch.setattr(kmod, "LOG_CHUNK", 100)
     backend = KubernetesBackend("k8s_sandbox")
@@ -328,8 +327,8 @@ def test_cancel_removes_job_pods_service_secret_and_configmap(k8s, kube):
     core = _core(kube)
     name = handle.job_name
     assert core.read_namespaced_service(name, NS).spec.cluster_ip == "None"
-    assert core.read_namespaced_secret(m.secret_name(name), NS)
-    assert core.read_namespaced_config_map(m.configmap_name(name), NS)
+    assert core.read_namespaced_secret(names.secret_name(name), NS)
+    assert core.read_namespaced_config_map(names.configmap_name(name), NS)
     backend.cancel(handle)
     status = backend.status([handle])[handle.job_id]
     assert status.state in (JobState.CANCELLED, JobState.LOST)
@@ -338,8 +337,8 @@ def test_cancel_removes_job_pods_service_secret_and_configmap(k8s, kube):
         left = []
         for read, obj in ((client.BatchV1Api(kube).read_namespaced_job, name),
                           (core.read_namespaced_service, name),
-                          (core.read_namespaced_secret, m.secret_name(name)),
-                          (core.read_namespaced_config_map, m.configmap_name(name))):
+                          (core.read_namespaced_secret, names.secret_name(name)),
+                          (core.read_namespaced_config_map, names.configmap_name(name))):
             with contextlib.suppress(ApiException):
                 read(obj, NS)
                 left.append(obj)
@@ -359,7 +358,7 @@ def test_submit_twice_with_one_name_adopts(k8s, kube):
     assert not first.adopted and second.adopted
     assert second.job_id == first.job_id and second.extra["uid"] == first.extra["uid"]
     jobs = client.BatchV1Api(kube).list_namespaced_job(
-        NS, label_selector=f"{m.LABEL_JOB}={name}").items
+        NS, label_selector=f"{names.LABEL_JOB}={name}").items
     assert len(jobs) == 1
     found = backend.find(name)
     assert found is not None and found.adopted and found.extra["uid"] == first.extra["uid"]

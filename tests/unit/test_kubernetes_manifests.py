@@ -19,19 +19,17 @@ from datetime import UTC, datetime
 import kubernetes_validate
 import pytest
 
-from airflow_skypilot.backends import _k8s_manifests as m
 from airflow_skypilot.backends.base import JobState, Offer
 from airflow_skypilot.backends.kubernetes import (
-    ClusterView,
     KubernetesBackend,
     KubernetesSettings,
-    NodeView,
-    cluster_view,
+    bundle,
     job_status,
-    join_logs,
-    log_plan,
-    slice_log,
+    names,
 )
+from airflow_skypilot.backends.kubernetes import manifests as m
+from airflow_skypilot.backends.kubernetes.cluster import ClusterView, NodeView, cluster_view
+from airflow_skypilot.backends.kubernetes.logs import join_logs, log_plan, slice_log
 from airflow_skypilot.spec import load_task
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()  # newest bundled: 1.37 today
@@ -67,7 +65,7 @@ def _objects(backend, task, offer, name="sky-job-1", env=None, files=None):
     env = env if env is not None else {"SKYPILOT_TASK_ID": "sky-task-1"}
     job = backend.job_manifest(task, offer, name, env)
     owner = {"metadata": {"name": name, "uid": "0f0f0f0f-1111-2222-3333-444444444444"}}
-    deps = backend.dependents(task, offer, name, env, files or m.bundle(task), owner)
+    deps = backend.dependents(task, offer, name, env, files or bundle.bundle(task), owner)
     return job, {d["kind"]: d for d in deps}
 
 
@@ -173,7 +171,7 @@ def test_no_user_text_reaches_a_field_kubernetes_expands():
 def test_labels_make_the_job_and_its_pods_findable():
     task = load_task({"num_nodes": 2, "run": "true"})
     job, deps = _objects(_backend(), task, _offer(task), name="sky-find-me-a0")
-    want = {m.LABEL_JOB: "sky-find-me-a0", m.LABEL_MANAGED: m.MANAGED_BY}
+    want = {names.LABEL_JOB: "sky-find-me-a0", names.LABEL_MANAGED: names.MANAGED_BY}
     assert want.items() <= job["metadata"]["labels"].items()
     assert want.items() <= job["spec"]["template"]["metadata"]["labels"].items()
     for obj in deps.values():
@@ -237,13 +235,13 @@ def test_image_from_image_id_or_the_connection_default():
 
 def test_pod_config_merges_but_cannot_rewire_the_job():
     task = load_task({"run": "true", "config": {"kubernetes": {"pod_config": {
-        "metadata": {"labels": {"team": "a", m.LABEL_JOB: "hijack"}},
+        "metadata": {"labels": {"team": "a", names.LABEL_JOB: "hijack"}},
         "spec": {"imagePullSecrets": [{"name": "regcred"}], "restartPolicy": "Always",
                  "containers": [{"command": ["sh"], "env": [{"name": "X", "value": "1"}]}]}}}}})
     job, _ = _objects(_backend(), task, _offer(task), name="sky-pc")
     tmpl = job["spec"]["template"]
     assert tmpl["metadata"]["labels"]["team"] == "a"
-    assert tmpl["metadata"]["labels"][m.LABEL_JOB] == "sky-pc"
+    assert tmpl["metadata"]["labels"][names.LABEL_JOB] == "sky-pc"
     assert tmpl["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert tmpl["spec"]["restartPolicy"] == "Never"
     container = tmpl["spec"]["containers"][0]
@@ -339,9 +337,9 @@ def test_workdir_and_file_mounts_are_unpacked(tmp_path):
 def test_a_workdir_too_large_for_a_configmap_is_refused(tmp_path):
     (tmp_path / "big.bin").write_bytes(os.urandom(300 * 1024))
     task = load_task({"workdir": str(tmp_path), "run": "true"})
-    assert m.bundle(task, limit=900 * 1024).size > 300 * 1024
-    with pytest.raises(m.BundleTooLarge, match="ConfigMap"):
-        m.bundle(task, limit=200 * 1024)
+    assert bundle.bundle(task, limit=900 * 1024).size > 300 * 1024
+    with pytest.raises(bundle.BundleTooLarge, match="ConfigMap"):
+        bundle.bundle(task, limit=200 * 1024)
 
 
 # --- offers from a cluster view (the probe's arithmetic) ------------------------------------
@@ -497,7 +495,7 @@ def _job(conditions=(), deleting=False, suspend=False, failed=0):
 def _jpod(rank=0, phase="Running", state=None, conds=(), reason=None, node="n1", age=10,
           deleting=False, image="img"):
     meta = {"name": f"j-{rank}-x", "creationTimestamp": _ts(age),
-            "labels": {m.LABEL_JOB: "j", m.INDEX_KEY: str(rank)},
+            "labels": {names.LABEL_JOB: "j", names.INDEX_KEY: str(rank)},
             "ownerReferences": [{"uid": "u1"}]}
     if deleting:
         meta["deletionTimestamp"] = _ts(1)

@@ -1,14 +1,14 @@
-"""The objects the Kubernetes backend creates, as plain dicts (pure: no I/O but reading files).
+"""The objects a job is made of, as plain dicts (pure: no I/O).
 
 Every manifest here is what goes over the wire, so tests can check it against the Kubernetes
 OpenAPI schema. How a job reaches its pods:
 
 * a ``ConfigMap`` ``<job>-files``, mounted read-only at ``/etc/airflow-skypilot``: the entry
   script ``main.sh``, the node wrapper ``node.sh`` (shared with Slurm, see
-  :mod:`~airflow_skypilot.backends.jobscript`), ``env.sh`` (the task's envs, quoted for bash),
-  the task's ``setup.sh``/``run.sh`` verbatim, and the local workdir and file mounts as
-  base64 ``tar.gz`` text (a ConfigMap holds at most 1 MiB; :data:`DEFAULT_BUNDLE_LIMIT`).
-  Nothing the user wrote goes through a Job field, where Kubernetes would expand ``$(VAR)``.
+  :mod:`~airflow_skypilot.backends.common.jobscript`), ``env.sh`` (the task's envs, quoted for
+  bash), the task's ``setup.sh``/``run.sh`` verbatim, and the local workdir and file mounts as
+  base64 ``tar.gz`` text (see :mod:`.bundle`). Nothing the user wrote goes through a Job
+  field, where Kubernetes would expand ``$(VAR)``.
 * a ``Secret`` ``<job>-secrets`` with the task's secrets, loaded by ``envFrom``: the values are
   never in the Job spec, the ConfigMap or an annotation.
 * for ``num_nodes > 1``, a headless ``Service`` named after the job; the pods of the Indexed
@@ -17,191 +17,48 @@ OpenAPI schema. How a job reaches its pods:
 
 The container command is a fixed one-liner that runs ``main.sh``; ``${SANDBOX_MOUNT_ROOT:-}``
 is empty on a real cluster (the test kubelet roots the pod's filesystem there).
+:func:`job_for` and :func:`dependents_for` build them from a task, an offer and the settings.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
-import io
-import os
 import shlex
-import tarfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from airflow_skypilot.backends.base import Offer
 from airflow_skypilot.backends.common import jobscript
-from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
+from airflow_skypilot.backends.common.fit import shape as shape_of
+from airflow_skypilot.backends.kubernetes.bundle import Bundle
+from airflow_skypilot.backends.kubernetes.cluster import GPU_TOLERATION
+from airflow_skypilot.backends.kubernetes.names import (
+    ANN_PREFIX,
+    CONTAINER,
+    GPU_RESOURCE,
+    LABEL_JOB,
+    configmap_name,
+    labels_for,
+    node_addresses,
+    secret_name,
+    service_name,
+)
+from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
 from airflow_skypilot.spec.task import Task
 
-#: labels and annotations (``skypilot.airflow/`` is ours)
-LABEL_JOB = "skypilot.airflow/job-name"
-LABEL_MANAGED = "app.kubernetes.io/managed-by"
-MANAGED_BY = "airflow-skypilot"
-ANN_PREFIX = "skypilot.airflow/"
-INDEX_KEY = "batch.kubernetes.io/job-completion-index"
-
-CONTAINER = "main"
-GPU_RESOURCE = "nvidia.com/gpu"
 FILES_MOUNT = "/etc/airflow-skypilot"
 WORKDIR_MOUNT = "/sky_workdir"
 FILES_DIR_EXPR = '"${SANDBOX_MOUNT_ROOT:-}' + FILES_MOUNT + '"'
 #: the container's command: no ``$(``, so Kubernetes' own variable expansion never applies
 BOOTSTRAP = 'exec /bin/bash "${SANDBOX_MOUNT_ROOT:-}' + FILES_MOUNT + '/main.sh"'
 
-#: the ConfigMap's payload limit (the API server refuses objects over 1 MiB in all)
-DEFAULT_BUNDLE_LIMIT = 900 * 1024
-#: stop reading a workdir once this many raw bytes were seen (it cannot compress that well)
-_RAW_FACTOR = 64
-
-
-class BundleTooLarge(ValueError):
-    """The workdir and file mounts do not fit in one ConfigMap."""
-
-
-# --- names ----------------------------------------------------------------------------------
-
-
-def service_name(job_name: str) -> str:
-    """A Service name is a DNS-1035 label (starts with a letter): the job name when it is one."""
-    if job_name[:1].isalpha():
-        return job_name
-    return ("s-" + job_name)[:63].rstrip("-")
-
-
-def configmap_name(job_name: str) -> str:
-    return f"{job_name}-files"
-
-
-def secret_name(job_name: str) -> str:
-    return f"{job_name}-secrets"
-
-
-def pod_hostname(job_name: str, rank: int) -> str:
-    return f"{job_name}-{rank}"
-
-
-def node_addresses(job_name: str, namespace: str, num_nodes: int,
-                   cluster_domain: str = "cluster.local") -> list[str]:
-    """``SKYPILOT_NODE_IPS`` of a multi-node job: stable pod DNS names, in rank order."""
-    svc = service_name(job_name)
-    return [f"{pod_hostname(job_name, i)}.{svc}.{namespace}.svc.{cluster_domain}"
-            for i in range(num_nodes)]
-
-
-def labels_for(job_name: str) -> dict[str, str]:
-    return {LABEL_MANAGED: MANAGED_BY, LABEL_JOB: job_name}
-
 
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
     """Dependents of the Job go with it (garbage collection, foreground deletion)."""
     return {"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
             "uid": job["metadata"]["uid"], "blockOwnerDeletion": True}
-
-
-# --- workdir and file mounts ----------------------------------------------------------------
-
-
-@dataclass
-class Bundle:
-    """ConfigMap keys (base64 tar.gz text) and where main.sh unpacks each."""
-
-    data: dict[str, str] = field(default_factory=dict)
-    targets: list[tuple[str, str]] = field(default_factory=list)  # (key, shell word of dir)
-
-    @property
-    def size(self) -> int:
-        return sum(len(v) for v in self.data.values())
-
-
-def _root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    """Files unpack as the pod's user, whatever uid the Airflow worker has."""
-    info.uid = info.gid = 0
-    info.uname = info.gname = "root"
-    return info
-
-
-def _tar_b64(entries: list[tuple[str, str]], raw_limit: int) -> str:
-    """(local path, name in the archive) pairs -> base64 of a tar.gz; bounded reading."""
-    raw = 0
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for path, arcname in entries:
-            if os.path.isfile(path) and not os.path.islink(path):
-                raw += os.path.getsize(path)
-                if raw > raw_limit:
-                    raise BundleTooLarge(f"more than {raw_limit // 1024} KiB of files")
-            tar.add(path, arcname=arcname, recursive=False, filter=_root_owned)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _tree(local: str) -> list[tuple[str, str]]:
-    """Every file and directory under ``local`` (minus .git and .skyignore), archive-relative."""
-    patterns = ignore_patterns(local)
-    out: list[tuple[str, str]] = []
-    for root, dirs, files in os.walk(local):
-        rel_root = os.path.relpath(root, local)
-        dirs[:] = sorted(d for d in dirs
-                         if not is_ignored(os.path.normpath(os.path.join(rel_root, d)), patterns))
-        for name in sorted(dirs):
-            rel = os.path.normpath(os.path.join(rel_root, name))
-            out.append((os.path.join(root, name), rel))
-        for name in sorted(files):
-            rel = os.path.normpath(os.path.join(rel_root, name))
-            if not is_ignored(rel, patterns):
-                out.append((os.path.join(root, name), rel))
-    return out
-
-
-def _dest_dir_word(dst: str) -> str:
-    """A bash word for a file mount's destination directory inside the pod."""
-    if dst in ("~", "~/"):
-        return '"$HOME"'
-    if dst.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(dst[2:])
-    if dst.startswith("/"):
-        return '"$ROOT"' + shlex.quote(dst)
-    return '"$HOME"/' + shlex.quote(dst)
-
-
-def local_source(task: Task, src: str) -> str:
-    path = os.path.expanduser(src)
-    if not os.path.isabs(path) and task.base_dir:
-        path = os.path.join(task.base_dir, path)
-    return os.path.normpath(path)
-
-
-def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
-    """The local workdir and file mounts as ConfigMap entries; raises BundleTooLarge."""
-    out = Bundle()
-    raw_limit = limit * _RAW_FACTOR
-    workdir = task.resolved_workdir()
-    if workdir:
-        if not os.path.isdir(workdir):
-            raise BundleTooLarge(f"workdir {workdir} is not a directory")
-        out.data["workdir.tgz.b64"] = _tar_b64(_tree(workdir), raw_limit)
-        out.targets.append(("workdir.tgz.b64", '"$AIRFLOW_SKYPILOT_WORKDIR"'))
-    for i, (dst, src) in enumerate(sorted(task.file_mounts.items())):
-        path = local_source(task, src)
-        key = f"mount-{i}.tgz.b64"
-        if os.path.isdir(path):
-            out.data[key] = _tar_b64(_tree(path), raw_limit)
-            out.targets.append((key, _dest_dir_word(dst.rstrip("/") or "/")))
-        elif os.path.isfile(path):
-            out.data[key] = _tar_b64([(path, os.path.basename(dst.rstrip("/")))], raw_limit)
-            parent = os.path.dirname(dst.rstrip("/")) or ("~" if not dst.startswith("/")
-                                                           else "/")
-            out.targets.append((key, _dest_dir_word(parent)))
-        else:
-            raise BundleTooLarge(f"file_mounts {dst}: {src} does not exist")
-        if out.size > limit:
-            break
-    if out.size > limit:
-        raise BundleTooLarge(
-            f"workdir and file_mounts are {out.size // 1024} KiB once packed; a ConfigMap "
-            f"takes at most {limit // 1024} KiB")
-    return out
 
 
 # --- scripts --------------------------------------------------------------------------------
@@ -444,8 +301,71 @@ _OURS = {"spec.restartPolicy", "spec.subdomain", "spec.containers[0].name",
          "spec.containers[0].command", "spec.containers[0].args"}
 
 
+# --- from a task and an offer ---------------------------------------------------------------
+
+
+def job_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: str,
+            env: Mapping[str, str]) -> dict[str, Any]:
+    """The Job for ``task`` at ``offer`` (created suspended; its dependents come next)."""
+    s = settings
+    req = offer.request
+    gpus, cpus, mem = shape_of(req)
+    if req.memory and req.memory.endswith("x") and cpus:
+        mem = float(req.memory[:-1]) * cpus
+    node_selector = dict(s.node_selector)
+    node_selector.update(offer.details.get("node_selector") or {})
+    tolerations = list(s.tolerations) + list(offer.details.get("tolerations") or [])
+    if gpus and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+        tolerations.append(dict(GPU_TOLERATION))
+    pod_config = ((task.config.get("kubernetes") or {}).get("pod_config") or {})
+    shape = PodShape(
+        image=req.container_image or s.image, gpus=gpus, cpus=cpus or None,
+        memory_gb=mem or None, node_selector=node_selector, tolerations=tolerations,
+        service_account=s.service_account, priority_class=s.priority_class,
+        pvcs={str(k): str(v) for k, v in task.volumes.items()},
+        pod_config=dict(pod_config) if isinstance(pod_config, Mapping) else {})
+    annotations = {
+        ANN_PREFIX + "managed": "true",
+        ANN_PREFIX + "location": s.location,
+        ANN_PREFIX + "infra": s.infra,
+        ANN_PREFIX + "accelerator": offer.accelerator or req.accelerator or "",
+        ANN_PREFIX + "gpus-per-node": str(gpus),
+        ANN_PREFIX + "price-per-hour": f"{offer.price_per_hour:g}",
+        ANN_PREFIX + "spot": "true" if req.use_spot else "false",
+        ANN_PREFIX + "secret": "true" if task.secrets else "false",
+        ANN_PREFIX + "task-id": str(env.get("SKYPILOT_TASK_ID", job_name)),
+    }
+    return job_manifest(job_name, s.namespace, task.num_nodes, shape,
+                        annotations=annotations, has_secrets=bool(task.secrets),
+                        ttl_seconds_after_finished=s.ttl_seconds_after_finished)
+
+
+def dependents_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: str,
+                   env: Mapping[str, str], files: Bundle,
+                   owner: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The ConfigMap, Secret and (several nodes) Service of the Job ``owner``."""
+    s = settings
+    req = offer.request
+    info = {"cluster_name": s.context, "cloud": "Kubernetes", "region": s.context,
+            "zone": s.namespace}
+    node_env = jobscript.skypilot_env(
+        task, task_id=env.get("SKYPILOT_TASK_ID", job_name),
+        num_gpus_per_node=jobscript.gpus_per_node(req.accelerator_count
+                                                  if req.accelerator else 0),
+        cluster_info=info, extra=env)
+    for key in task.secrets:  # secrets come from the Secret (envFrom) and win
+        node_env.pop(key, None)
+    data = files_data(task, job_name=job_name, namespace=s.namespace, node_env=node_env,
+                      cluster_domain=s.cluster_domain, files=files)
+    out = [configmap_manifest(job_name, s.namespace, data, owner)]
+    if task.secrets:
+        out.append(secret_manifest(job_name, s.namespace, task.secrets, owner))
+    if task.num_nodes > 1:
+        out.append(service_manifest(job_name, s.namespace, owner))
+    return out
+
+
 __all__ = [
-    "BOOTSTRAP", "Bundle", "BundleTooLarge", "PodShape", "bundle", "configmap_manifest",
-    "files_data", "job_manifest", "main_script", "node_addresses", "secret_manifest",
-    "service_manifest",
+    "BOOTSTRAP", "PodShape", "configmap_manifest", "dependents_for", "files_data", "job_for",
+    "job_manifest", "main_script", "merge_pod_config", "secret_manifest", "service_manifest",
 ]

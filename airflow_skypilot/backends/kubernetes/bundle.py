@@ -1,0 +1,123 @@
+"""The local workdir and file mounts as ConfigMap entries (pure: no I/O but reading files).
+
+Each tree or file becomes one base64 ``tar.gz`` text key of the job's ConfigMap; the pod's
+``main.sh`` unpacks each at its target. What travels is :func:`common.workdir.walk`'s rule
+(``.git`` and ``.skyignore`` left out), from :func:`common.workdir.local_source`. A ConfigMap
+holds at most 1 MiB, so a bundle over :data:`DEFAULT_BUNDLE_LIMIT` is refused
+(:class:`BundleTooLarge`): the placement table says so and nothing is submitted.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shlex
+import tarfile
+from dataclasses import dataclass, field
+
+from airflow_skypilot.backends.common.workdir import local_source, walk
+from airflow_skypilot.spec.task import Task
+
+#: the ConfigMap's payload limit (the API server refuses objects over 1 MiB in all)
+DEFAULT_BUNDLE_LIMIT = 900 * 1024
+#: stop reading a workdir once this many raw bytes were seen (it cannot compress that well)
+_RAW_FACTOR = 64
+
+
+class BundleTooLarge(ValueError):
+    """The workdir and file mounts do not fit in one ConfigMap."""
+
+
+@dataclass
+class Bundle:
+    """ConfigMap keys (base64 tar.gz text) and where main.sh unpacks each."""
+
+    data: dict[str, str] = field(default_factory=dict)
+    targets: list[tuple[str, str]] = field(default_factory=list)  # (key, shell word of dir)
+
+    @property
+    def size(self) -> int:
+        return sum(len(v) for v in self.data.values())
+
+
+def _root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Files unpack as the pod's user, whatever uid the Airflow worker has."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def _tar_b64(entries: list[tuple[str, str]], raw_limit: int) -> str:
+    """(local path, name in the archive) pairs -> base64 of a tar.gz; bounded reading."""
+    raw = 0
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for path, arcname in entries:
+            if os.path.isfile(path) and not os.path.islink(path):
+                raw += os.path.getsize(path)
+                if raw > raw_limit:
+                    raise BundleTooLarge(f"more than {raw_limit // 1024} KiB of files")
+            tar.add(path, arcname=arcname, recursive=False, filter=_root_owned)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _tree(local: str) -> list[tuple[str, str]]:
+    """Every file and directory under ``local`` that travels, archive-relative."""
+    return [(path, rel) for path, rel, _ in walk(local)]
+
+
+def _dest_dir_word(dst: str) -> str:
+    """A bash word for a file mount's destination directory inside the pod."""
+    if dst in ("~", "~/"):
+        return '"$HOME"'
+    if dst.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(dst[2:])
+    if dst.startswith("/"):
+        return '"$ROOT"' + shlex.quote(dst)
+    return '"$HOME"/' + shlex.quote(dst)
+
+
+def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
+    """The local workdir and file mounts as ConfigMap entries; raises BundleTooLarge."""
+    out = Bundle()
+    raw_limit = limit * _RAW_FACTOR
+    workdir = task.resolved_workdir()
+    if workdir:
+        if not os.path.isdir(workdir):
+            raise BundleTooLarge(f"workdir {workdir} is not a directory")
+        out.data["workdir.tgz.b64"] = _tar_b64(_tree(workdir), raw_limit)
+        out.targets.append(("workdir.tgz.b64", '"$AIRFLOW_SKYPILOT_WORKDIR"'))
+    for i, (dst, src) in enumerate(sorted(task.file_mounts.items())):
+        path = local_source(task, src)
+        key = f"mount-{i}.tgz.b64"
+        if os.path.isdir(path):
+            out.data[key] = _tar_b64(_tree(path), raw_limit)
+            out.targets.append((key, _dest_dir_word(dst.rstrip("/") or "/")))
+        elif os.path.isfile(path):
+            out.data[key] = _tar_b64([(path, os.path.basename(dst.rstrip("/")))], raw_limit)
+            parent = os.path.dirname(dst.rstrip("/")) or ("~" if not dst.startswith("/")
+                                                           else "/")
+            out.targets.append((key, _dest_dir_word(parent)))
+        else:
+            raise BundleTooLarge(f"file_mounts {dst}: {src} does not exist")
+        if out.size > limit:
+            break
+    if out.size > limit:
+        raise BundleTooLarge(
+            f"workdir and file_mounts are {out.size // 1024} KiB once packed; a ConfigMap "
+            f"takes at most {limit // 1024} KiB")
+    return out
+
+
+def check(task: Task, limit: int) -> str:
+    """Why the task's files cannot travel ("" when they can, or when there are none)."""
+    if not (task.workdir or task.file_mounts):
+        return ""
+    try:
+        bundle(task, limit)
+    except BundleTooLarge as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"cannot read the workdir or file_mounts: {exc}"
+    return ""

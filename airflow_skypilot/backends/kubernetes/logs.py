@@ -1,0 +1,146 @@
+"""A job's output: rank 0's pod log while the job runs; once every pod has ended the other
+ranks follow, each line prefixed ``(rank N) ``. Offsets are bytes into that text, which only
+ever grows.
+
+The log API reads from the start of a pod's log only, so a read asks for at most
+``offset + LOG_CHUNK + 1`` bytes of rank 0 and returns at most :data:`LOG_CHUNK` bytes of
+whole lines. The triggerer's batched read (:func:`aread_many`) takes the pods of the poll just
+before it when the caller has them, so it costs one log request per job and nothing more
+(Kubernetes cannot return many pods' logs); else one pod list per namespace for all jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from airflow_skypilot.backends.base import JobHandle
+from airflow_skypilot.backends.kubernetes.client import KubeClient
+from airflow_skypilot.backends.kubernetes.cluster import TERMINAL
+from airflow_skypilot.backends.kubernetes.names import LABEL_JOB
+from airflow_skypilot.backends.kubernetes.status import PodView, pods_of
+
+LOG_CHUNK = 1 << 20
+
+
+def log_plan(pods: list[Mapping[str, Any]], num_nodes: int) -> tuple[list[PodView], bool]:
+    """The pods whose logs make up the job's output (newest per rank, rank order) and whether
+    every rank has ended (then the text is final)."""
+    latest: dict[int, PodView] = {}
+    for v in sorted((PodView.parse(p) for p in pods), key=lambda v: v.created):
+        latest[v.rank] = v
+    plan = [latest[r] for r in sorted(latest)]
+    final = len(plan) >= num_nodes and all(v.phase in TERMINAL for v in plan)
+    return plan, final
+
+
+def join_logs(logs: list[tuple[int, bytes]], final: bool) -> bytes:
+    """Rank 0's log; when ``final``, the other ranks after it, each line prefixed."""
+    if not logs:
+        return b""
+    data = logs[0][1]
+    if final and len(logs) > 1:
+        parts = [data if not data or data.endswith(b"\n") else data + b"\n"]
+        for rank, text in logs[1:]:
+            prefix = f"(rank {rank}) ".encode()
+            parts += [prefix + line for line in text.splitlines(keepends=True)]
+            if parts[-1] and not parts[-1].endswith(b"\n"):
+                parts[-1] += b"\n"
+        data = b"".join(parts)
+    return data
+
+
+def slice_log(data: bytes, offset: int, final: bool, limit: int = LOG_CHUNK) -> tuple[str, int]:
+    """Text from byte ``offset``: whole lines only until the log is final, at most ``limit``
+    bytes (a line longer than that comes in pieces); never half a UTF-8 character."""
+    if offset >= len(data):
+        return "", offset
+    end = min(len(data), offset + limit)
+    if not final or end < len(data):
+        cut = data.rfind(b"\n", offset, end)
+        if cut >= 0:
+            end = cut + 1
+        elif end - offset < limit:
+            end = offset  # a partial line: wait for its end
+    while offset < end < len(data) and (data[end] & 0xC0) == 0x80:
+        end -= 1
+    return data[offset:end].decode("utf-8", "replace"), end
+
+
+def _started(view: PodView) -> bool:
+    """A pod that never started has no log to ask for."""
+    return not (view.phase == "Pending" and not view.started)
+
+
+def read(client: KubeClient, namespace: str, handle: JobHandle, offset: int,
+         pods: list[dict[str, Any]] | None) -> tuple[str, int]:
+    """The job's text from byte ``offset`` on the sync client; ``pods`` None: list them."""
+    core, _ = client.apis()
+    if pods is None:
+        found = client.call(core.list_namespaced_pod, namespace,
+                            label_selector=f"{LABEL_JOB}={handle.job_name}")
+        pods = pods_of(handle.job_name, found.get("items") or [], handle.extra.get("uid"))
+    plan, final = log_plan(pods, handle.num_nodes)
+    if not plan:
+        return "", offset
+
+    def pod_log(view: PodView, limit: int | None = None) -> bytes:
+        return client.pod_log(core, namespace, view.name, limit) if _started(view) else b""
+
+    # rank 0 up to what this call can return: the log API reads from the start only
+    first = pod_log(plan[0], offset + LOG_CHUNK + 1)
+    final = final and len(first) <= offset + LOG_CHUNK
+    logs = [(plan[0].rank, first)]
+    if final:
+        logs += [(v.rank, pod_log(v)) for v in plan[1:]]
+    return slice_log(join_logs(logs, final), offset, final, LOG_CHUNK)
+
+
+async def aread_many(client: KubeClient, requests: list[tuple[JobHandle, int]],
+                     cached: Mapping[str, list[dict[str, Any]]], default_namespace: str
+                     ) -> dict[str, tuple[str, int]]:
+    """New output of many jobs in one client session, keyed by job id. ``cached``: the pods
+    of jobs just seen, by job id; the others are listed (one pod list per namespace), then
+    the logs are read a few at a time."""
+    out: dict[str, tuple[str, int]] = {}
+
+    def namespace(handle: JobHandle) -> str:
+        return handle.extra.get("namespace") or default_namespace
+
+    async with client.asession() as (core, _batch):
+        pods: dict[str, list[dict[str, Any]]] = {}
+        missing: dict[str, list[JobHandle]] = {}
+        for handle, _ in requests:
+            if handle.job_id in cached:
+                pods[handle.job_id] = cached[handle.job_id]
+            else:
+                missing.setdefault(namespace(handle), []).append(handle)
+        for ns, handles in missing.items():
+            selector = (f"{LABEL_JOB}={handles[0].job_name}" if len(handles) == 1
+                        else LABEL_JOB)
+            found = (await client.acall(core.list_namespaced_pod, ns,
+                                        label_selector=selector)).get("items") or []
+            for h in handles:
+                pods[h.job_id] = pods_of(h.job_name, found, h.extra.get("uid"))
+        gate = asyncio.Semaphore(8)  # Kubernetes has no API for the logs of many pods
+
+        async def pod_log(ns: str, view: PodView, limit: int | None = None) -> bytes:
+            return await client.apod_log(core, ns, view.name, limit) if _started(view) else b""
+
+        async def one(handle: JobHandle, offset: int) -> None:
+            ns = namespace(handle)
+            plan, final = log_plan(pods[handle.job_id], handle.num_nodes)
+            if not plan:
+                out[handle.job_id] = ("", offset)
+                return
+            async with gate:
+                first = await pod_log(ns, plan[0], offset + LOG_CHUNK + 1)
+                final = final and len(first) <= offset + LOG_CHUNK
+                logs = [(plan[0].rank, first)]
+                if final:
+                    logs += [(v.rank, await pod_log(ns, v)) for v in plan[1:]]
+            out[handle.job_id] = slice_log(join_logs(logs, final), offset, final, LOG_CHUNK)
+
+        await asyncio.gather(*(one(h, o) for h, o in requests))
+    return out

@@ -1,0 +1,52 @@
+"""The names that tie a job's objects together: labels, annotations, object and host names.
+
+A job's Job, ConfigMap, Secret and Service are all named after the job and carry
+:data:`LABEL_JOB`; that label is how status, logs and cleanup find them again (one list per
+namespace for every job). ``skypilot.airflow/`` annotations on the Job hold what a later
+process needs to rebuild the handle (:data:`ANN_PREFIX`).
+"""
+
+from __future__ import annotations
+
+#: labels and annotations (``skypilot.airflow/`` is ours)
+LABEL_JOB = "skypilot.airflow/job-name"
+LABEL_MANAGED = "app.kubernetes.io/managed-by"
+MANAGED_BY = "airflow-skypilot"
+ANN_PREFIX = "skypilot.airflow/"
+INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+
+#: the job's container in each pod
+CONTAINER = "main"
+#: the extended resource that counts GPUs
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def service_name(job_name: str) -> str:
+    """A Service name is a DNS-1035 label (starts with a letter): the job name when it is one."""
+    if job_name[:1].isalpha():
+        return job_name
+    return ("s-" + job_name)[:63].rstrip("-")
+
+
+def configmap_name(job_name: str) -> str:
+    return f"{job_name}-files"
+
+
+def secret_name(job_name: str) -> str:
+    return f"{job_name}-secrets"
+
+
+def pod_hostname(job_name: str, rank: int) -> str:
+    return f"{job_name}-{rank}"
+
+
+def node_addresses(job_name: str, namespace: str, num_nodes: int,
+                   cluster_domain: str = "cluster.local") -> list[str]:
+    """``SKYPILOT_NODE_IPS`` of a multi-node job: stable pod DNS names, in rank order."""
+    svc = service_name(job_name)
+    return [f"{pod_hostname(job_name, i)}.{svc}.{namespace}.svc.{cluster_domain}"
+            for i in range(num_nodes)]
+
+
+def labels_for(job_name: str) -> dict[str, str]:
+    return {LABEL_MANAGED: MANAGED_BY, LABEL_JOB: job_name}

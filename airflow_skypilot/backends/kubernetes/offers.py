@@ -1,0 +1,191 @@
+"""What one cluster can offer a task (the "clouds" side): offers and ``show-gpus`` rows.
+
+From one :class:`~.cluster.ClusterView`: the nodes a candidate may use (spot nodes for
+``use_spot``, the connection's ``node_selector``, then the GPU type by the trusted node labels,
+the label most nodes share), then the shared node-pool rule
+(:func:`~airflow_skypilot.backends.common.fit.fit_pool`) for shape and free room. The node
+selector and tolerations chosen here travel in ``offer.details`` to the Job's manifest, so the
+pods land where the capacity was counted. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_skypilot.backends.base import CapacityRow, Offer
+from airflow_skypilot.backends.common.fit import PoolNode, fit_pool, hourly_price, shape
+from airflow_skypilot.backends.kubernetes.cluster import (
+    GPU_LABELS,
+    GPU_TOLERATION,
+    SPOT_LABELS,
+    ClusterView,
+    NodeView,
+)
+from airflow_skypilot.backends.kubernetes.names import GPU_RESOURCE
+from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
+from airflow_skypilot.spec import accelerators as acc
+from airflow_skypilot.spec import fields
+from airflow_skypilot.spec.task import ResourceRequest, Task
+
+
+def applies(req: ResourceRequest, settings: KubernetesSettings) -> bool:
+    """Does the candidate's ``infra`` filter allow this connection?"""
+    return fields.infra_matches(req.infra, settings.infra)
+
+
+def pool_node(node: NodeView, tolerations: list[dict[str, Any]]) -> PoolNode:
+    """A node as the shared fit rule sees it (one more pod needs a free pod slot)."""
+    return PoolNode(name=node.name, cpus=node.cpus, cpus_free=node.free("cpu"),
+                    memory_gb=node.memory_gb, memory_free_gb=node.free("memory") / 2**30,
+                    gpus=node.gpus, gpus_free=node.free(GPU_RESOURCE),
+                    usable=not node.why_unusable(tolerations), has_room=node.free("pods") >= 1)
+
+
+@dataclass
+class NodeChoice:
+    """The nodes a candidate may use, and how its pods are sent there: the node selector and
+    tolerations it adds to the connection's (they travel in ``offer.details``)."""
+
+    nodes: list[NodeView] = field(default_factory=list)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    accelerator: str | None = None  # canonical name of the GPU type chosen
+    reason: str = ""  # why there are none
+
+
+def choose_nodes(settings: KubernetesSettings, req: ResourceRequest, gpus: int,
+                 nodes: list[NodeView]) -> NodeChoice:
+    """Spot nodes for ``use_spot`` (the spot label most of them share), the connection's
+    ``node_selector``, then for GPUs the type label most matching nodes share."""
+    s = settings
+    selector: dict[str, str] = {}
+    extra_tols: list[dict[str, Any]] = []  # what this request adds to the connection's
+    if req.use_spot:
+        nodes = [n for n in nodes if n.spot_label()]
+        if not nodes:
+            keys = ", ".join(k for k, _ in SPOT_LABELS)
+            return NodeChoice(reason=f"use_spot: no spot nodes in {s.context} "
+                                     f"(none labelled {keys})")
+        labels = [n.spot_label() for n in nodes]
+        key, value = max(labels, key=labels.count)  # type: ignore[arg-type]
+        nodes = [n for n in nodes if n.spot_label() == (key, value)]
+        selector[key] = value
+        extra_tols.append({"key": key, "operator": "Exists"})
+    if s.node_selector:
+        nodes = [n for n in nodes if all(n.labels.get(k) == v
+                                         for k, v in s.node_selector.items())]
+    if not gpus:
+        if not nodes:
+            return NodeChoice(reason=f"no nodes in {s.context} match the connection's "
+                                     f"node_selector {s.node_selector}")
+        return NodeChoice(nodes, selector, extra_tols)
+    extra_tols.append(dict(GPU_TOLERATION))
+    matches: dict[tuple[str, str], list[NodeView]] = {}
+    for n in nodes:
+        if n.gpus <= 0:
+            continue
+        for key, value in n.gpu_labels():
+            if acc.same_accelerator(req.accelerator or "", value):
+                matches.setdefault((key, value), []).append(n)
+    if not matches:
+        have = sorted({f"{n.accelerator} x{n.gpus}" for n in nodes if n.gpus > 0})
+        return NodeChoice(reason=f"no {req.accelerator} nodes in {s.context}"
+                                 f" (has: {', '.join(have) or 'no GPU nodes'})")
+    (key, value), nodes = max(matches.items(), key=lambda kv: (
+        len(kv[1]), -GPU_LABELS.index(kv[0][0])))
+    selector[key] = value
+    return NodeChoice(nodes, selector, extra_tols, acc.canonical_from_label(value))
+
+
+def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
+          req: ResourceRequest, view: ClusterView, *, unsupported: str,
+          bundle_error: str) -> Offer:
+    """Candidate ``req`` of ``task`` on this cluster. ``unsupported`` and ``bundle_error``
+    are the facade's verdicts on the task ("" when none): either makes it not fit."""
+    s = settings
+    gpus, _, _ = shape(req)
+    offer = Offer(connection=conn_id, backend=backend, location=s.location,
+                  infra=s.infra, request=req, num_nodes=task.num_nodes,
+                  accelerator=req.accelerator, gpus_per_node=req.accelerator_count,
+                  pending_jobs=view.pending, probed_at=view.now, spot=req.use_spot,
+                  details={"context": s.context, "namespace": s.namespace})
+    if view.note:
+        offer.details["note"] = view.note
+
+    def no(reason: str) -> Offer:
+        offer.fits, offer.reason = False, reason
+        return offer
+
+    if unsupported:
+        return no(unsupported)
+    if bundle_error:
+        return no(f"workdir/file_mounts: {bundle_error}")
+    offer.price_per_hour = hourly_price(task.num_nodes, gpus, s.price_per_gpu_hour,
+                                        s.price_per_node_hour)
+    if not view.nodes and not view.pods_known and view.note:
+        if gpus:
+            return no(f"cannot see the cluster's GPUs: {view.note}")
+        return offer  # CPU only: fits by shape, nothing known about free capacity
+    choice = choose_nodes(s, req, gpus, view.nodes)
+    if choice.reason:
+        return no(choice.reason)
+    if choice.accelerator:
+        offer.accelerator = choice.accelerator
+    nodes = choice.nodes
+    tolerations = s.tolerations + choice.tolerations
+    fit = fit_pool([pool_node(n, tolerations) for n in nodes], req, task.num_nodes, s.context)
+    offer.nodes_total = fit.nodes_total
+    offer.details.update({"node_selector": choice.node_selector,
+                          "tolerations": choice.tolerations, "gpus_per_node": gpus})
+    if gpus:
+        offer.gpus_total = fit.gpus_total
+    if fit.reason:
+        return no(fit.reason)
+    unusable = {n.name: r for n in nodes if (r := n.why_unusable(tolerations))}
+    if unusable:
+        offer.details["nodes_unusable"] = unusable
+    if not view.pods_known:
+        offer.details["free"] = "unknown"
+        return offer
+    if gpus:
+        offer.gpus_free = fit.gpus_free
+    offer.nodes_free = fit.nodes_free
+    if offer.nodes_free >= task.num_nodes:
+        offer.est_start = view.now
+    return offer
+
+
+def capacity_rows(conn_id: str, settings: KubernetesSettings,
+                  view: ClusterView) -> list[CapacityRow]:
+    """``show-gpus``: one row per GPU type (and one for CPU-only nodes)."""
+    s = settings
+    if not view.nodes and view.note:
+        return [CapacityRow(connection=conn_id, location=s.location, accelerator=None,
+                            pending=view.pending, error=view.note)]
+    rows: list[CapacityRow] = []
+    tolerations = s.tolerations + [dict(GPU_TOLERATION)]
+    by_type: dict[str | None, list[NodeView]] = {}
+    for n in view.nodes:
+        by_type.setdefault(n.accelerator, []).append(n)
+    details_note = {"free": "unknown", "note": view.note} if not view.pods_known else {}
+    for accel in sorted(by_type, key=lambda a: (a is None, a or "")):
+        nodes = by_type[accel]
+        usable = [n for n in nodes if not n.why_unusable(tolerations)]
+        details = {"nodes": len(nodes), "nodes_unusable": len(nodes) - len(usable),
+                   **details_note}
+        if accel is None:
+            details.update(cpus_total=sum(n.cpus for n in nodes))
+            if view.pods_known:
+                details["cpus_free"] = sum(n.free("cpu") for n in usable)
+            rows.append(CapacityRow(connection=conn_id, location=s.location,
+                                    accelerator=None, pending=view.pending,
+                                    price_per_hour=s.price_per_node_hour, details=details))
+            continue
+        rows.append(CapacityRow(
+            connection=conn_id, location=s.location, accelerator=accel,
+            total=sum(n.gpus for n in nodes),
+            free=int(sum(n.free(GPU_RESOURCE) for n in usable))
+            if view.pods_known else None,
+            pending=view.pending, price_per_hour=s.price_per_gpu_hour, details=details))
+    return rows

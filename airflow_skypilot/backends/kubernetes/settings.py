@@ -1,0 +1,106 @@
+"""What a Kubernetes connection says: the provider's own extras and ours.
+
+A cluster is an Airflow ``kubernetes`` connection (kubeconfig path or content, context,
+in-cluster, namespace: the provider's own extras, read by its hooks) with the extras of
+:class:`KubernetesSettings`. One connection is one place: ``<context>/<namespace>``, infra
+``kubernetes/<context>``. The other modules of the backend take these settings as an
+argument: only the facade reads our extras (and the provider's hooks theirs, in :mod:`.client`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_skypilot.backends.kubernetes.bundle import DEFAULT_BUNDLE_LIMIT
+
+
+@dataclass
+class KubernetesSettings:
+    """What a Kubernetes connection's extras may say, beyond the provider's own.
+
+    ``image`` is the container image of tasks without ``image_id: docker:...`` (default
+    ``python:3.11-slim``: small, and has bash, base64 and tar, which the pod's entry script
+    needs; GPU tasks name a CUDA image). ``node_selector`` and ``tolerations`` (dict / list,
+    or JSON text) apply to every job; ``image_error_grace`` is how long an image pull or
+    container config error may last before the job fails; ``node_not_ready_grace`` how long
+    a job's node may be NotReady before the job counts as lost to the infrastructure;
+    ``pending_timeout`` (default: none, wait) how long a pod may stay unschedulable before
+    the job is placed elsewhere (the capacity seen at placement is gone).
+    """
+
+    context: str
+    namespace: str = "default"
+    image: str = "python:3.11-slim"
+    service_account: str | None = None
+    price_per_gpu_hour: float = 0.0
+    price_per_node_hour: float = 0.0
+    priority_class: str | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    image_error_grace: float = 60.0
+    node_not_ready_grace: float = 120.0
+    pending_timeout: float | None = None
+    ttl_seconds_after_finished: int | None = 86400
+    cluster_domain: str = "cluster.local"
+    bundle_limit: int = DEFAULT_BUNDLE_LIMIT
+    request_timeout: float = 30.0
+
+    @classmethod
+    def from_extra(cls, conn_id: str, extra: Mapping[str, Any]) -> KubernetesSettings:
+        def get(name: str) -> Any:
+            value = extra.get(name)
+            if value in (None, ""):
+                value = extra.get(f"extra__kubernetes__{name}")
+            return None if value in (None, "") else value
+
+        def structured(name: str, kind: type) -> Any:
+            value = get(name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise ValueError(f"connection {conn_id}: extra {name!r} is not valid "
+                                     f"JSON") from None
+            if value is None:
+                return kind()
+            if not isinstance(value, kind):
+                raise ValueError(f"connection {conn_id}: extra {name!r} must be a "
+                                 f"{kind.__name__}")
+            return value
+
+        def num(name: str, default: float) -> float:
+            value = get(name)
+            return default if value is None else float(value)
+
+        ttl = get("ttl_seconds_after_finished")
+        return cls(
+            context=str(get("cluster_context") or conn_id),
+            namespace=str(get("namespace") or "default"),
+            image=str(get("image") or "python:3.11-slim"),
+            service_account=get("service_account"),
+            price_per_gpu_hour=num("price_per_gpu_hour", 0.0),
+            price_per_node_hour=num("price_per_node_hour", 0.0),
+            priority_class=get("priority_class"),
+            node_selector={str(k): str(v) for k, v in structured("node_selector", dict).items()},
+            tolerations=list(structured("tolerations", list)),
+            image_error_grace=num("image_error_grace", 60.0),
+            node_not_ready_grace=num("node_not_ready_grace", 120.0),
+            pending_timeout=float(get("pending_timeout")) if get("pending_timeout") is not None
+            else None,
+            ttl_seconds_after_finished=None if str(ttl).lower() in ("none", "-1", "off")
+            else int(ttl) if ttl is not None else 86400,
+            cluster_domain=str(get("cluster_domain") or "cluster.local"),
+            bundle_limit=int(num("bundle_limit", DEFAULT_BUNDLE_LIMIT)),
+            request_timeout=num("request_timeout", 30.0),
+        )
+
+    @property
+    def location(self) -> str:
+        return f"{self.context}/{self.namespace}"
+
+    @property
+    def infra(self) -> str:
+        return f"kubernetes/{self.context}"

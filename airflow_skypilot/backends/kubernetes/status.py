@@ -1,0 +1,374 @@
+"""Where a job is: its Job and pods read as a :class:`~airflow_skypilot.backends.base.JobStatus`.
+
+One Job list and one pod list per namespace (and one node list) per poll, for every watched
+job; the same requests and the same mapping sync (:func:`list_all`, the worker) and async
+(:func:`alist_all`, the triggerer's event loop).
+
+The mapping (:func:`job_status`) follows SkyPilot: a pod that lost its allocation (eviction,
+preemption, node lost or NotReady past a grace, ``DisruptionTarget``) is infrastructure; a
+container exit code is the user's; an image or container config error lasting past
+``image_error_grace`` fails the job with a clear message and is not failed over (it would fail
+on any cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient
+from airflow_skypilot.backends.kubernetes.cluster import TERMINAL, NodeView, epoch
+from airflow_skypilot.backends.kubernetes.names import ANN_PREFIX, CONTAINER, INDEX_KEY, LABEL_JOB
+from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
+from airflow_skypilot.exceptions import BackendError, BackendUnreachable
+
+#: pod ``status.reason`` values that mean the pod's allocation was taken away
+DISRUPTION_REASONS = {"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Shutdown",
+                      "Terminated", "UnexpectedAdmissionError"}
+#: waiting reasons that fail on any cluster (after a grace period, as they may clear)
+IMAGE_ERRORS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                "ImageInspectError", "RegistryUnavailable"}
+CONFIG_ERRORS = {"CreateContainerConfigError", "CreateContainerError"}
+#: a Job we created suspended and never resumed this long after: its submitter died
+SUSPENDED_TOO_LONG = 120.0
+
+
+@dataclass
+class PodView:
+    """What one pod says about the job."""
+
+    name: str
+    rank: int
+    phase: str
+    node: str
+    created: float
+    deleting: bool
+    disruption: str = ""
+    preempted: bool = False
+    exit_code: int | None = None
+    term_reason: str = ""
+    waiting_reason: str = ""
+    waiting_message: str = ""
+    unschedulable: str = ""
+    started: float | None = None
+    finished: float | None = None
+    image: str = ""
+
+    @classmethod
+    def parse(cls, pod: Mapping[str, Any]) -> PodView:
+        meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, \
+            pod.get("status") or {}
+        index = (meta.get("labels") or {}).get(INDEX_KEY) or \
+            (meta.get("annotations") or {}).get(INDEX_KEY) or "0"
+        view = cls(name=meta.get("name", ""), rank=int(index) if str(index).isdigit() else 0,
+                   phase=status.get("phase") or "Pending", node=spec.get("nodeName") or "",
+                   created=epoch(meta.get("creationTimestamp")) or time.time(),
+                   deleting=bool(meta.get("deletionTimestamp")),
+                   started=epoch(status.get("startTime")))
+        images = {c.get("name"): c.get("image", "") for c in spec.get("containers") or []}
+        conds = {c.get("type"): c for c in status.get("conditions") or []}
+        target = conds.get("DisruptionTarget") or {}
+        if target.get("status") == "True":
+            view.disruption = (f"pod {view.name} was disrupted: {target.get('reason', '')}"
+                               + (f" ({target['message']})" if target.get("message") else ""))
+            view.preempted = "preempt" in str(target.get("reason", "")).lower()
+        reason = status.get("reason") or ""
+        if not view.disruption and (reason in DISRUPTION_REASONS or reason.startswith("OutOf")):
+            view.disruption = f"pod {view.name}: {reason}" + (
+                f" ({status['message']})" if status.get("message") else "")
+            view.preempted = reason == "Preempting"
+        sched = conds.get("PodScheduled") or {}
+        if sched.get("status") == "False":
+            view.unschedulable = sched.get("message") or sched.get("reason") or "unschedulable"
+        for cs in status.get("containerStatuses") or []:
+            state = cs.get("state") or {}
+            if cs.get("name") == CONTAINER or len(status.get("containerStatuses")) == 1:
+                view.image = images.get(cs.get("name"), cs.get("image", ""))
+            if "terminated" in state:
+                term = state["terminated"] or {}
+                code = term.get("exitCode")
+                view.term_reason = term.get("reason") or ""
+                view.finished = epoch(term.get("finishedAt")) or view.finished
+                view.started = epoch(term.get("startedAt")) or view.started
+                if code is not None and (view.exit_code in (None, 0)):
+                    view.exit_code = int(code)
+                if view.term_reason == "ContainerStatusUnknown" and not view.disruption:
+                    view.disruption = (f"pod {view.name}: its container was lost with node "
+                                       f"{view.node or '?'}")
+            elif "waiting" in state:
+                waiting = state["waiting"] or {}
+                if waiting.get("reason") in IMAGE_ERRORS | CONFIG_ERRORS or \
+                        not view.waiting_reason:
+                    view.waiting_reason = waiting.get("reason") or ""
+                    view.waiting_message = waiting.get("message") or ""
+            elif "running" in state:
+                view.started = epoch((state["running"] or {}).get("startedAt")) or view.started
+        return view
+
+
+def pods_of(job_name: str, pods: list[Mapping[str, Any]],
+            uid: str | None = None) -> list[Mapping[str, Any]]:
+    """The job's pods (our label; owned by the Job with ``uid`` when it is known)."""
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if (meta.get("labels") or {}).get(LABEL_JOB) != job_name:
+            continue
+        owners = [r.get("uid") for r in meta.get("ownerReferences") or []]
+        if uid and owners and uid not in owners:
+            continue
+        out.append(pod)
+    return out
+
+
+def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | None, *,
+               num_nodes: int, spot: bool = False, nodes: Mapping[str, NodeView] | None = None,
+               now: float | None = None, image_error_grace: float = 60.0,
+               node_not_ready_grace: float = 120.0, pending_timeout: float | None = None,
+               namespace: str = "") -> JobStatus:
+    """One job's state from its Job object and pods (SkyPilot's rule: the allocation is gone
+    -> infrastructure; the allocation was fine and the program exited non-zero -> user).
+
+    ``pods`` None: they may not be listed; the Job's own status and conditions decide.
+    """
+    now = time.time() if now is None else now
+    pods_known = pods is not None
+    pods = pods or []
+    if job is None:
+        return JobStatus(JobState.LOST, reason=f"the Job no longer exists in namespace "
+                                               f"{namespace or '?'}", raw_state="(gone)")
+    meta, status = job.get("metadata") or {}, job.get("status") or {}
+    views = sorted((PodView.parse(p) for p in pods), key=lambda v: (v.rank, v.created))
+    latest: dict[int, PodView] = {}
+    for v in views:
+        latest[v.rank] = v
+    started = [v.started for v in views if v.started] or [epoch(status.get("startTime"))]
+    started_at = min((s for s in started if s), default=None)
+    finished = [v.finished for v in views if v.finished]
+    ended_at = epoch(status.get("completionTime")) or (max(finished) if finished else None)
+    nodes_used = [latest[r].node for r in sorted(latest) if latest[r].node]
+    conds = {c.get("type"): c for c in status.get("conditions") or []
+             if c.get("status") == "True"}
+    phases = ",".join(f"{r}:{latest[r].phase}" for r in sorted(latest))
+
+    def out(state: JobState, reason: str = "", exit_code: int | None = None,
+            raw: str = "") -> JobStatus:
+        return JobStatus(state, reason=reason, exit_code=exit_code, started_at=started_at,
+                         ended_at=(ended_at or now) if state.terminal else None,
+                         nodes=nodes_used, raw_state=raw or phases or "no pods")
+
+    def infra(reason: str, preempted: bool = False) -> JobStatus:
+        state = JobState.PREEMPTED if preempted or spot else JobState.INFRA_FAILED
+        return out(state, reason)
+
+    if "Complete" in conds or "SuccessCriteriaMet" in conds:
+        return out(JobState.SUCCEEDED, raw="Complete")
+    failed_cond = conds.get("Failed") or conds.get("FailureTarget")
+    if meta.get("deletionTimestamp") and failed_cond is None:
+        return out(JobState.CANCELLED, "the Job was deleted", raw="Deleting")
+    # 1. the allocation was taken away: eviction, preemption, node lost
+    disrupted = [v for v in views if v.disruption]
+    if disrupted:
+        first = min(disrupted, key=lambda v: v.finished or v.created)
+        return infra(first.disruption, first.preempted)
+    if nodes is not None:
+        for v in views:
+            if v.phase in TERMINAL or not v.node:
+                continue
+            node = nodes.get(v.node)
+            if node is None:
+                return infra(f"node {v.node} of pod {v.name} no longer exists")
+            if not node.ready and node.not_ready_since is not None and \
+                    now - node.not_ready_since >= node_not_ready_grace:
+                return infra(f"node {v.node} of pod {v.name} has been NotReady for "
+                             f"{int(now - node.not_ready_since)}s")
+    # 2. the user's program failed (pods the controller is deleting are victims, not causes)
+    failed = [v for v in views if v.phase == "Failed" and v.exit_code not in (None, 0)
+              and not v.deleting]
+    if failed:
+        first = min(failed, key=lambda v: (v.finished or now, v.rank))
+        extra = " (out of memory: OOMKilled)" if first.term_reason == "OOMKilled" else ""
+        where = f" on rank {first.rank}" if num_nodes > 1 else ""
+        return out(JobState.FAILED, f"exit code {first.exit_code}{where}{extra}",
+                   first.exit_code)
+    # 3. the Job's own verdict, which outlives its pods
+    if failed_cond is not None:
+        reason, message = failed_cond.get("reason", ""), failed_cond.get("message", "")
+        raw = f"Failed:{reason}"
+        if "DisruptionTarget" in message:
+            return infra(f"the Job failed: {message}")
+        code = re.search(r"exit code (\d+)", message)
+        if code:
+            return out(JobState.FAILED, f"exit code {code.group(1)}", int(code.group(1)), raw)
+        if reason == "DeadlineExceeded":
+            return out(JobState.FAILED, "time limit reached (activeDeadlineSeconds)", raw=raw)
+        if not pods_known:  # no evidence either way: do not fail over blindly
+            return out(JobState.FAILED, f"the Job failed ({reason}: {message}); its pods may "
+                                        f"not be listed to tell why", raw=raw)
+        return infra(f"the Job failed ({reason}: {message}) and no pod shows a user error")
+    if not pods_known:
+        if int(status.get("ready") or 0) > 0:
+            return out(JobState.RUNNING, raw="ready (pods may not be listed)")
+        return out(JobState.PENDING, f"{int(status.get('active') or 0)} active pod(s), none "
+                                     f"ready yet (pods may not be listed)", raw="active")
+    # 4. pods deleted under a running Job, or gone without a trace
+    deleting = [v for v in views if v.deleting]
+    if deleting:
+        return infra(f"pod {deleting[0].name} was deleted while the job ran")
+    if not views and int(status.get("failed") or 0) > 0:
+        return infra("the job's pod vanished (deleted or evicted) before it finished")
+    # 5. errors that would happen on any cluster: fail, do not fail over
+    pending_reason = ""
+    for v in views:
+        if v.waiting_reason in IMAGE_ERRORS | CONFIG_ERRORS:
+            age = now - v.created
+            what = (f"image {v.image!r} cannot be used" if v.waiting_reason in IMAGE_ERRORS
+                    else "the container cannot be created")
+            text = f"{what}: {v.waiting_reason}: {v.waiting_message}".rstrip(": ")
+            if age >= image_error_grace:
+                return out(JobState.FAILED, f"{text} (for {int(age)}s; it would fail on any "
+                                            f"cluster, so it is not placed elsewhere)",
+                           raw=f"{v.phase}:{v.waiting_reason}")
+            pending_reason = f"{text} (fails in {int(image_error_grace - age)}s unless it clears)"
+    # 6. done, running, or waiting
+    done = {r for r, v in latest.items() if v.phase == "Succeeded"}
+    if len(done) >= num_nodes:
+        return out(JobState.SUCCEEDED)
+    if any(v.phase == "Running" for v in latest.values()):
+        return out(JobState.RUNNING)
+    if not pending_reason:
+        waiting = [v for v in latest.values() if v.phase == "Pending"]
+        if (job.get("spec") or {}).get("suspend"):
+            age = now - (epoch(meta.get("creationTimestamp")) or now)
+            if (meta.get("annotations") or {}).get(ANN_PREFIX + "managed") == "true" and \
+                    age > SUSPENDED_TOO_LONG:
+                return out(JobState.LOST, f"the submission stopped before the job's files "
+                                          f"were created (suspended for {int(age)}s)",
+                           raw="Suspended")
+            pending_reason = "the Job is suspended (its files are being created)"
+        elif not views:
+            pending_reason = "waiting for the Job controller to create pods"
+        elif any(v.unschedulable for v in waiting):
+            stuck = min((v for v in waiting if v.unschedulable), key=lambda v: v.created)
+            pending_reason = stuck.unschedulable
+            if pending_timeout is not None and now - stuck.created >= pending_timeout:
+                return infra(f"pod {stuck.name} could not be scheduled for "
+                             f"{int(now - stuck.created)}s: {stuck.unschedulable}")
+        elif waiting:
+            pending_reason = waiting[0].waiting_reason or "pending"
+    return out(JobState.PENDING, pending_reason)
+
+
+# --- one poll for many jobs -------------------------------------------------------------------
+
+#: per namespace, its Jobs and its pods (None: pods may not be listed)
+Listed = dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]
+
+
+def by_namespace(handles: list[JobHandle], default: str) -> dict[str, list[JobHandle]]:
+    """The handles grouped by the namespace their Job is in."""
+    groups: dict[str, list[JobHandle]] = {}
+    for h in handles:
+        groups.setdefault(h.extra.get("namespace") or default, []).append(h)
+    return groups
+
+
+def list_all(client: KubeClient, groups: Mapping[str, list[JobHandle]],
+             with_nodes: bool) -> list[Any]:
+    """Per namespace its Jobs and its pods, then (``with_nodes``) the nodes, on the sync
+    client; an error is returned in its place, as :func:`alist_all` gathers them."""
+    core, batch = client.apis()
+    calls: list[Callable[[], Any]] = []
+    for ns in groups:
+        calls.append(lambda ns=ns: client.call(batch.list_namespaced_job, ns,
+                                               label_selector=LABEL_JOB))
+        calls.append(lambda ns=ns: client.call(core.list_namespaced_pod, ns,
+                                               label_selector=LABEL_JOB))
+    if with_nodes:
+        calls.append(lambda: client.call(core.list_node))
+    results: list[Any] = []
+    for call in calls:
+        try:
+            results.append(call())
+        except BackendError as exc:  # judged by listed(), as alist_all's gathered errors are
+            results.append(exc)
+    return results
+
+
+async def alist_all(client: KubeClient, groups: Mapping[str, list[JobHandle]],
+                    with_nodes: bool) -> list[Any]:
+    """:func:`list_all` on the async client, all requests at once in one session."""
+    try:
+        async with client.asession() as (core, batch):
+            calls = []
+            for ns in groups:
+                calls.append(client.acall(batch.list_namespaced_job, ns,
+                                          label_selector=LABEL_JOB))
+                calls.append(client.acall(core.list_namespaced_pod, ns,
+                                          label_selector=LABEL_JOB))
+            if with_nodes:
+                calls.append(client.acall(core.list_node))
+            results = await asyncio.gather(*calls, return_exceptions=True)
+    except BackendError:
+        raise
+    except Exception as exc:  # configuration could not be loaded, session errors
+        raise BackendUnreachable(f"{client.conn_id}: {type(exc).__name__}: {exc}") from exc
+    return list(results)
+
+
+def take_nodes(results: list[Any]) -> tuple[list[dict[str, Any]] | None, BaseException | None]:
+    """Pop the node list off the end of ``results``: (nodes, or None and why not)."""
+    node_result = results.pop()
+    if isinstance(node_result, BaseException):
+        return None, node_result
+    return node_result.get("items") or [], None
+
+
+def listed(conn_id: str, groups: Mapping[str, list[JobHandle]], results: list[Any]) -> Listed:
+    """Each namespace's Jobs and pods from ``results``; raises for a failed Job list, or a
+    failed pod list but HTTP 403 (then the Job's own status has to do)."""
+    out: Listed = {}
+    for i, ns in enumerate(groups):
+        jobs, pods = results[2 * i], results[2 * i + 1]
+        if isinstance(pods, KubeApiError) and pods.status == 403:
+            pods = None  # the Job's own status has to do
+        for result in (jobs, pods):
+            if isinstance(result, BaseException):
+                if isinstance(result, BackendError):
+                    raise result
+                raise BackendUnreachable(f"{conn_id}: {result}") from result
+        out[ns] = (jobs.get("items") or [], None if pods is None else pods.get("items") or [])
+    return out
+
+
+def statuses(groups: Mapping[str, list[JobHandle]], listed: Listed,
+             nodes: list[dict[str, Any]] | None, settings: KubernetesSettings
+             ) -> tuple[dict[str, JobStatus], dict[str, list[dict[str, Any]]]]:
+    """Every handle's status, keyed by job id, and the pods seen of each job (by job name:
+    log reads reuse them)."""
+    s = settings
+    node_views = {n.name: n for n in map(NodeView.parse, nodes)} if nodes is not None \
+        else None
+    now = time.time()
+    out: dict[str, JobStatus] = {}
+    seen: dict[str, list[dict[str, Any]]] = {}
+    for ns, handles in groups.items():
+        jobs, pods = listed[ns]
+        by_name = {j["metadata"]["name"]: j for j in jobs}
+        for h in handles:
+            job = by_name.get(h.job_name)
+            uid = (job or {}).get("metadata", {}).get("uid")
+            mine = pods_of(h.job_name, pods, uid) if pods is not None else None
+            if mine is not None:
+                seen[h.job_name] = list(mine)
+            out[h.job_id] = job_status(
+                job, mine, num_nodes=h.num_nodes, spot=bool(h.extra.get("spot")),
+                nodes=node_views, now=now, image_error_grace=s.image_error_grace,
+                node_not_ready_grace=s.node_not_ready_grace,
+                pending_timeout=s.pending_timeout, namespace=ns)
+    return out, seen
