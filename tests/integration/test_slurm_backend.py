@@ -245,7 +245,7 @@ def test_unknown_gpu_type_and_shapes_are_explained(slurm):
     reasons = {o.reason for o in beta.probe(_task(resources={"cpus": "64+"}))}
     assert reasons == {"needs 64+ CPUs per node; nodes in main have at most 8"}
     reasons = {o.reason for o in beta.probe(_task(resources={"use_spot": True}))}
-    assert reasons == {"Slurm has no spot capacity (use_spot: true)"}
+    assert reasons == {"use_spot: true: Slurm has no spot capacity"}
 
 
 def test_infra_filter_selects_cluster_and_partition(slurm):
