@@ -475,6 +475,28 @@ def test_large_payload_is_fetched_from_s3_instead():
     assert "AIRFLOW_SKYPILOT_PAYLOAD" not in script
 
 
+def test_payload_packs_what_the_workdir_rules_let_travel(tmp_path):
+    root = tmp_path / "proj"
+    for d in ("a", "a-b", "b/c", ".git", "skip"):
+        (root / d).mkdir(parents=True)
+    for rel in ("a/f", "a.txt", "a-b/g", "b/c/h", ".git/HEAD", "skip/z", "z.log"):
+        (root / rel).write_text(rel)
+    (root / ".skyignore").write_text("skip\n*.log\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x").write_text("x")
+    (root / "task.yaml").write_text("workdir: .\nfile_mounts:\n  /d: ../data\nrun: echo\n")
+    payload = ud.render_payload(load_task(str(root / "task.yaml")), {})
+    with tarfile.open(fileobj=io.BytesIO(payload.data), mode="r:gz") as tar:
+        members = tar.getmembers()
+    tree = [m.name for m in members if m.name.startswith(("workdir", "mounts/"))]
+    # tar's own order (depth first, by name); .git and what .skyignore lists stay behind
+    assert tree == ["workdir", "workdir/.skyignore", "workdir/a", "workdir/a/f", "workdir/a-b",
+                    "workdir/a-b/g", "workdir/a.txt", "workdir/b", "workdir/b/c",
+                    "workdir/b/c/h", "workdir/task.yaml", "mounts/0", "mounts/0/x"]
+    assert {(m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, "", "")}
+    assert ud.render_payload(load_task(str(root / "task.yaml")), {}).data == payload.data
+
+
 # --- the bootstrap, run locally against stub commands ----------------------------------------
 
 STUB_CURL = r"""#!/bin/bash
