@@ -58,8 +58,9 @@ def read_log(clients: AwsClients, settings: AwsSettings, handle: JobHandle, offs
     call = _request(settings, handle, offset, limit)
     if call is None:
         return "", offset
+    s3 = clients.client("s3", settings.s3_region)
     try:
-        data = clients.client("s3", settings.s3_region).get_object(**call)["Body"].read()
+        data = s3.get_object(**call)["Body"].read()
     except Exception as exc:
         return _failed(clients, exc, call, offset)
     text, used = decode_log(data)
