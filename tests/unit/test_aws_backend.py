@@ -21,17 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from airflow_skypilot.backends import _aws_userdata as ud
 from airflow_skypilot.backends.aws import (
     AwsBackend,
     AwsSettings,
     InstanceView,
     Markers,
     QuotaView,
-    RegionState,
-    _decode_log,
     build_markers,
     judge,
+    launch,
     marker_keys,
     parse_instance_types,
     price_catalog,
@@ -39,6 +37,9 @@ from airflow_skypilot.backends.aws import (
     suitable_types,
     vcpus_in_use,
 )
+from airflow_skypilot.backends.aws import userdata as ud
+from airflow_skypilot.backends.aws.logs import decode_log
+from airflow_skypilot.backends.aws.offers import RegionState, offers_for
 from airflow_skypilot.backends.base import JobState
 from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.spec import load_task
@@ -200,7 +201,8 @@ def test_price_catalog_names_its_source_and_date():
     assert price == 1.006 and "may differ" in source
     assert catalog.price("us-east-1", "p6-b300.48xlarge")[0] is None
     # The file ships with the package (pyproject package-data has **/*.json).
-    data = Path(__file__).resolve().parents[2] / "airflow_skypilot/backends/data/aws_prices.json"
+    data = Path(__file__).resolve().parents[2] / "airflow_skypilot/backends/aws/data" \
+        / "aws_prices.json"
     raw = json.loads(data.read_text())
     assert {"source", "as_of", "prices", "regions"} <= set(raw)
 
@@ -256,7 +258,7 @@ def _offers(task_spec, state, **settings):
     task = load_task({"run": "true", **task_spec})
     req = task.candidates[0]
     types, why = suitable_types(CATALOG, req, price_of=_price)
-    return backend._offers_for(task, req, state, types, why)
+    return offers_for(backend.conn_id, backend.settings, task, req, state, types, why)
 
 
 def test_offers_carry_price_quota_and_start():
@@ -404,10 +406,10 @@ def test_markers_from_s3_keys():
 
 def test_log_decoding_keeps_partial_characters():
     data = "héllo ☃".encode()
-    text, used = _decode_log(data[:-1])
+    text, used = decode_log(data[:-1])
     assert text == "héllo " and used == len(data) - 3
-    assert _decode_log(data) == ("héllo ☃", len(data))
-    assert _decode_log(b"") == ("", 0)
+    assert decode_log(data) == ("héllo ☃", len(data))
+    assert decode_log(b"") == ("", 0)
 
 
 # --- user-data ------------------------------------------------------------------------------
@@ -471,6 +473,28 @@ def test_large_payload_is_fetched_from_s3_instead():
     script, _ = _render(task, payload=False)
     assert "PAYLOAD_URI=s3://bucket/jobs/sky-job-1/payload.tgz" in script
     assert "AIRFLOW_SKYPILOT_PAYLOAD" not in script
+
+
+def test_payload_packs_what_the_workdir_rules_let_travel(tmp_path):
+    root = tmp_path / "proj"
+    for d in ("a", "a-b", "b/c", ".git", "skip"):
+        (root / d).mkdir(parents=True)
+    for rel in ("a/f", "a.txt", "a-b/g", "b/c/h", ".git/HEAD", "skip/z", "z.log"):
+        (root / rel).write_text(rel)
+    (root / ".skyignore").write_text("skip\n*.log\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x").write_text("x")
+    (root / "task.yaml").write_text("workdir: .\nfile_mounts:\n  /d: ../data\nrun: echo\n")
+    payload = ud.render_payload(load_task(str(root / "task.yaml")), {})
+    with tarfile.open(fileobj=io.BytesIO(payload.data), mode="r:gz") as tar:
+        members = tar.getmembers()
+    tree = [m.name for m in members if m.name.startswith(("workdir", "mounts/"))]
+    # tar's own order (depth first, by name); .git and what .skyignore lists stay behind
+    assert tree == ["workdir", "workdir/.skyignore", "workdir/a", "workdir/a/f", "workdir/a-b",
+                    "workdir/a-b/g", "workdir/a.txt", "workdir/b", "workdir/b/c",
+                    "workdir/b/c/h", "workdir/task.yaml", "mounts/0", "mounts/0/x"]
+    assert {(m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, "", "")}
+    assert ud.render_payload(load_task(str(root / "task.yaml")), {}).data == payload.data
 
 
 # --- the bootstrap, run locally against stub commands ----------------------------------------
@@ -625,8 +649,9 @@ def test_launch_parameters():
         "accelerators": "A10G:1", "use_spot": True, "disk_size": 200,
         "labels": {"project": "x"}}})
     req = task.candidates[0]
-    params = backend._launch_params(task, req, "sky-j", CATALOG["g5.xlarge"], "ami-1",
-                                    "/dev/sda1", "#!/bin/bash\n", {"n": 2})
+    params = launch.launch_params(backend.settings, backend.conn_id, task, req, "sky-j",
+                                  CATALOG["g5.xlarge"], "ami-1", "/dev/sda1", "#!/bin/bash\n",
+                                  {"n": 2})
     assert params["MinCount"] == params["MaxCount"] == 2
     assert params["InstanceInitiatedShutdownBehavior"] == "terminate"
     assert params["MetadataOptions"]["HttpTokens"] == "required"
@@ -637,12 +662,12 @@ def test_launch_parameters():
     assert tags["project"] == "x" and tags["team"] == "ml"
     assert json.loads(tags["skypilot-airflow:meta"]) == {"n": 2}
     assert params["KeyName"] == "kp"
-    placed = backend._region_params("us-east-1", "us-east-1b", None)
+    placed = launch.region_params(backend.settings, "us-east-1", "us-east-1b", None)
     assert placed == {"Placement": {"AvailabilityZone": "us-east-1b"},
                       "SecurityGroupIds": ["sg-1"],
                       "IamInstanceProfile": {"Arn": "arn:aws:iam::1:instance-profile/sky"}}
-    assert backend._region_params("us-east-1", "us-east-1b", {"us-east-1b": "subnet-2"})[
-        "SubnetId"] == "subnet-2"
+    assert launch.region_params(backend.settings, "us-east-1", "us-east-1b",
+                                {"us-east-1b": "subnet-2"})["SubnetId"] == "subnet-2"
 
 
 def test_unreachable_account_raises_backend_unreachable(monkeypatch):

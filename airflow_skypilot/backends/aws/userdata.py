@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from airflow_skypilot.backends.common import jobscript
-from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
+from airflow_skypilot.backends.common.workdir import local_source, walk
 from airflow_skypilot.spec.task import Task
 
 #: EC2's limit on raw user-data; we keep a margin below it.
@@ -65,18 +65,19 @@ def _add(tar: tarfile.TarFile, name: str, content: str | bytes, mode: int = 0o60
     tar.addfile(info, io.BytesIO(raw))
 
 
+def _owner_free(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
 def _add_tree(tar: tarfile.TarFile, local: str, arcname: str) -> None:
-    patterns = ignore_patterns(local)
-
-    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        rel = os.path.relpath(info.name, arcname) if info.name != arcname else "."
-        if rel != "." and is_ignored(rel, patterns):
-            return None
-        info.uid = info.gid = 0
-        info.uname = info.gname = ""
-        return info
-
-    tar.add(local, arcname=arcname, filter=keep)
+    """What travels of the tree ``local`` (:func:`~airflow_skypilot.backends.common.workdir.walk`)
+    under ``arcname``, in tar's own order (depth first, by name): the same tree packs the same
+    bytes."""
+    tar.add(local, arcname=arcname, recursive=False, filter=_owner_free)
+    for path, rel, _ in sorted(walk(local), key=lambda entry: entry[1].split(os.sep)):
+        tar.add(path, arcname=f"{arcname}/{rel}", recursive=False, filter=_owner_free)
 
 
 def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
@@ -97,9 +98,7 @@ def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
             lines.append(f"aws s3 cp --only-show-errors {quoted} {target_word} 2>/dev/null || "
                          f"aws s3 sync --only-show-errors {quoted} {target_word}")
             continue
-        path = os.path.expanduser(str(src))
-        if not os.path.isabs(path) and task.base_dir:
-            path = os.path.join(task.base_dir, path)
+        path = local_source(task, src)
         name = f"mounts/{i}"
         local.append((path, name))
         lines.append(f"mkdir -p \"$(dirname {target_word})\"")
@@ -132,7 +131,7 @@ def render_payload(task: Task, node_env: Mapping[str, str]) -> Payload:
         for name, (content, mode) in members.items():
             _add(tar, name, content, mode)
             names.append(name)
-        workdir = task.resolved_workdir()
+        workdir = local_source(task, task.workdir) if isinstance(task.workdir, str) else None
         if workdir:
             _add_tree(tar, workdir, "workdir")
             names.append("workdir/")

@@ -1,0 +1,361 @@
+"""The AWS backend's facade: :class:`AwsBackend`, the Backend protocol over the package's parts.
+
+It holds the connection's settings (read once), its clients and the small caches that live as
+long as the backend (quota values, AMIs, AZs that refused a type, markers read), and passes
+them to the modules that do the work; it is the only part that logs.
+
+probe
+    per region, concurrently (:mod:`.offers`): instance types (:mod:`.catalog`), the AZs that
+    offer them, spot prices, vCPU quotas (:mod:`.quotas`); one offer per candidate and AZ.
+submit
+    :mod:`.launch`: quota check, AMI, user-data (:mod:`.userdata`), secrets to SSM,
+    RunInstances with AZ fallback; the handle goes to S3 (:mod:`.handles`).
+status
+    one ``DescribeInstances`` per region for every watched job, plus one S3 listing per job
+    with a started instance (:mod:`.status`); logs are S3 range reads (:mod:`.logs`).
+
+S3 layout, under ``s3://<s3_bucket>/<s3_prefix><job name>/``: ``handle.json`` (written at
+submit: lets a retried worker find the job even after EC2 forgot its instances),
+``payload.tgz`` (only when the job's files do not fit in 16 KB of user-data), and per node
+``rank-<r>/log``, ``rank-<r>/exit_code`` and the other markers. Logs and markers stay (give
+the bucket a lifecycle rule); the payload and the SSM parameters are deleted by cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from airflow_skypilot.backends.aws import ec2, launch, logs, offers, userdata
+from airflow_skypilot.backends.aws.catalog import InstanceTypeInfo, on_demand_price, region_catalog
+from airflow_skypilot.backends.aws.clients import AwsClients
+from airflow_skypilot.backends.aws.handles import (
+    HANDLE_OBJECT,
+    handle_from_instances,
+    launched_handle,
+    region_of,
+    stored_handle,
+)
+from airflow_skypilot.backends.aws.quotas import Quotas
+from airflow_skypilot.backends.aws.settings import BACKEND, AwsSettings
+from airflow_skypilot.backends.aws.status import (
+    MarkerReader,
+    Markers,
+    group_by_region,
+    judge_handle,
+    needs_markers,
+)
+from airflow_skypilot.backends.base import Backend, CapacityRow, JobHandle, JobStatus, Offer
+from airflow_skypilot.backends.common.features import Feature
+from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
+from airflow_skypilot.spec.task import ResourceRequest, Task
+
+
+class AwsBackend(Backend):
+    """EC2 instances in the regions of one AWS connection."""
+
+    name = BACKEND
+    conn_types = ("aws",)
+    unsupported_features = {
+        Feature.DOCKER_IMAGE: "not run on AWS by this backend (jobs run directly on the "
+                              "instance's AMI: give an ami-... image_id, or use Kubernetes for "
+                              "containers)",
+        Feature.GIT_WORKDIR: "a git workdir is not cloned on AWS; use a local workdir",
+        Feature.STORAGE_MOUNTS: "only local paths and s3:// sources work on AWS",
+        Feature.OTHER_BUCKET_MOUNTS: "only local paths and s3:// sources work on AWS",
+        Feature.VOLUMES: "volumes are Kubernetes volumes; EC2 instances here have none",
+    }
+
+    def unsupported(self, task: Task, req: ResourceRequest) -> str:
+        why = super().unsupported(task, req)
+        if not why and isinstance(req.image_id, str) and not req.image_id.startswith(
+                ("ami-", "skypilot:")) and not req.container_image:
+            why = f"image_id {req.image_id!r} is not an AMI id (ami-...)"
+        return why
+
+    def __init__(self, conn_id: str, settings: AwsSettings | None = None):
+        super().__init__(conn_id)
+        self._settings = settings
+        self._clients = AwsClients(conn_id)
+        self._quotas = Quotas(self._clients)
+        self._amis = launch.Amis(self._clients)
+        self._refused = launch.RefusedAzs()
+        self._markers = MarkerReader(self._clients)
+
+    @property
+    def settings(self) -> AwsSettings:
+        if self._settings is None:
+            from airflow_skypilot.compat import get_connection
+
+            conn = get_connection(self.conn_id)
+            self._settings = AwsSettings.from_extra(conn.extra_dejson or {})
+        return self._settings
+
+    def close(self) -> None:
+        self._clients.close()
+
+    async def aclose(self) -> None:
+        await self._clients.aclose()
+
+    def on_demand_price(self, region: str, info: InstanceTypeInfo,
+                        catalog: Mapping[str, InstanceTypeInfo] | None = None,
+                        ) -> tuple[float | None, str]:
+        """The connection's ``prices``, else the shipped catalog, else an estimate from the
+        catalog's per-GPU price of the same GPU (said so), else None."""
+        return on_demand_price(self.settings.prices, region, info, catalog)
+
+    # --- placement ---------------------------------------------------------------------------
+    def probe(self, task: Task) -> list[Offer]:
+        s = self.settings
+        now = time.time()
+        found: list[Offer] = []
+        wanted: dict[str, list[ResourceRequest]] = {}
+        everywhere = ",".join(s.regions)
+        for req in task.candidates:
+            if req.cloud not in (None, "aws"):
+                continue  # another cloud's candidate: not ours to explain
+            regions = offers.regions_for(s, req)
+            if not regions:
+                found.append(offers.no_fit(self.conn_id, s, task, req, everywhere, (
+                    f"infra {req.infra} names no region of connection {self.conn_id} "
+                    f"({everywhere})"), now))
+                continue
+            if why := self.unsupported(task, req):
+                found.append(offers.no_fit(self.conn_id, s, task, req, everywhere, why, now))
+                continue
+            for region in regions:
+                wanted.setdefault(region, []).append(req)
+        if not wanted:
+            return found
+        with ThreadPoolExecutor(max_workers=len(wanted),
+                                thread_name_prefix=f"aws-probe-{self.conn_id}") as pool:
+            futures = {r: pool.submit(self._probe_region, task, r, reqs, now)
+                       for r, reqs in wanted.items()}
+            errors = []
+            for region, future in futures.items():
+                try:
+                    found.extend(future.result())
+                except BackendError as exc:
+                    errors.append((region, exc))
+        if errors and len(errors) == len(wanted):
+            raise errors[0][1]
+        for region, exc in errors:  # one region down: say so, keep the others
+            for req in wanted[region]:
+                found.append(offers.no_fit(self.conn_id, s, task, req, region,
+                                           f"region unreachable: {exc}", now))
+        return found
+
+    def _probe_region(self, task: Task, region: str, reqs: list[ResourceRequest],
+                      now: float) -> list[Offer]:
+        return offers.probe_region(self._clients, self._quotas, self.settings, task, region,
+                                   reqs, now)
+
+    def capacity(self) -> list[CapacityRow]:
+        s = self.settings
+        rows: list[CapacityRow] = []
+        with ThreadPoolExecutor(max_workers=len(s.regions)) as pool:
+            futures = {r: pool.submit(offers.capacity_rows, self._clients, self._quotas, s, r)
+                       for r in s.regions}
+            for region, future in futures.items():
+                try:
+                    rows.extend(future.result())
+                except BackendError as exc:
+                    rows.append(CapacityRow(connection=self.conn_id, location=region,
+                                            accelerator=None, error=str(exc)))
+        if rows and all(r.error for r in rows):
+            raise BackendUnreachable(rows[0].error or "unreachable")
+        return rows
+
+    # --- jobs --------------------------------------------------------------------------------
+    def find(self, job_name: str) -> JobHandle | None:
+        stored = stored_handle(self._clients, self.settings, job_name)
+        if stored is not None:
+            return stored
+        for region in self.settings.regions:
+            found = ec2.by_job(ec2.describe_jobs(self._clients, region, [job_name]))
+            if found.get(job_name):
+                return handle_from_instances(
+                    self.conn_id, self.settings, job_name, region,
+                    ec2.newest_reservation(found[job_name]))
+        return None
+
+    def submit(self, task: Task, offer: Offer, job_name: str,
+               env: Mapping[str, str]) -> JobHandle:
+        s = self.settings
+        existing = self.find(job_name)
+        if existing is not None:
+            self.log.info("Adopting AWS job %s on %s: its instances were launched before (%s)",
+                          job_name, self.conn_id,
+                          ", ".join(existing.extra.get("instance_ids", [])))
+            return existing
+        req = offer.request
+        if why := self.unsupported(task, req):
+            raise SubmissionError(why, retry_elsewhere=True)
+        if not s.s3_bucket:
+            raise SubmissionError(f"connection {self.conn_id} has no s3_bucket extra (needed for "
+                                  "job logs and exit codes)", retry_elsewhere=True)
+        region = offer.details.get("region") or offer.location.split("/")[0]
+        first_az = offer.details.get("az") or offer.location.split("/")[-1]
+        itype = offer.instance_type or offer.details.get("instance_type")
+        if not itype:
+            raise SubmissionError(f"offer {offer.place_key} names no instance type",
+                                  retry_elsewhere=True)
+        catalog = region_catalog(self._clients, region, s.cpu_families, [itype])
+        info = catalog.get(itype)
+        if info is None:
+            raise SubmissionError(f"unknown instance type {itype} in {region}")
+        spot = req.use_spot
+        launch.check_quota(self._quotas, s, region, info, spot, task.num_nodes, catalog)
+        azs = launch.launch_azs(self._clients, s, region, itype, first_az)
+        fresh = [az for az in azs if not self._refused.recent(region, az, itype, spot)]
+        if not fresh:
+            raise SubmissionError(
+                f"EC2 refused {itype}{' (spot)' if spot else ''} in every AZ of {region} within "
+                f"the last {launch.REFUSED_TTL:g}s: " + "; ".join(
+                    self._refused.why(region, az, itype, spot) for az in azs),
+                retry_elsewhere=True)
+        ami, root_device = self._amis.choose(s, region, info, req)
+        reservation, az, staged, meta = self._launch(task, req, offer, job_name, env, info,
+                                                     region, first_az, fresh, ami, root_device)
+        handle = launched_handle(self.conn_id, s, job_name, region, az, itype, reservation,
+                                 meta, spot)
+        handle.extra["payload_staged"] = staged
+        try:
+            launch.s3_put(self._clients, s, s.job_prefix(job_name) + HANDLE_OBJECT,
+                          json.dumps(handle.to_dict()).encode())
+        except BackendError as exc:  # find() falls back to the instance tags
+            self.log.warning("Could not store the handle of %s in S3: %s", job_name, exc)
+        self.log.info("Launched %d x %s%s for %s in %s (%s)", task.num_nodes, itype,
+                      " (spot)" if spot else "", job_name, handle.location,
+                      ", ".join(handle.extra["instance_ids"]))
+        return handle
+
+    def _launch(self, task: Task, req: ResourceRequest, offer: Offer, job_name: str,
+                env: Mapping[str, str], info: InstanceTypeInfo, region: str, first_az: str,
+                azs: list[str], ami: str, root_device: str,
+                ) -> tuple[dict, str, bool, dict[str, Any]]:
+        """User-data, secrets and RunInstances: (reservation, AZ, payload staged, meta tag).
+        On any failure the secrets and a staged payload are removed again."""
+        s = self.settings
+        payload, boot = launch.prepare_user_data(s, task, req, info, job_name, region,
+                                                 first_az, env)
+        script = userdata.render_user_data(boot)
+        staged_key = s.job_prefix(job_name) + launch.PAYLOAD_OBJECT
+        staged = False
+        try:
+            if userdata.user_data_size(script) > userdata.USER_DATA_BUDGET:
+                launch.s3_put(self._clients, s, staged_key, payload.data)
+                staged = True
+                boot.payload_b64, boot.payload_uri = None, f"s3://{s.s3_bucket}/{staged_key}"
+                script = userdata.render_user_data(boot)
+            launch.put_secrets(self._clients, s, region, job_name, task.secrets)
+            meta = launch.job_meta(task, req, offer.price_per_hour)
+            params = launch.launch_params(s, self.conn_id, task, req, job_name, info, ami,
+                                          root_device, script, meta)
+            reservation, az, refusals = launch.run_instances(
+                self._clients, s, self._refused, region, info.name, req.use_spot, azs, params)
+            for refusal in refusals:
+                self.log.warning("RunInstances of %d x %s refused: %s", task.num_nodes,
+                                 info.name, refusal)
+            if reservation is None:
+                raise SubmissionError(
+                    f"launch of {task.num_nodes} x {info.name}"
+                    f"{' (spot)' if req.use_spot else ''} in {region} failed: "
+                    + "; ".join(refusals), retry_elsewhere=True)
+            if refusals:
+                self.log.info("Launched in %s after: %s", az, "; ".join(refusals))
+        except BaseException:
+            try:
+                launch.delete_secrets(self._clients, s, region, job_name)
+            except BackendError as exc:  # keep the launch error; this one is only logged
+                self.log.warning("Could not delete the secrets of %s: %s", job_name, exc)
+            if staged and (error := launch.s3_delete(self._clients, s, staged_key)):
+                self.log.warning("%s", error)
+            raise
+        return reservation, az, staged, meta
+
+    def cancel(self, handle: JobHandle) -> None:
+        ids = self._terminate(handle, cancelled=True)
+        self._forget(handle)
+        self.log.info("Cancelled AWS job %s on %s%s", handle.job_name, self.conn_id,
+                      f": terminated {', '.join(ids)}" if ids else " (no instance was left)")
+
+    def cleanup(self, handle: JobHandle) -> None:
+        ids = self._terminate(handle, cancelled=False)
+        if ids:
+            self.log.info("Terminated instances left by %s: %s", handle.job_name, ", ".join(ids))
+        self._forget(handle)
+
+    def _terminate(self, handle: JobHandle, cancelled: bool) -> list[str]:
+        ids, untagged = launch.terminate(self._clients, region_of(handle),
+                                         handle.job_name, handle.extra.get("instance_ids", []),
+                                         cancelled)
+        if untagged:
+            self.log.debug("Could not tag %s cancelled: %s", ids, untagged)
+        return ids
+
+    def _forget(self, handle: JobHandle) -> None:
+        s = self.settings
+        launch.delete_secrets(self._clients, s, region_of(handle), handle.job_name)
+        if handle.extra.get("payload_staged") and s.s3_bucket:
+            error = launch.s3_delete(self._clients, s,
+                                     s.job_prefix(handle.job_name) + launch.PAYLOAD_OBJECT)
+            if error:
+                self.log.warning("%s", error)
+
+    # --- status ------------------------------------------------------------------------------
+    async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+        """One DescribeInstances per region for all handles, then the S3 markers of the
+        jobs with a started instance (one listing each, concurrently)."""
+        if not handles:
+            return {}
+        s = self.settings
+        groups = group_by_region(handles)
+        try:
+            pages = await asyncio.gather(*(ec2.adescribe_jobs(self._clients, region, names)
+                                           for region, names in groups.items()))
+            instances = ec2.by_job(i for page in pages for i in page)
+            sem = asyncio.Semaphore(16)
+
+            async def markers_of(h: JobHandle) -> Markers:
+                if not needs_markers(instances.get(h.job_name, [])):
+                    return Markers()
+                async with sem:
+                    return await self._markers.aread(s, h)
+
+            found = await asyncio.gather(*(markers_of(h) for h in handles))
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise self._clients.error(exc, "status poll") from exc
+        return {h.job_id: judge_handle(h, instances.get(h.job_name, []), m)
+                for h, m in zip(handles, found, strict=True)}
+
+    def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+        """The same as :meth:`poll`, with boto3 from the worker."""
+        if not handles:
+            return {}
+        raw = []
+        for region, names in group_by_region(handles).items():
+            raw += ec2.describe_jobs(self._clients, region, names)
+        instances = ec2.by_job(raw)
+        out = {}
+        for h in handles:
+            insts = instances.get(h.job_name, [])
+            markers = self._markers.read(self.settings, h) if needs_markers(insts) else Markers()
+            out[h.job_id] = judge_handle(h, insts, markers)
+        return out
+
+    # --- logs --------------------------------------------------------------------------------
+    def read_log(self, handle: JobHandle, offset: int = 0,
+                 limit: int = logs.LOG_LIMIT) -> tuple[str, int]:
+        """Rank 0's log from byte ``offset`` (an S3 range read)."""
+        return logs.read_log(self._clients, self.settings, handle, offset, limit)
+
+    async def read_log_async(self, handle: JobHandle, offset: int = 0,
+                             limit: int = logs.LOG_LIMIT) -> tuple[str, int]:
+        return await logs.aread_log(self._clients, self.settings, handle, offset, limit)
