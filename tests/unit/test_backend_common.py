@@ -173,3 +173,12 @@ def test_local_sources_start_at_the_task_files_folder(tmp_path):
     assert workdir.local_source(task, "data") == os.path.join(str(tmp_path), "data")
     assert workdir.local_source(task, "/abs/x/../y") == "/abs/y"
     assert workdir.local_source(task, "~/z") == os.path.expanduser("~/z")
+
+
+def test_memory_per_cpu_counts_in_the_fit():
+    """SkyPilot's ``memory: 4x`` is GB per CPU: 4 CPUs at 4x need 16 GB on one node."""
+    req = _req("{cpus: 4, memory: 4x}")
+    assert fit_pool([_node("a", mem=16, mfree=12)], req, 1, "p").nodes_free == 0
+    assert fit_pool([_node("a", mem=16, mfree=16)], req, 1, "p").nodes_free == 1
+    assert fit_pool([_node("a", mem=8, mfree=8)], req, 1, "p").reason == \
+        "needs 16 (4x) GB per node; nodes in p have at most 8 GB"

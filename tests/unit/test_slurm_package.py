@@ -96,3 +96,13 @@ def test_many_logs_are_read_in_one_script_each_from_its_offset():
     got = logs.split_logs(out, [(handles[0], 0), (handles[1], 10)])
     assert got == {"1": ("héllo", 6), "2": ("", 10)}
     assert logs.split_log("@@log\n" + base64.b64encode(b"abc").decode(), 4) == ("abc", 7)
+
+
+def test_memory_per_cpu_becomes_mem_per_cpu():
+    """SkyPilot's ``memory: 4x`` is GB per CPU: Slurm has the same notion."""
+    task, got = _offers({"cpus": 2, "memory": "4x"})
+    sbatch = submit.render(task, got["batch"], SETTINGS, "sky-x", {}, "/j")["job.sbatch"][0]
+    assert "#SBATCH --mem-per-cpu=4096M\n" in sbatch and "--mem=" not in sbatch
+    task, got = _offers({"cpus": 2, "memory": "6"})
+    sbatch = submit.render(task, got["batch"], SETTINGS, "sky-x", {}, "/j")["job.sbatch"][0]
+    assert "#SBATCH --mem=6144M\n" in sbatch and "--mem-per-cpu" not in sbatch

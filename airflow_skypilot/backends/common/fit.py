@@ -42,10 +42,14 @@ class PoolFit:
 
 
 def shape(req: ResourceRequest) -> tuple[int, float, float]:
-    """(whole GPUs, CPUs, GB of memory) one node of the job needs; 0 where not asked."""
+    """(whole GPUs, CPUs, GB of memory) one node of the job needs; 0 where not asked.
+
+    SkyPilot's ``memory: 4x`` (GB per CPU) becomes GB once the CPUs are known."""
     gpus = int(req.accelerator_count) if req.accelerator else 0
     cpus, _ = req.cpus_needed()
     mem, _ = req.memory_needed_gb()
+    if req.memory and req.memory.endswith("x") and cpus:
+        mem = float(req.memory[:-1]) * cpus
     return gpus, float(cpus or 0.0), float(mem or 0.0)
 
 
@@ -76,7 +80,8 @@ def fit_pool(nodes: Sequence[PoolNode], req: ResourceRequest, num_nodes: int, wh
         return no(f"needs {req.cpus} CPUs per node; nodes in {where} have at most "
                   f"{max(n.cpus for n in nodes):g}")
     if mem and mem > max(n.memory_gb for n in nodes):
-        return no(f"needs {req.memory} GB per node; nodes in {where} have at most "
+        asked = f"{mem:g} ({req.memory})" if str(req.memory).endswith("x") else req.memory
+        return no(f"needs {asked} GB per node; nodes in {where} have at most "
                   f"{max(n.memory_gb for n in nodes):.3g} GB")
     need_cpus = max(cpus, min_cpus)
     free = sum(1 for n in nodes if n.usable and n.has_room and n.gpus_free >= gpus

@@ -310,8 +310,6 @@ def job_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: st
     s = settings
     req = offer.request
     gpus, cpus, mem = shape_of(req)
-    if req.memory and req.memory.endswith("x") and cpus:
-        mem = float(req.memory[:-1]) * cpus
     node_selector = dict(s.node_selector)
     node_selector.update(offer.details.get("node_selector") or {})
     tolerations = list(s.tolerations) + list(offer.details.get("tolerations") or [])

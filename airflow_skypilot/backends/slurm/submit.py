@@ -105,6 +105,8 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
     mem, _ = req.memory_needed_gb()
     if mem:
         directives.append(f"--mem={int(mem * 1024)}M")
+    elif req.memory and req.memory.endswith("x"):  # SkyPilot's GB per CPU
+        directives.append(f"--mem-per-cpu={int(float(req.memory[:-1]) * 1024)}M")
     directives += settings.common_sbatch_args()
     directives += task_sbatch_options(task)
     label = " --label" if task.num_nodes > 1 else ""
