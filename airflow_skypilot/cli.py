@@ -147,6 +147,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_backends(args: argparse.Namespace) -> int:
+    """The backends this installation knows (built-in and entry points), their connection
+    types and the task features each declares it cannot provide."""
+    from airflow_skypilot.backends import registry
+
+    rows = registry.describe()
+    if args.json:
+        print(json.dumps({"backends": rows, "load_errors": registry.load_errors}, indent=2))
+        return 0
+    table = [["BACKEND", "CONNECTION TYPES", "CLASS"]]
+    table += [[r["name"], ",".join(r["conn_types"]), r["class"]] for r in rows]
+    _print_table(table)
+    for r in rows:
+        if r["unsupported_features"]:
+            print(f"\n{r['name']} cannot run:")
+            for feature, why in r["unsupported_features"].items():
+                print(f"  {feature}: {why}")
+    for name, error in registry.load_errors.items():
+        print(f"\nentry point {name} failed to load: {error}", file=sys.stderr)
+    return 0
+
+
 def _print_table(rows: list[list[Any]]) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -181,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("backends", help="the backends installed, and what each cannot run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_backends)
     return parser
 
 
@@ -206,7 +232,7 @@ def _logs_to_stderr() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command != "validate":  # validate never imports Airflow: it stays fast
+    if args.command not in ("validate", "backends"):  # no connections: stays fast
         _airflow_environment()
     try:
         return args.func(args)

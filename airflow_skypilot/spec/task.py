@@ -101,7 +101,7 @@ class ResourceRequest:
         return ", ".join(parts) or "CPU only"
 
     def to_json(self) -> dict[str, Any]:
-        """The ``validate --json`` candidate object (DESIGN.md contract), plus extra fields."""
+        """The ``validate --json`` candidate object (docs/architecture.md), plus extra fields."""
         return {
             "accelerator": self.accelerator,
             "accelerator_count": self.accelerator_count if self.accelerator else 0,
@@ -160,7 +160,7 @@ class Task:
         return self.candidates[0].job_recovery
 
     def to_json(self) -> dict[str, Any]:
-        """``airflow-skypilot validate --json``: the DESIGN.md contract. Secret values omitted."""
+        """``airflow-skypilot validate --json`` (docs/architecture.md); secret values omitted."""
         return {
             "name": self.name,
             "num_nodes": self.num_nodes,

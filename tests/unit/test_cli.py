@@ -102,3 +102,16 @@ def test_usage_error_exits_2(capsys):
     with pytest.raises(SystemExit) as info:
         main(["frobnicate"])
     assert info.value.code == 2
+
+
+def test_backends_lists_each_backend_with_what_it_cannot_run(capsys):
+    assert main(["backends", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in out["backends"]}
+    assert set(rows) >= {"slurm", "kubernetes", "aws"}
+    assert rows["slurm"]["conn_types"] == ["slurm", "ssh"]
+    assert "spot" in rows["slurm"]["unsupported_features"]
+    assert "spot" not in rows["aws"]["unsupported_features"]
+    assert main(["backends"]) == 0
+    text = capsys.readouterr().out
+    assert "slurm cannot run:" in text and "spot: Slurm has no spot capacity" in text
