@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from airflow_skypilot.backends.base import JobHandle, JobStatus, Offer
 
+#: the operator's XCom keys besides its return value: the job handle and the placement table
+XCOM_HANDLE = "skypilot_handle"
+XCOM_PLACEMENT = "skypilot_placement"
 #: one attempt as ``execute_complete``'s result lists it (README: ``attempts: [...]``)
 RESULT_ATTEMPT_FIELDS = ("connection", "location", "job_id", "state", "reason", "exit_code",
                          "submitted_at", "started_at", "ended_at", "adopted")

@@ -36,7 +36,7 @@ from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.exceptions import BackendError, SubmissionError
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.links import SkyPilotJobLink
-from airflow_skypilot.runstate import Blocked, RunState
+from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Blocked, RunState
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.triggers.skypilot import (
     LOG_TAIL_LINES,
@@ -47,8 +47,9 @@ from airflow_skypilot.triggers.skypilot import (
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-XCOM_HANDLE = "skypilot_handle"
-XCOM_PLACEMENT = "skypilot_placement"
+__all__ = ["XCOM_HANDLE", "XCOM_PLACEMENT", "SkyPilotOperator", "default_connections",
+           "default_deferrable"]
+
 #: submissions refused in a row (each place then blocked) before one placement gives up
 MAX_SUBMISSIONS = 8
 
