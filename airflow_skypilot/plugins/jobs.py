@@ -14,10 +14,12 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from airflow.sdk import BaseXCom
+
 from airflow_skypilot.plugins.auth import can_read_job, readable_dag_ids, team_names
 from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, RunState
 
-XCOM_RESULT = "return_value"
+XCOM_RESULT = BaseXCom.XCOM_RETURN_KEY
 _SECRETISH = re.compile(r"env|secret|token|password|passwd|credential|key", re.IGNORECASE)
 
 
