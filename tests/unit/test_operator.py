@@ -443,3 +443,21 @@ def test_the_fail_signal_is_airflows_own():
     from airflow_skypilot.operators import skypilot as module
 
     assert module.TRIGGER_FAIL_REPR is sdk_operator.TRIGGER_FAIL_REPR
+
+
+def test_state_survives_airflows_own_serialization_of_the_deferral():
+    """What the task runner does with the deferral (serde, JSON in the DB), and back."""
+    from airflow.sdk.serde import deserialize, serialize
+
+    def through_airflow(value):
+        return deserialize(json.loads(json.dumps(serialize(value))))
+
+    deferred, ti = _start(_op())
+    path, trigger_kwargs = deferred.trigger.serialize()
+    trigger = SkyPilotJobTrigger(**through_airflow(trigger_kwargs))
+    assert trigger.serialize() == (path, trigger_kwargs)
+    event, _ = _event(deferred, JobState.INFRA_FAILED, reason="node failure")
+    next_kwargs = through_airflow(deferred.kwargs)
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete({"ti": ti}, through_airflow(event), **next_kwargs)
+    assert info.value.trigger.handle["connection"] == "c2"
