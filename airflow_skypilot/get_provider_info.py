@@ -21,10 +21,16 @@ def get_provider_info() -> dict[str, Any]:
                 "tags": ["compute"],
             }
         ],
-        "connection-types": [
+        "operators": [
             {
-                "hook-class-name": "airflow_skypilot.hooks.slurm.SlurmHook",
-                "connection-type": "slurm",
+                "integration-name": "SkyPilot",
+                "python-modules": ["airflow_skypilot.operators.skypilot"],
+            }
+        ],
+        "sensors": [
+            {
+                "integration-name": "SkyPilot",
+                "python-modules": ["airflow_skypilot.sensors.skypilot"],
             }
         ],
         "hooks": [
@@ -36,22 +42,52 @@ def get_provider_info() -> dict[str, Any]:
                 ],
             }
         ],
+        "triggers": [
+            {
+                "integration-name": "SkyPilot",
+                "python-modules": ["airflow_skypilot.triggers.skypilot"],
+            }
+        ],
+        "connection-types": [
+            {
+                "hook-class-name": "airflow_skypilot.hooks.slurm.SlurmHook",
+                "hook-name": "Slurm (SSH login node)",
+                "connection-type": "slurm",
+            }
+        ],
         "extra-links": ["airflow_skypilot.links.skypilot.SkyPilotJobLink"],
+        # No "plugins": the UI plugin loads through its `airflow.plugins` entry point, which
+        # Airflow reads in every mode. Provider-declared plugins load only with eager provider
+        # discovery ([core] lazy_discover_providers = False), and there a plugin declared both
+        # ways is registered twice: "Plugin 'skypilot' already registered, skipping" becomes a
+        # plugin import error in `airflow plugins` and the UI.
         "config": {
             "skypilot": {
-                "description": "Defaults of the SkyPilot operator and sensor.",
+                "description": "Defaults of the SkyPilot operator, sensor and UI pages.",
                 "options": {
                     "connections": {
                         "description": "Comma-separated Airflow connection ids the operator "
-                                       "probes when a task gives none.",
+                                       "probes when a task gives none (and the capacity page "
+                                       "shows when the URL names none).",
                         "type": "string",
                         "example": "slurm_alpha,slurm_beta,k8s_default,aws_default",
                         "default": "",
                         "version_added": "0.1.0",
                     },
+                    "deferrable": {
+                        "description": "Whether the SkyPilot operator and sensor defer (wait in "
+                                       "the triggerer, holding no worker slot) when a task "
+                                       "does not say. ``[operators] default_deferrable = "
+                                       "True`` keeps them deferrable whatever this says.",
+                        "type": "boolean",
+                        "example": "False",
+                        "default": "True",
+                        "version_added": "0.1.0",
+                    },
                     "probe_timeout": {
                         "description": "Seconds each connection gets to answer a capacity "
-                                       "probe before it is skipped.",
+                                       "probe before it is skipped (the capacity page waits "
+                                       "20 seconds at most).",
                         "type": "float",
                         "example": "60",
                         "default": "60",

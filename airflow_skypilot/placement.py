@@ -18,42 +18,14 @@ Every offer gets a row in the explanation table with why it won or lost.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from airflow_skypilot.backends.base import Offer
+from airflow_skypilot.runstate import Blocked  # a failed place is run state; kept importable here
 
 POLICIES = ("fastest", "cheapest")
-
-
-@dataclass(frozen=True)
-class Blocked:
-    """A place that failed during this run: ``connection/location`` (``connection/*``: all)."""
-
-    place: str
-    reason: str
-    at: float = field(default_factory=time.time)
-
-    def covers(self, offer: Offer) -> bool:
-        """``conn/*`` covers the connection; ``conn/us-east-1/*`` every location under it."""
-        conn, _, loc = self.place.partition("/")
-        if conn != offer.connection:
-            return False
-        if loc.endswith("/*"):
-            return offer.location.startswith(loc[:-1])
-        return loc in ("*", offer.location)
-
-    def describe(self) -> str:
-        return f"blocked: {self.reason} at {time.strftime('%H:%M', time.gmtime(self.at))}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Blocked:
-        return cls(place=data["place"], reason=data["reason"], at=data.get("at", time.time()))
 
 
 @dataclass

@@ -13,15 +13,22 @@ as ``job_recovery`` allows: an exit code listed in ``recover_on_exit_codes`` res
 counting against ``max_restarts_on_errors`` (as in SkyPilot; here still bounded by
 ``max_failovers`` so a job that always exits that way cannot loop forever); any other failure
 counts against ``max_restarts_on_errors`` (default 0: no restart).
+
+The rule has one home: :func:`decide` answers what to do after an attempt ended (succeed, place
+again, or fail with a message), from the run's state alone; :func:`record` does the accounting
+of a placement again. The operator acts on the answer in ``execute_complete`` (deferred) and in
+its worker loop (not deferred) alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_skypilot.placement import Blocked
+from airflow_skypilot.backends.base import JobState
+from airflow_skypilot.runstate import Attempt, Blocked, RunState
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ class Decision:
 class EagerNextRegion:
     name = "EAGER_NEXT_REGION"
 
-    def on_infra_failure(self, place: str, what: str, history: list[Mapping[str, Any]],
+    def on_infra_failure(self, place: str, what: str, history: Sequence[Attempt],
                          at: float) -> Decision:
         return Decision(True, f"{what} at {place}: moving elsewhere (EAGER_NEXT_REGION)",
                         block=Blocked(place, what, at), counts_as="failover")
@@ -47,10 +54,9 @@ class EagerNextRegion:
 class Failover:
     name = "FAILOVER"
 
-    def on_infra_failure(self, place: str, what: str, history: list[Mapping[str, Any]],
+    def on_infra_failure(self, place: str, what: str, history: Sequence[Attempt],
                          at: float) -> Decision:
-        failed_here = sum(1 for a in history if a.get("place") == place
-                          and a.get("infra_failure"))
+        failed_here = sum(1 for a in history if a.place == place and a.infra_failure)
         if failed_here <= 1:
             return Decision(True, f"{what} at {place}: trying the same place first (FAILOVER)",
                             prefer=place, counts_as="failover")
@@ -84,3 +90,76 @@ def on_user_failure(job_recovery: Mapping[str, Any], exit_code: int | None, rest
                                f"{limit})")
     return Decision(False, "no restart on user errors (job_recovery.max_restarts_on_errors is "
                            "0)")
+
+
+# --- the rule ----------------------------------------------------------------------------------
+SUCCEED, AGAIN, FAIL = "succeed", "again", "fail"
+#: which RunState counter a placement again uses
+COUNTERS = {"failover": "failovers", "restart": "restarts", "exit_code_restart": "code_restarts"}
+_INFRA_FAILURES = frozenset(s.value for s in JobState if s.infra_failure)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do after an attempt ended.
+
+    ``action`` is :data:`SUCCEED`, :data:`AGAIN` (place it again: ``block`` that place, try
+    ``prefer`` first, count it as ``counts_as``) or :data:`FAIL` (``message`` says why).
+    ``cancel``: the job may still run somewhere (its place failed, or went silent): stop it
+    before anything else.
+    """
+
+    action: str
+    message: str = ""
+    block: Blocked | None = None
+    prefer: str | None = None
+    counts_as: str = ""
+    cancel: bool = False
+
+
+def decide(run: RunState, ended: Attempt, job_recovery: Mapping[str, Any], max_failovers: int,
+           *, tail: str = "", now: float | None = None) -> Verdict:
+    """The failover rule: what to do now that ``ended`` (closed, in ``run.attempts``) ended.
+
+    Pure: reads the run's counters and history, changes nothing (see :func:`record`).
+    ``tail`` is the end of the job's log, quoted when a failure of the program is final.
+    """
+    now = time.time() if now is None else now
+    where = f"job {ended.job_id} on {ended.connection}"
+    if ended.state == JobState.SUCCEEDED.value:
+        return Verdict(SUCCEED, f"{where} succeeded")
+    if ended.state in _INFRA_FAILURES:
+        if run.failovers >= max_failovers:
+            return Verdict(FAIL, (
+                f"job lost to infrastructure failures {run.failovers + 1} times; gave up "
+                f"(max_failovers={max_failovers}). Last: {ended.reason}\n"
+                + run.attempts_text()), cancel=True)
+        decision = strategy_for(job_recovery).on_infra_failure(
+            ended.place, ended.reason or ended.state, run.attempts, now)
+        return Verdict(AGAIN, decision.reason, block=decision.block, prefer=decision.prefer,
+                       counts_as="failover", cancel=True)
+    if ended.state == JobState.FAILED.value:
+        decision = on_user_failure(job_recovery, ended.exit_code, run.restarts,
+                                   run.code_restarts, max_failovers, ended.place)
+        if not decision.again:
+            return Verdict(FAIL, f"{where} failed: {ended.reason}; {decision.reason}.\n"
+                                 f"Last lines of its log:\n{tail}")
+        return Verdict(AGAIN, decision.reason, block=decision.block, prefer=decision.prefer,
+                       counts_as=decision.counts_as)
+    # CANCELLED outside Airflow, or anything unexpected: do not fight the user
+    return Verdict(FAIL, f"{where} ended {ended.state}"
+                         f"{': ' + ended.reason if ended.reason else ''}; not placed again.\n"
+                         f"{tail}")
+
+
+def record(run: RunState, verdict: Verdict) -> None:
+    """The accounting of a placement again: its counter, the blocked place, where to try
+    first, and the next attempt's number (its job name)."""
+    if verdict.action != AGAIN:
+        raise ValueError(f"only a verdict to place again is recorded, not {verdict.action!r}")
+    counter = COUNTERS[verdict.counts_as]
+    setattr(run, counter, getattr(run, counter) + 1)
+    if verdict.block is not None:
+        run.blocked.append(verdict.block)
+    run.prefer = verdict.prefer
+    run.attempt += 1

@@ -4,7 +4,11 @@
 this try already submitted if one is alive, probes every connection concurrently, ranks the
 offers, submits, pushes the handle and the placement table to XCom, and defers. The trigger
 watches the job; ``execute_complete`` finishes, places the job again elsewhere on an
-infrastructure failure, or restarts it as ``job_recovery`` allows.
+infrastructure failure, or restarts it as ``job_recovery`` allows (the rule is
+:func:`airflow_skypilot.recovery.decide`). Not deferrable, the same steps run in a loop in the
+worker.
+
+The run's state between deferrals is a :class:`~airflow_skypilot.runstate.RunState`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
@@ -31,6 +36,7 @@ from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.exceptions import BackendError, SubmissionError
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.links import SkyPilotJobLink
+from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Blocked, RunState
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.triggers.skypilot import (
     LOG_TAIL_LINES,
@@ -41,10 +47,11 @@ from airflow_skypilot.triggers.skypilot import (
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-XCOM_HANDLE = "skypilot_handle"
-#: Airflow's next_method for "resume only to fail" (trigger timeout or trigger failure)
-TRIGGER_FAIL_REPR = "__fail__"
-XCOM_PLACEMENT = "skypilot_placement"
+__all__ = ["XCOM_HANDLE", "XCOM_PLACEMENT", "SkyPilotOperator", "default_connections",
+           "default_deferrable"]
+
+#: submissions refused in a row (each place then blocked) before one placement gives up
+MAX_SUBMISSIONS = 8
 
 
 def default_connections() -> list[str]:
@@ -68,7 +75,8 @@ class SkyPilotOperator(BaseOperator):
     :param connections: Airflow connection ids to consider; default ``[skypilot] connections``.
     :param envs: env overrides (``sky launch --env``); templated.
     :param secrets: secret values (``sky launch --secret``); templated, never logged.
-    :param policy: ``fastest`` (free now first, then soonest start, then price) or ``cheapest``.
+    :param policy: ``fastest`` (free now first, then soonest start, then price) or ``cheapest``;
+        templated (a literal value is checked at once, a rendered one before anything runs).
     :param max_failovers: placements again after infrastructure failures (and the bound on
         ``recover_on_exit_codes`` restarts).
     :param deferrable: free the worker slot while the job queues and runs.
@@ -79,10 +87,11 @@ class SkyPilotOperator(BaseOperator):
     :param probe_timeout: seconds each connection gets to answer a capacity probe.
     :param reprobe_interval: seconds between probes while nothing fits anywhere.
     :param stream_logs: copy the job's output into the task log as it runs.
+    :param max_unreachable: failed polls in a row before the job is declared lost.
     """
 
-    template_fields: Sequence[str] = ("task_spec", "connections", "envs", "secrets", "policy")
-    template_fields_renderers = {"task_spec": "yaml", "envs": "json"}
+    template_fields: Sequence[str] = ("task", "connections", "envs", "secrets", "policy")
+    template_fields_renderers = {"task": "yaml", "envs": "json"}
     ui_color = "#d6e4ff"
     # "SkyPilot job" button: the plugin's page with this try's placement table and attempts
     operator_extra_links = (SkyPilotJobLink(),)
@@ -92,8 +101,8 @@ class SkyPilotOperator(BaseOperator):
         *,
         task: str | os.PathLike[str] | Mapping[str, Any],
         connections: Sequence[str] | str | None = None,
-        envs: Mapping[str, Any] | None = None,
-        secrets: Mapping[str, Any] | None = None,
+        envs: Mapping[str, Any] | str | None = None,
+        secrets: Mapping[str, Any] | str | None = None,
         policy: str = "fastest",
         max_failovers: int = 3,
         deferrable: bool | None = None,
@@ -107,10 +116,12 @@ class SkyPilotOperator(BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.task_spec = os.fspath(task) if isinstance(task, os.PathLike) else task
+        # Template fields are kept as given: they are rendered after __init__, and turned into
+        # what the run needs (path, mappings, policy) in execute (see load()).
+        self.task = task
         self.connections = connections
-        self.envs = envs if isinstance(envs, str) else dict(envs or {})
-        self.secrets = secrets if isinstance(secrets, str) else dict(secrets or {})
+        self.envs = envs
+        self.secrets = secrets
         self.policy = policy
         self.max_failovers = max_failovers
         self.deferrable = default_deferrable() if deferrable is None else deferrable
@@ -122,7 +133,8 @@ class SkyPilotOperator(BaseOperator):
         self.stream_logs = stream_logs
         self.max_unreachable = max_unreachable
         self._handle: JobHandle | None = None
-        if policy not in placement.POLICIES and "{{" not in policy:
+        # A literal policy can be checked now, at DAG parse time; a Jinja one after rendering.
+        if isinstance(policy, str) and "{{" not in policy and policy not in placement.POLICIES:
             raise ValueError(f"policy must be one of {placement.POLICIES}, got {policy!r}")
 
     # --- helpers -----------------------------------------------------------------------------
@@ -137,14 +149,21 @@ class SkyPilotOperator(BaseOperator):
         return conns
 
     def load(self, context: Context | None = None) -> Task:
-        """The task with overrides applied; AirflowFailException (no retry) if it is invalid."""
-        spec: Any = self.task_spec
+        """The task with overrides applied, from the rendered template fields.
+
+        AirflowFailException (no retry) if the task, the overrides or the policy are invalid.
+        """
+        if self.policy not in placement.POLICIES:
+            raise AirflowFailException(
+                f"policy must be one of {placement.POLICIES}, got {self.policy!r}")
+        spec: Any = os.fspath(self.task) if isinstance(self.task, os.PathLike) else self.task
         if isinstance(spec, str) and "\n" not in spec and spec.endswith((".yaml", ".yml")):
             if not os.path.isabs(spec):
                 dag = getattr(self, "dag", None)
                 base = os.path.dirname(getattr(dag, "fileloc", "") or "") or os.getcwd()
                 spec = os.path.join(base, spec)
-        envs, secrets = self.envs, self.secrets
+        envs = {} if self.envs is None else self.envs
+        secrets = {} if self.secrets is None else self.secrets
         for name, value in (("envs", envs), ("secrets", secrets)):
             if not isinstance(value, Mapping):
                 raise AirflowFailException(f"{name} must be a mapping after templating; got "
@@ -174,26 +193,46 @@ class SkyPilotOperator(BaseOperator):
     def execute(self, context: Context) -> Any:
         task = self.load(context)
         prefix, task_env_id = self._run_key(context)
-        state: dict[str, Any] = {
-            "prefix": prefix, "task_env_id": task_env_id, "attempt": 0, "attempts": [],
-            "blocked": [], "failovers": 0, "restarts": 0, "code_restarts": 0, "prefer": None,
-            "log_offset": 0, "started_at": time.time(),
-        }
-        handle = self._adopt(context, state)
+        run = RunState(prefix=prefix, task_env_id=task_env_id)
+        handle = self._adopt(run)
         if handle is None:
-            handle = self._place_and_submit(context, task, state)
-        if handle is None:
-            return self._wait_for_capacity(context, state)
-        return self._watch(context, handle, state)
+            handle = self._place_and_submit(context, task, run)
+        return self._run(context, task, run, handle)
 
-    def _adopt(self, context: Context, state: dict[str, Any]) -> JobHandle | None:
+    def _run(self, context: Context, task: Task, run: RunState, handle: JobHandle | None) -> Any:
+        """From a placement (``None``: nothing could take the job) to the task's end.
+
+        Deferrable, every wait is a deferral (to the trigger that watches the job, or to the
+        one that waits to probe again) and ``execute_complete`` comes back here. Not
+        deferrable, the same steps loop in the worker: a wait for capacity may last days, so it
+        must not recurse.
+        """
+        while True:
+            if handle is None:
+                self._wait_for_capacity(context, run)
+                handle = self._place_and_submit(context, task, run)
+                continue
+            self._push(context, XCOM_HANDLE, handle.to_dict())
+            if not self.wait_for_completion:
+                self.log.info("Not waiting for job %s (wait_for_completion=False)",
+                              handle.job_id)
+                return handle.to_dict()
+            if self.deferrable:
+                self._defer_to_watch(context, handle, run)
+            status, tail = self._poll_in_worker(handle, run)
+            result = self._job_ended(context, task, run, handle, status, tail)
+            if result is not None:
+                return result
+            handle = self._place_and_submit(context, task, run)
+
+    def _adopt(self, run: RunState) -> JobHandle | None:
         """The job this try submitted before (the worker restarted, or execute ran twice).
 
         It is adopted whatever its state: a running job is watched, a finished one is judged
         as if the trigger had just seen it end (success, failover or restart by the rules), so
         a replay follows the same attempt names and never submits twice.
         """
-        name = f"{state['prefix']}-a0"
+        name = run.job_name
         hook = self._hook()
         for conn_id in hook.connections:
             try:
@@ -206,7 +245,7 @@ class SkyPilotOperator(BaseOperator):
                 self.log.info("Adopting job %s on %s (%s): this try submitted it before",
                               handle.job_id, conn_id, name)
                 handle.adopted = True
-                self._record_attempt(state, handle)
+                self._record(run, handle)
                 return handle
         return None
 
@@ -216,64 +255,52 @@ class SkyPilotOperator(BaseOperator):
             self._capacity_hook = SkyPilotCapacityHook(self._conn_ids(), timeout=timeout)
         return self._capacity_hook
 
-    def _place_and_submit(self, context: Context, task: Task,
-                          state: dict[str, Any]) -> JobHandle | None:
-        """Probe, rank, submit; on a refused submission, block that place and take the next."""
+    def _place_and_submit(self, context: Context, task: Task, run: RunState) -> JobHandle | None:
+        """Probe, rank, submit; on a refused submission, block that place and take the next.
+
+        None when nothing can take the job now (places blocked, unreachable or over budget).
+        """
         hook = self._hook()
-        blocked = [placement.Blocked.from_dict(b) for b in state["blocked"]]
         result = hook.probe(task)
         for conn_id, error in result.errors.items():
             self.log.warning("Connection %s skipped for this placement: %s", conn_id, error)
-        for _ in range(8):
+        for _ in range(MAX_SUBMISSIONS):
             plan = placement.rank(result.offers, self.policy, ordered=task.ordered,
-                                  blocked=blocked, unreachable=result.errors,
-                                  prefer=state.get("prefer"))
+                                  blocked=run.blocked, unreachable=result.errors,
+                                  prefer=run.prefer)
             self.log.info("Placement (policy %s):\n%s\n%s", self.policy, plan.table(),
                           plan.summary)
             self._push(context, XCOM_PLACEMENT, plan.to_json())
             if plan.chosen is None:
-                state["last_plan"] = plan.summary
+                run.last_plan = plan.summary
                 if not any(r.verdict in ("blocked", "unreachable", "over budget")
                            for r in plan.rows) and plan.rows and not result.errors:
                     raise AirflowFailException(
                         "this task cannot run on any connected capacity:\n" + plan.table())
                 return None
             offer = plan.chosen
-            name = f"{state['prefix']}-a{state['attempt']}"
-            env = {"SKYPILOT_TASK_ID": state["task_env_id"]}
+            env = {"SKYPILOT_TASK_ID": run.task_env_id}
             try:
-                handle = hook.backend(offer.connection).submit(task, offer, name, env)
+                handle = hook.backend(offer.connection).submit(task, offer, run.job_name, env)
             except SubmissionError as exc:
                 if not exc.retry_elsewhere:
                     raise AirflowException(f"submission to {offer.place_key} failed: {exc}") \
                         from exc
                 self.log.warning("Submission to %s failed, trying the next place: %s",
                                  offer.place_key, exc)
-                block = placement.Blocked(offer.place_key, f"submission failed: {exc}")
-                blocked.append(block)
-                state["blocked"].append(block.to_dict())
+                run.blocked.append(Blocked(offer.place_key, f"submission failed: {exc}"))
                 continue
-            state["prefer"] = None
-            self._record_attempt(state, handle)
+            run.prefer = None
+            self._record(run, handle)
             self.log.info("%s %s job %s on %s (%s) as %s", "Adopted" if handle.adopted else
                           "Submitted", handle.backend, handle.job_id, handle.connection,
                           handle.location, handle.job_name)
             return handle
-        raise AirflowException("no place accepted the job after 8 submissions")
+        raise AirflowException(f"no place accepted the job after {MAX_SUBMISSIONS} submissions")
 
-    def _record_attempt(self, state: dict[str, Any], handle: JobHandle) -> None:
+    def _record(self, run: RunState, handle: JobHandle) -> None:
         self._handle = handle
-        state["attempts"].append({
-            "connection": handle.connection, "location": handle.location,
-            "place": f"{handle.connection}/{handle.location}", "infra": handle.infra,
-            "backend": handle.backend, "job_id": handle.job_id, "job_name": handle.job_name,
-            "state": JobState.PENDING.value, "reason": "", "exit_code": None,
-            "submitted_at": handle.submitted_at, "started_at": None, "ended_at": None,
-            "gpus": handle.gpus_per_node * handle.num_nodes,
-            "price_per_hour": handle.price_per_hour, "adopted": handle.adopted,
-            "infra_failure": False,
-        })
-        state["log_offset"] = 0
+        run.record(handle)
 
     def _push(self, context: Context, key: str, value: Any) -> None:
         try:
@@ -281,22 +308,16 @@ class SkyPilotOperator(BaseOperator):
         except Exception as exc:  # XCom is for the UI; never fail a job over it
             self.log.warning("Could not push XCom %s: %s", key, exc)
 
-    def _watch(self, context: Context, handle: JobHandle, state: dict[str, Any]) -> Any:
-        self._push(context, XCOM_HANDLE, handle.to_dict())
-        if not self.wait_for_completion:
-            self.log.info("Not waiting for job %s (wait_for_completion=False)", handle.job_id)
-            return handle.to_dict()
-        if self.deferrable:
-            self.defer(
-                trigger=SkyPilotJobTrigger(handle.to_dict(), poll_interval=self.poll_interval,
-                                           max_unreachable=self.max_unreachable,
-                                           log_offset=state["log_offset"],
-                                           stream_logs=self.stream_logs,
-                                           cancel_on_kill=self.cancel_on_kill, state=state),
-                method_name="execute_complete", kwargs={"state": state},
-                timeout=self._remaining(context),
-            )
-        return self._poll_in_worker(context, handle, state)
+    def _defer_to_watch(self, context: Context, handle: JobHandle, run: RunState) -> None:
+        state = run.to_dict()
+        self.defer(
+            trigger=SkyPilotJobTrigger(handle.to_dict(), poll_interval=self.poll_interval,
+                                       max_unreachable=self.max_unreachable,
+                                       log_offset=run.log_offset, stream_logs=self.stream_logs,
+                                       cancel_on_kill=self.cancel_on_kill, state=state),
+            method_name="execute_complete", kwargs={"state": state},
+            timeout=self._remaining(context),
+        )
 
     def _remaining(self, context: Context) -> timedelta | None:
         if self.execution_timeout is None:
@@ -310,21 +331,25 @@ class SkyPilotOperator(BaseOperator):
         left = self.execution_timeout - (timezone.utcnow() - start)
         return max(left, timedelta(seconds=1))
 
-    def _wait_for_capacity(self, context: Context, state: dict[str, Any]) -> Any:
-        """Nothing fits now (places blocked or unreachable): wait and probe again."""
-        state.setdefault("waiting_since", time.time())
+    def _wait_for_capacity(self, context: Context, run: RunState) -> None:
+        """Nothing fits now (places blocked or unreachable): wait, then the caller probes again.
+
+        Deferrable, the wait is a deferral (``execute_complete`` resumes with a ``reprobe``
+        event); otherwise the worker sleeps.
+        """
+        if run.waiting_since is None:
+            run.waiting_since = time.time()
         self.log.info("Nothing can take the job now (%s); probing again in %gs",
-                      state.get("last_plan", ""), self.reprobe_interval)
-        waiting = {**state, "phase": "waiting"}
+                      run.last_plan, self.reprobe_interval)
         if self.deferrable:
-            self.defer(trigger=SkyPilotWaitTrigger(self.reprobe_interval, state=waiting),
-                       method_name="execute_complete", kwargs={"state": waiting},
+            state = run.to_dict()
+            self.defer(trigger=SkyPilotWaitTrigger(self.reprobe_interval, state=state),
+                       method_name="execute_complete", kwargs={"state": state},
                        timeout=self._remaining(context))
         time.sleep(self.reprobe_interval)
-        return self.execute_complete(context, None, waiting)
 
-    def _poll_in_worker(self, context: Context, handle: JobHandle, state: dict[str, Any]) -> Any:
-        """The non-deferrable path: the same semantics, polling from the worker."""
+    def _poll_in_worker(self, handle: JobHandle, run: RunState) -> tuple[JobStatus, str]:
+        """The non-deferrable watch: poll until the job ends; its status and log tail."""
         backend = backend_for_handle(handle)
         failures = 0
         while True:
@@ -341,13 +366,9 @@ class SkyPilotOperator(BaseOperator):
                     continue
                 status = JobStatus(JobState.LOST, reason=f"unreachable: {exc}")
             if self.stream_logs:
-                state["log_offset"] = self._stream(backend, handle, state["log_offset"])
+                run.log_offset = self._stream(backend, handle, run.log_offset)
             if status.state.terminal:
-                tail = self._tail(backend, handle, state["log_offset"])
-                event = {"status": "done", "handle": handle.to_dict(),
-                         "job_status": status.to_dict(), "log_tail": tail,
-                         "log_offset": state["log_offset"]}
-                return self.execute_complete(context, event, state)
+                return status, self._tail(backend, handle, run.log_offset)
             time.sleep(self.poll_interval)
 
     def _stream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
@@ -373,78 +394,41 @@ class SkyPilotOperator(BaseOperator):
                          state: dict[str, Any] | None = None) -> Any:
         # The defer kwargs carry the state; `airflow dags test` drops them, so the trigger
         # hands the same state back in its event.
-        state = dict(state or (event or {}).get("state") or {})
+        event = event or {}
+        run = RunState.from_dict(state or event.get("state"))
         task = self.load(context)
-        if state.pop("phase", None) == "waiting":
-            handle = self._place_and_submit(context, task, state)
-            if handle is None:
-                return self._wait_for_capacity(context, state)
-            return self._watch(context, handle, state)
+        if event.get("status") == "reprobe":  # the wait for capacity is over: probe again
+            return self._run(context, task, run, self._place_and_submit(context, task, run))
         if not event or event.get("status") == "error":
-            message = (event or {}).get("message", "no event")
+            message = event.get("message", "no event")
             raise AirflowException(f"watching the SkyPilot job failed: {message}")
         handle = JobHandle.from_dict(event["handle"])
         self._handle = handle
         status = JobStatus.from_dict(event["job_status"])
-        state["log_offset"] = event.get("log_offset", state.get("log_offset", 0))
-        attempt = self._close_attempt(state, handle, status)
+        run.log_offset = event.get("log_offset", run.log_offset)
+        result = self._job_ended(context, task, run, handle, status, event.get("log_tail") or "")
+        if result is not None:
+            return result
+        return self._run(context, task, run, self._place_and_submit(context, task, run))
+
+    def _job_ended(self, context: Context, task: Task, run: RunState, handle: JobHandle,
+                   status: JobStatus, tail: str) -> dict[str, Any] | None:
+        """Act on the failover rule: the result on success, None to place the job again;
+        raises when the task fails."""
+        ended = run.close(handle, status)
         self.log.info("Job %s on %s ended: %s%s", handle.job_id, handle.connection,
                       status.state.value, f" ({status.reason})" if status.reason else "")
-        if status.state == JobState.SUCCEEDED:
-            self._cleanup(handle)
-            result = self._result(state, handle)
+        verdict = recovery.decide(run, ended, task.job_recovery, self.max_failovers, tail=tail)
+        self._cleanup(handle, cancel=verdict.cancel)
+        if verdict.action == recovery.SUCCEED:
+            result = run.result(ended)
             self._push(context, XCOM_HANDLE, handle.to_dict())
             return result
-        tail = event.get("log_tail") or ""
-        place = attempt["place"]
-        if status.state.infra_failure:
-            attempt["infra_failure"] = True
-            self._cleanup(handle, cancel=True)
-            decision = recovery.strategy_for(task.job_recovery).on_infra_failure(
-                place, status.reason or status.state.value, state["attempts"], time.time())
-            if state["failovers"] >= self.max_failovers:
-                raise AirflowException(
-                    f"job lost to infrastructure failures {state['failovers'] + 1} times; gave "
-                    f"up (max_failovers={self.max_failovers}). Last: {status.reason}\n"
-                    + self._attempts_text(state))
-            state["failovers"] += 1
-        elif status.state == JobState.FAILED:
-            self._cleanup(handle)
-            decision = recovery.on_user_failure(
-                task.job_recovery, status.exit_code, state["restarts"], state["code_restarts"],
-                self.max_failovers, place)
-            if not decision.again:
-                raise AirflowException(
-                    f"job {handle.job_id} on {handle.connection} failed: {status.reason}; "
-                    f"{decision.reason}.\nLast lines of its log:\n{tail}")
-            state["restarts" if decision.counts_as == "restart" else "code_restarts"] += 1
-        else:  # CANCELLED outside Airflow, or anything unexpected: do not fight the user
-            self._cleanup(handle)
-            raise AirflowException(
-                f"job {handle.job_id} on {handle.connection} ended {status.state.value}"
-                f"{': ' + status.reason if status.reason else ''}; not placed again.\n{tail}")
-        self.log.warning("%s", decision.reason)
-        if decision.block is not None:
-            state["blocked"].append(decision.block.to_dict())
-        state["prefer"] = decision.prefer
-        state["attempt"] += 1
-        new = self._place_and_submit(context, task, state)
-        if new is None:
-            return self._wait_for_capacity(context, state)
-        return self._watch(context, new, state)
-
-    def _close_attempt(self, state: dict[str, Any], handle: JobHandle,
-                       status: JobStatus) -> dict[str, Any]:
-        attempt = next((a for a in reversed(state["attempts"])
-                        if a["job_id"] == handle.job_id and a["connection"] == handle.connection),
-                       None)
-        if attempt is None:
-            self._record_attempt(state, handle)
-            attempt = state["attempts"][-1]
-        attempt.update({"state": status.state.value, "reason": status.reason,
-                        "exit_code": status.exit_code, "started_at": status.started_at,
-                        "ended_at": status.ended_at or time.time()})
-        return attempt
+        if verdict.action == recovery.FAIL:
+            raise AirflowException(verdict.message)
+        self.log.warning("%s", verdict.message)
+        recovery.record(run, verdict)
+        return None
 
     def _cleanup(self, handle: JobHandle, cancel: bool = False) -> None:
         try:
@@ -455,36 +439,6 @@ class SkyPilotOperator(BaseOperator):
         except Exception as exc:
             self.log.warning("Cleanup of %s job %s on %s failed: %s", handle.backend,
                              handle.job_id, handle.connection, exc)
-
-    def _result(self, state: dict[str, Any], handle: JobHandle) -> dict[str, Any]:
-        gpu_hours = cost = 0.0
-        for a in state["attempts"]:
-            start = a.get("started_at") or a.get("submitted_at")
-            end = a.get("ended_at") or time.time()
-            hours = max(0.0, (end - start) / 3600) if start else 0.0
-            gpu_hours += hours * (a.get("gpus") or 0)
-            cost += hours * (a.get("price_per_hour") or 0)
-        return {
-            "state": "succeeded",
-            "connection": handle.connection,
-            "location": handle.location,
-            "infra": handle.infra,
-            "backend": handle.backend,
-            "job_id": handle.job_id,
-            "job_name": handle.job_name,
-            "task_id": state.get("task_env_id"),
-            "attempts": [{k: a.get(k) for k in (
-                "connection", "location", "job_id", "state", "reason", "exit_code",
-                "submitted_at", "started_at", "ended_at", "adopted")} for a in state["attempts"]],
-            "gpu_hours": round(gpu_hours, 6),
-            "cost": round(cost, 6),
-        }
-
-    @staticmethod
-    def _attempts_text(state: dict[str, Any]) -> str:
-        return "\n".join(f"  attempt {i + 1}: {a['connection']}/{a['location']} job "
-                         f"{a['job_id']}: {a['state']} {a.get('reason') or ''}"
-                         for i, a in enumerate(state["attempts"]))
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None,
                          context: Context) -> Any:

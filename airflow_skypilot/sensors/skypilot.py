@@ -1,23 +1,23 @@
 """``SkyPilotJobSensor``: wait for a job submitted with ``wait_for_completion=False``.
 
-Same trigger, same outcome rules as the operator: success returns the result; a failure of the
-user's code fails with the log tail; an infrastructure failure fails with its reason (the
-sensor did not submit the job, so it does not place it again).
+Same trigger, same outcome rules as the operator: success returns the result (in poke mode
+too); a failure of the user's code fails with the log tail; an infrastructure failure fails with
+its reason (the sensor did not submit the job, so it does not place it again).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseSensorOperator
+from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.operators.skypilot import default_deferrable
+from airflow_skypilot.runstate import Attempt
 from airflow_skypilot.triggers.skypilot import LOG_TAIL_LINES, SkyPilotJobTrigger
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
         ``"{{ ti.xcom_pull(task_ids='submit') }}"``; templated.
     :param deferrable: wait in the triggerer (default on, like the operator).
     :param stream_logs: copy the job's output into the task log.
+    :param max_unreachable: failed polls in a row before the job is declared lost.
     """
 
     template_fields: Sequence[str] = ("handle",)
@@ -68,7 +69,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
                    method_name="execute_complete",
                    timeout=None if self.timeout is None else self.timeout)
 
-    def poke(self, context: Context) -> bool | Any:
+    def poke(self, context: Context) -> bool | PokeReturnValue:
         handle = self._handle()
         backend = backend_for_handle(handle)
         try:
@@ -87,7 +88,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
             tail = "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
         except Exception as exc:
             tail = f"(log unavailable: {exc})"
-        return self._finish(handle, status, tail)
+        return PokeReturnValue(is_done=True, xcom_value=self._finish(handle, status, tail))
 
     def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:
         if not event or event.get("status") == "error":
@@ -95,16 +96,19 @@ class SkyPilotJobSensor(BaseSensorOperator):
         return self._finish(JobHandle.from_dict(event["handle"]),
                             JobStatus.from_dict(event["job_status"]), event.get("log_tail", ""))
 
-    def _finish(self, handle: JobHandle, status: JobStatus, tail: str) -> Any:
+    def _finish(self, handle: JobHandle, status: JobStatus, tail: str) -> dict[str, Any]:
+        """The result when the job succeeded; raises otherwise."""
         if status.state == JobState.SUCCEEDED:
             self.log.info("Job %s on %s succeeded", handle.job_id, handle.connection)
             try:
                 backend_for_handle(handle).cleanup(handle)
             except Exception as exc:
                 self.log.warning("Cleanup of job %s failed: %s", handle.job_id, exc)
-            return {"state": "succeeded", "connection": handle.connection,
-                    "location": handle.location, "job_id": handle.job_id,
-                    "started_at": status.started_at, "ended_at": status.ended_at or time.time()}
+            attempt = Attempt.from_handle(handle)
+            attempt.close(status)
+            return {"state": attempt.state, "connection": attempt.connection,
+                    "location": attempt.location, "job_id": attempt.job_id,
+                    "started_at": attempt.started_at, "ended_at": attempt.ended_at}
         kind = "infrastructure failure" if status.state.infra_failure else status.state.value
         raise AirflowException(f"job {handle.job_id} on {handle.connection} ended: {kind}"
                                f"{': ' + status.reason if status.reason else ''}\n"

@@ -25,8 +25,14 @@ from airflow_skypilot.backends.base import (
     JobStatus,
 )
 from airflow_skypilot.backends.registry import backend_class, backend_for_handle
+from airflow_skypilot.runstate import RunState
 
 LOG_TAIL_LINES = 40
+
+
+def _state_dict(state: RunState | dict[str, Any] | None) -> dict[str, Any] | None:
+    """Triggers are serialized to JSON: a RunState travels as its dict."""
+    return state.to_dict() if isinstance(state, RunState) else state
 
 
 @dataclass
@@ -73,7 +79,7 @@ class SharedPoller:
         self._subs.append(_Sub(handle, queue, stream_logs, offset))
         self.interval = min(self.interval, interval)
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = asyncio.get_running_loop().create_task(self._arun_loop())
         return queue
 
     def unsubscribe(self, queue: asyncio.Queue) -> None:
@@ -82,12 +88,12 @@ class SharedPoller:
             self._task.cancel()
             self._task = None
 
-    async def _loop(self) -> None:
+    async def _arun_loop(self) -> None:
         try:
             loop = asyncio.get_running_loop()
             while self._subs:
                 started = loop.time()
-                await self._poll_once()
+                await self._apoll_once()
                 # a fixed rate: the poll's own duration is not added to the interval
                 await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
         finally:
@@ -98,7 +104,7 @@ class SharedPoller:
                 except Exception:  # closing a broken connection: nothing left to release
                     pass
 
-    async def _poll_once(self) -> None:
+    async def _apoll_once(self) -> None:
         subs = list(self._subs)
         handles = list({s.handle.job_id: s.handle for s in subs}.values())
         self.status_polls += 1
@@ -155,13 +161,14 @@ class SkyPilotJobTrigger(BaseTrigger):
     :param log_offset: byte offset of the job log already shown; new output is logged.
     :param stream_logs: copy the job's output into the task log while it runs.
     :param cancel_on_kill: cancel the job when a user kills the deferred task (Airflow >= 3.3).
-    :param state: the operator's placement state, handed back in the event (``airflow dags
-        test`` resumes with the event alone, so state cannot rely on the defer kwargs).
+    :param state: the operator's :class:`~airflow_skypilot.runstate.RunState` (or its dict),
+        handed back in the event as a dict (``airflow dags test`` resumes with the event alone,
+        so state cannot rely on the defer kwargs). The trigger does not read it.
     """
 
     def __init__(self, handle: dict[str, Any], poll_interval: float = 10.0,
                  max_unreachable: int = 6, log_offset: int = 0, stream_logs: bool = True,
-                 cancel_on_kill: bool = True, state: dict[str, Any] | None = None):
+                 cancel_on_kill: bool = True, state: RunState | dict[str, Any] | None = None):
         super().__init__()
         self.handle = handle
         self.poll_interval = poll_interval
@@ -169,7 +176,7 @@ class SkyPilotJobTrigger(BaseTrigger):
         self.log_offset = log_offset
         self.stream_logs = stream_logs
         self.cancel_on_kill = cancel_on_kill
-        self.state = state
+        self.state = _state_dict(state)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -218,8 +225,8 @@ class SkyPilotJobTrigger(BaseTrigger):
                 offset = item.log_offset
                 if item.status.state.terminal:
                     if self.stream_logs:  # output written after the final poll
-                        offset = await self._stream(poller.backend, handle, offset)
-                    tail = await self._tail(poller.backend, handle, offset)
+                        offset = await self._astream(poller.backend, handle, offset)
+                    tail = await self._atail(poller.backend, handle, offset)
                     yield TriggerEvent(self._event(handle, item.status, tail, offset))
                     return
         except Exception as exc:  # never crash the triggerer: report instead
@@ -228,7 +235,7 @@ class SkyPilotJobTrigger(BaseTrigger):
         finally:
             poller.unsubscribe(queue)
 
-    async def _stream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
+    async def _astream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
         try:
             text, offset = await backend.read_log_async(handle, offset)
         except Exception as exc:  # logs are a convenience; the status is what matters
@@ -238,7 +245,7 @@ class SkyPilotJobTrigger(BaseTrigger):
             self.log.info("[%s] %s", handle.job_id, line)
         return offset
 
-    async def _tail(self, backend: Backend, handle: JobHandle, offset: int) -> str:
+    async def _atail(self, backend: Backend, handle: JobHandle, offset: int) -> str:
         try:
             text, _ = await backend.read_log_async(handle, max(0, offset - 32768))
         except Exception as exc:
@@ -262,12 +269,17 @@ class SkyPilotJobTrigger(BaseTrigger):
 
 
 class SkyPilotWaitTrigger(BaseTrigger):
-    """Sleep, then resume the operator to probe again (nothing fits anywhere right now)."""
+    """Sleep, then resume the operator to probe again (nothing fits anywhere right now).
 
-    def __init__(self, seconds: float, state: dict[str, Any] | None = None):
+    :param seconds: how long to wait.
+    :param state: the operator's :class:`~airflow_skypilot.runstate.RunState` (or its dict),
+        handed back in the ``reprobe`` event.
+    """
+
+    def __init__(self, seconds: float, state: RunState | dict[str, Any] | None = None):
         super().__init__()
         self.seconds = seconds
-        self.state = state
+        self.state = _state_dict(state)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return ("airflow_skypilot.triggers.skypilot.SkyPilotWaitTrigger",

@@ -31,6 +31,8 @@ from airflow_skypilot import placement
 from airflow_skypilot.backends.base import CapacityRow, JobHandle
 from airflow_skypilot.exceptions import BackendUnreachable
 from airflow_skypilot.links import SkyPilotJobLink, job_path, job_url
+from airflow_skypilot.plugins import capacity as plugin_capacity
+from airflow_skypilot.plugins import formatting, jobs, routes
 from airflow_skypilot.plugins import skypilot as plugin
 from tests.fakes import offer
 
@@ -98,8 +100,8 @@ def test_operator_and_provider_register_the_link_and_plugin():
 
     assert [e.value for e in entry_points(group="airflow.plugins") if e.name == "skypilot"] == \
         [PLUGIN_CLASS.replace(".SkyPilotPlugin", ":SkyPilotPlugin")]
-    # the plugin keeps its own copy of the keys so that loading it stays cheap
-    assert (plugin.XCOM_HANDLE, plugin.XCOM_PLACEMENT) == (XCOM_HANDLE, XCOM_PLACEMENT)
+    # the plugin reads the keys the operator writes (from runstate, cheap to import)
+    assert (jobs.XCOM_HANDLE, jobs.XCOM_PLACEMENT) == (XCOM_HANDLE, XCOM_PLACEMENT)
 
 
 def test_plugin_registers_app_and_ui_entries():
@@ -125,34 +127,34 @@ def test_plugin_registers_app_and_ui_entries():
 def test_attempts_come_from_result_then_deferral_state_then_handle():
     handle = {"job_id": "7", "connection": "c", "location": "p"}
     result = {"attempts": [{"job_id": "6"}, {"job_id": "7"}]}
-    assert plugin._attempts(result, handle, None)[1] == "result"
-    assert [a["job_id"] for a in plugin._attempts(result, handle, None)[0]] == ["6", "7"]
+    assert jobs.attempts_of(result, handle, None)[1] == "result"
+    assert [a["job_id"] for a in jobs.attempts_of(result, handle, None)[0]] == ["6", "7"]
     # next_kwargs as the task runner stores the operator's defer kwargs
     from airflow.sdk.serde import serialize
 
     state = {"attempts": [{"job_id": "5", "state": "preempted", "reason": "spot"},
                           {"job_id": "7", "state": "pending"}], "blocked": [("a", "b")]}
-    attempts, source = plugin._attempts(None, handle, serialize({"state": state}))
+    attempts, source = jobs.attempts_of(None, handle, serialize({"state": state}))
     assert source == "running" and [a["job_id"] for a in attempts] == ["5", "7"]
     legacy = {"__type": "dict", "__var": {"state": {"__type": "dict", "__var": {
         "attempts": [{"__type": "dict", "__var": {"job_id": "5"}}]}}}}
-    assert plugin._attempts(None, handle, legacy)[0][0]["job_id"] == "5"
-    assert plugin._attempts(None, handle, None)[1] == "handle"
-    assert plugin._attempts(None, None, None) == ([], "none")
+    assert jobs.attempts_of(None, handle, legacy)[0][0]["job_id"] == "5"
+    assert jobs.attempts_of(None, handle, None)[1] == "handle"
+    assert jobs.attempts_of(None, None, None) == ([], "none")
 
 
 def test_handle_extras_never_show_credentials():
     extra = {"namespace": "ml", "env": {"A": SECRET}, "api_token": SECRET, "ssh_key": SECRET,
              "instance_ids": ["i-1", "i-2"], "spot": True}
-    shown = dict(plugin._handle_extra({"extra": extra}))
+    shown = dict(jobs.handle_extra({"extra": extra}))
     assert shown == {"namespace": "ml", "instance_ids": "i-1, i-2", "spot": "True"}
 
 
 def test_unmapped_placeholder_map_index_means_unmapped():
-    assert plugin._parse_map_index("{MAP_INDEX}") == -1
-    assert plugin._parse_map_index("%7BMAP_INDEX%7D") == -1
-    assert plugin._parse_map_index("2") == 2
-    assert plugin._parse_map_index("-1") == -1
+    assert routes.parse_map_index("{MAP_INDEX}") == -1
+    assert routes.parse_map_index("%7BMAP_INDEX%7D") == -1
+    assert routes.parse_map_index("2") == 2
+    assert routes.parse_map_index("-1") == -1
 
 
 class _Backend:
@@ -181,12 +183,12 @@ def test_capacity_probe_runs_off_the_loop_with_deadline_and_cache(monkeypatch):
     from airflow_skypilot.hooks import capacity
 
     monkeypatch.setattr(capacity, "backend_for_connection", _Backend)
-    monkeypatch.setattr(plugin, "_can_read_connection", lambda user, c: c != "secret")
-    monkeypatch.setattr(plugin, "_probe_timeout", lambda: 0.5)
-    monkeypatch.setattr(plugin, "_capacity_cache", {})
+    monkeypatch.setattr(plugin_capacity, "can_read_connection", lambda user, c: c != "secret")
+    monkeypatch.setattr(plugin_capacity, "probe_timeout", lambda: 0.5)
+    monkeypatch.setattr(plugin_capacity, "PROBES", plugin_capacity.CapacityProbes())
     conns = ["ok", "hung", "secret", "down", "empty"]
     start = time.monotonic()
-    data = anyio.run(plugin.capacity_for, object(), conns, False)
+    data = anyio.run(plugin_capacity.capacity_for, object(), conns, False)
     assert time.monotonic() - start < 2.5
     rows = {r["connection"]: r for r in data["rows"]}
     assert [r["connection"] for r in data["rows"]] == conns  # in the order asked for
@@ -196,9 +198,9 @@ def test_capacity_probe_runs_off_the_loop_with_deadline_and_cache(monkeypatch):
     assert rows["secret"]["error"] == "you are not allowed to read this connection"
     assert rows["empty"]["note"] == "reported no locations"
     calls = _Backend.calls
-    again = anyio.run(plugin.capacity_for, object(), conns, False)
+    again = anyio.run(plugin_capacity.capacity_for, object(), conns, False)
     assert _Backend.calls == calls and again["probed_at"] == data["probed_at"]  # cached
-    anyio.run(plugin.capacity_for, object(), conns, True)
+    anyio.run(plugin_capacity.capacity_for, object(), conns, True)
     assert _Backend.calls > calls  # refresh=true probes again
 
 
@@ -212,7 +214,7 @@ def test_capacity_template_renders_rows_escaped():
              "locations"}]
     groups = [{"connection": c, "rows": [r for r in rows if r["connection"] == c], "free": 2,
                "total": 8, "errors": 0} for c in "abc"]
-    html = plugin.TEMPLATES.get_template("skypilot/capacity.html").render(
+    html = formatting.TEMPLATES.get_template("skypilot/capacity.html").render(
         prefix="/skypilot", ui_base="", nonce="n", page="capacity", title="t", conns=list("abc"),
         explicit=True, query="conn=a", groups=groups,
         data={"probed_at": 0, "seconds": 1.0, "ttl": 10, "timeout": 5, "rows": rows})
@@ -550,7 +552,7 @@ def test_job_json(server):
     assert r.status_code == 200, r.text
     job = r.json()
     assert job["placement"]["rows"] == [
-        {k: row.get(k) for k in plugin._ROW_FIELDS} for row in server.payloads["placement"]["rows"]]
+        {k: row.get(k) for k in jobs.ROW_FIELDS} for row in server.payloads["placement"]["rows"]]
     assert job["handle"]["job_id"] == "4242" and "extra" not in job["handle"]
     assert job["handle_extra"] == {"job_dir": "/home/u/.skypilot/jobs/x"}
     assert [a["state"] for a in job["attempts"]] == ["preempted", "succeeded"]
@@ -578,7 +580,7 @@ def test_capacity_shows_unreachable_connections_as_error_rows(server):
     r = _page("/skypilot/capacity", server, params={"conn": ["slurm_down", "ghost"]})
     assert r.status_code == 200, r.text
     assert len(re.findall(r'<tr class="error[ "]', r.text)) == 2
-    assert "The conn_id `ghost` isn&#39;t defined" in r.text
+    assert "connection &#39;ghost&#39; is not defined" in r.text  # the backend registry's words
     assert _page("/skypilot/capacity", server, params={"conn": "bad id!"}).status_code == 400
 
 

@@ -331,3 +331,133 @@ def test_resumed_only_to_fail_keeps_the_job_when_told_to():
             "__fail__", {"error": TriggerFailureReason.TRIGGER_TIMEOUT}, {"ti": ti})
     assert type(info.value).__name__ == "TaskDeferralTimeout"
     assert not FakeBackend.jobs[job_id]["status"].state.terminal
+
+
+def test_non_deferrable_waits_for_capacity_in_a_loop_not_by_recursion(monkeypatch):
+    """~494 rounds of "nothing fits" used to end in RecursionError (about 8 h at 60 s)."""
+    import threading
+    import time as real_time
+    from types import SimpleNamespace
+
+    from airflow_skypilot.operators import skypilot as module
+
+    rounds = 1000
+    FakeBackend.down = {"c1", "c2"}
+    probes, lock = [0], threading.Lock()
+    real_probe, real_poll = FakeBackend.probe, FakeBackend.poll
+
+    def probe(self, task):
+        with lock:
+            probes[0] += 1
+            if probes[0] == 2 * rounds + 1:  # the first probe after `rounds` empty rounds
+                FakeBackend.down = set()
+        return real_probe(self, task)
+
+    async def poll(self, handles):
+        _end(handles[0].job_id, JobState.SUCCEEDED)
+        return await real_poll(self, handles)
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(FakeBackend, "probe", probe)
+    monkeypatch.setattr(FakeBackend, "poll", poll)
+    monkeypatch.setattr(module, "time", SimpleNamespace(time=real_time.time,
+                                                        sleep=sleeps.append))
+    ti = TI()
+    result = _op(deferrable=False, reprobe_interval=0, poll_interval=0).execute({"ti": ti})
+    assert result["state"] == "succeeded" and result["connection"] == "c1"
+    assert len(result["attempts"]) == 1 and len(FakeBackend.jobs) == 1
+    assert sleeps.count(0) == rounds  # one wait per empty round, in the worker
+    assert ti.xcom[XCOM_HANDLE]["job_id"] == result["job_id"]
+
+
+def test_non_deferrable_fails_over_in_the_worker(monkeypatch):
+    from types import SimpleNamespace
+
+    from airflow_skypilot.operators import skypilot as module
+
+    real_poll = FakeBackend.poll
+    ends = iter([(JobState.INFRA_FAILED, "node failure"), (JobState.SUCCEEDED, "")])
+
+    async def poll(self, handles):
+        state, reason = next(ends)
+        _end(handles[0].job_id, state, reason=reason)
+        return await real_poll(self, handles)
+
+    monkeypatch.setattr(FakeBackend, "poll", poll)
+    monkeypatch.setattr(module, "time", SimpleNamespace(time=__import__("time").time,
+                                                        sleep=lambda s: None))
+    result = _op(deferrable=False, poll_interval=0).execute({"ti": TI()})
+    assert [(a["connection"], a["state"]) for a in result["attempts"]] == [
+        ("c1", "infra_failed"), ("c2", "succeeded")]
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED  # the lost copy stopped
+
+
+def test_template_fields_are_kept_as_given_and_read_at_execute(tmp_path):
+    from pathlib import Path
+
+    path = Path(tmp_path) / "t.yaml"
+    path.write_text("resources: {accelerators: A100:1}\nrun: train\n")
+    op = SkyPilotOperator(task_id="t", task=path, connections="c1, c2", envs=None,
+                          policy="{{ params.policy }}")
+    assert op.task is path and op.envs is None and op.secrets is None
+    assert op.connections == "c1, c2" and op.policy == "{{ params.policy }}"
+    op.policy = "cheapest"  # as rendered
+    deferred, _ = _start(op)
+    assert deferred.trigger.handle["connection"] == "c1"
+
+
+def test_a_rendered_policy_is_checked_before_anything_is_submitted():
+    op = _op(policy="{{ params.policy }}")
+    op.policy = "random"  # as rendered
+    with pytest.raises(AirflowFailException, match="policy must be one of"):
+        op.execute({"ti": TI()})
+    assert FakeBackend.jobs == {}
+
+
+def test_envs_that_are_not_a_mapping_after_rendering_fail():
+    op = _op(envs="{{ params.envs }}")
+    op.envs = "A=1"  # rendered, but not into a mapping
+    with pytest.raises(AirflowFailException, match="envs must be a mapping"):
+        op.execute({"ti": TI()})
+
+
+def test_the_task_template_field_survives_dag_serialization():
+    from airflow.sdk import DAG
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    with DAG("serialized", schedule=None) as dag:
+        SkyPilotOperator(task_id="t", task="tasks/x.yaml", connections=["c1"],
+                         envs={"A": "{{ ds }}"})
+        SkyPilotOperator.partial(task_id="m", connections=["c1"]).expand(
+            task=["a.yaml", "b.yaml"])
+    again = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+    op = again.get_task("t")
+    assert op.task == "tasks/x.yaml" and op.envs == {"A": "{{ ds }}"}
+    assert tuple(op.template_fields) == SkyPilotOperator.template_fields
+    assert again.get_task("m").template_fields == op.template_fields
+
+
+def test_the_fail_signal_is_airflows_own():
+    from airflow.sdk.bases import operator as sdk_operator
+
+    from airflow_skypilot.operators import skypilot as module
+
+    assert module.TRIGGER_FAIL_REPR is sdk_operator.TRIGGER_FAIL_REPR
+
+
+def test_state_survives_airflows_own_serialization_of_the_deferral():
+    """What the task runner does with the deferral (serde, JSON in the DB), and back."""
+    from airflow.sdk.serde import deserialize, serialize
+
+    def through_airflow(value):
+        return deserialize(json.loads(json.dumps(serialize(value))))
+
+    deferred, ti = _start(_op())
+    path, trigger_kwargs = deferred.trigger.serialize()
+    trigger = SkyPilotJobTrigger(**through_airflow(trigger_kwargs))
+    assert trigger.serialize() == (path, trigger_kwargs)
+    event, _ = _event(deferred, JobState.INFRA_FAILED, reason="node failure")
+    next_kwargs = through_airflow(deferred.kwargs)
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete({"ti": ti}, through_airflow(event), **next_kwargs)
+    assert info.value.trigger.handle["connection"] == "c2"

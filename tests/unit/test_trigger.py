@@ -165,3 +165,16 @@ async def test_a_connection_that_cannot_be_read_is_a_poll_error_not_a_crash(monk
     event = await asyncio.wait_for(_first_event(t), 5)
     status = JobStatus.from_dict(event["job_status"])
     assert status.state == JobState.LOST and "isn't defined" in status.reason
+
+
+def test_a_run_state_travels_as_its_dict():
+    import json
+
+    from airflow_skypilot.runstate import RunState
+
+    run = RunState(prefix="sky-x", task_env_id="t", attempt=2, started_at=1.0)
+    for trigger in (SkyPilotJobTrigger({"backend": "fake", "job_id": "1"}, state=run),
+                    SkyPilotWaitTrigger(1, state=run)):
+        kwargs = trigger.serialize()[1]
+        assert kwargs["state"] == run.to_dict()
+        assert RunState.from_dict(json.loads(json.dumps(kwargs["state"]))) == run

@@ -1,0 +1,132 @@
+"""Live capacity for the pages: the connections' ``show-gpus`` rows, probed off the event loop,
+bounded in time, and cached briefly so that a storm of page refreshes cannot hammer login nodes.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from airflow.utils.log.logging_mixin import LoggingMixin
+from fastapi import HTTPException
+
+from airflow_skypilot.plugins.auth import can_read_connection
+
+#: capacity answers are reused this long, so a page refresh storm cannot hammer login nodes
+CAPACITY_TTL = 10.0
+#: the longest a capacity page waits for a connection (the hook's timeout is the smaller one)
+CAPACITY_MAX_TIMEOUT = 20.0
+MAX_CONNECTIONS = 16
+_CONN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,250}$")
+
+
+def default_connections() -> list[str]:
+    """``[skypilot] connections`` (the operator's default; not imported from the operator so
+    that loading the plugin stays cheap)."""
+    from airflow.configuration import conf
+
+    raw = conf.get("skypilot", "connections", fallback="") or ""
+    return [c.strip() for c in raw.split(",") if c.strip()]
+
+
+def probe_timeout() -> float:
+    """``[skypilot] probe_timeout``, at most :data:`CAPACITY_MAX_TIMEOUT` for a page."""
+    from airflow.configuration import conf
+
+    try:
+        configured = conf.getfloat("skypilot", "probe_timeout", fallback=60.0)
+    except Exception:
+        configured = 60.0
+    return max(1.0, min(configured, CAPACITY_MAX_TIMEOUT))
+
+
+class CapacityProbes(LoggingMixin):
+    """``show-gpus`` rows per set of connections, cached for ``ttl`` seconds.
+
+    Concurrent requests for the same connections share one probe.
+    """
+
+    def __init__(self, ttl: float = CAPACITY_TTL):
+        super().__init__()
+        self.ttl = ttl
+        self._cache: dict[tuple[str, ...], tuple[float, list[dict[str, Any]], float]] = {}
+        self._locks: dict[tuple[str, ...], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def probe(self, conn_ids: list[str], timeout: float, refresh: bool = False
+              ) -> tuple[list[dict[str, Any]], float, float]:
+        """Rows, when they were probed, and how long it took (blocking: run it in a thread)."""
+        key = tuple(conn_ids)
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            cached = self._cache.get(key)
+            if cached and not refresh and time.time() - cached[0] < self.ttl:
+                return cached[1], cached[0], cached[2]
+            from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+
+            start = time.monotonic()
+            try:
+                rows = [r.to_json() for r in SkyPilotCapacityHook(conn_ids, timeout=timeout)
+                        .capacity()]
+            except Exception as exc:  # the hook reports per connection; this is a last resort
+                self.log.exception("Capacity probe failed")
+                rows = [{"connection": c, "location": "", "accelerator": None,
+                         "error": f"{type(exc).__name__}: {exc}"} for c in conn_ids]
+            seconds = time.monotonic() - start
+            self._cache[key] = (time.time(), rows, seconds)
+            return rows, self._cache[key][0], seconds
+
+
+#: the API server's shared cache
+PROBES = CapacityProbes()
+
+
+async def capacity_for(user: Any, conn_ids: list[str], refresh: bool) -> dict[str, Any]:
+    """Probe the connections the user may read, off the event loop, with a deadline.
+
+    The probe (SSH, HTTP) runs in the same worker threads as FastAPI's sync routes; the hook
+    bounds each connection by the probe timeout, and this waits a little longer at most.
+    """
+    allowed = await anyio.to_thread.run_sync(
+        lambda: [c for c in conn_ids if can_read_connection(user, c)])
+    denied = [c for c in conn_ids if c not in allowed]
+    timeout = probe_timeout()
+    rows: list[dict[str, Any]] = []
+    probed_at, seconds = time.time(), 0.0
+    if allowed:
+        answer = None
+        with anyio.move_on_after(timeout + 10):
+            answer = await anyio.to_thread.run_sync(PROBES.probe, allowed, timeout, refresh,
+                                                    abandon_on_cancel=True)
+        if answer is None:
+            rows = [{"connection": c, "location": "", "accelerator": None,
+                     "error": f"no answer within {timeout:g}s"} for c in allowed]
+        else:
+            rows, probed_at, seconds = answer
+        answered = {r.get("connection") for r in rows}
+        rows = rows + [{"connection": c, "location": "", "accelerator": None,
+                        "note": "reported no locations"} for c in allowed if c not in answered]
+    rows = rows + [{"connection": c, "location": "", "accelerator": None,
+                    "error": "you are not allowed to read this connection"} for c in denied]
+    order = {c: i for i, c in enumerate(conn_ids)}
+    rows.sort(key=lambda r: (order.get(r.get("connection"), len(order)),
+                             str(r.get("location") or ""), str(r.get("accelerator") or "")))
+    return {"connections": conn_ids, "probed_at": probed_at, "seconds": round(seconds, 3),
+            "timeout": timeout, "ttl": PROBES.ttl, "rows": rows}
+
+
+def requested_connections(conn: list[str] | None) -> list[str]:
+    """The ``?conn=`` ids (comma-separated too), else ``[skypilot] connections``; 400 if bad."""
+    given = [part.strip() for value in conn or [] for part in value.split(",")]
+    conns = list(dict.fromkeys(c for c in given if c)) or default_connections()
+    bad = [c for c in conns if not _CONN_ID.match(c)]
+    if bad:
+        raise HTTPException(400, f"not a connection id: {bad[0][:80]!r}")
+    if len(conns) > MAX_CONNECTIONS:
+        raise HTTPException(400, f"at most {MAX_CONNECTIONS} connections at a time")
+    return conns

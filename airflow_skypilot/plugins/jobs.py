@@ -1,0 +1,242 @@
+"""The job data the pages show, read from the metadata DB: task instances and their XComs.
+
+Job data comes from the XComs the operator writes (``skypilot_handle``, ``skypilot_placement``,
+``return_value``) and, while a task is deferred, from the run state it handed its trigger
+(``next_kwargs``); env values and secrets are never in them, and handle extras that look like
+credentials are not returned. The attempt record and the XCom keys are the operator's own
+(:mod:`airflow_skypilot.runstate`, which stays cheap to import).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from airflow.sdk import BaseXCom
+
+from airflow_skypilot.plugins.auth import can_read_job, readable_dag_ids, team_names
+from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, RunState
+
+XCOM_RESULT = BaseXCom.XCOM_RETURN_KEY
+_SECRETISH = re.compile(r"env|secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def unwrap(value: Any) -> Any:
+    """Undo Airflow's wrappers in ``next_kwargs`` (serde's ``__classname__/__data__``, older
+    ``__type/__var``); plain JSON passes through."""
+    if isinstance(value, Mapping):
+        if "__var" in value and "__type" in value:
+            return unwrap(value["__var"])
+        if "__data__" in value and "__classname__" in value:
+            return unwrap(value["__data__"])
+        return {k: unwrap(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unwrap(v) for v in value]
+    return value
+
+
+def xcom_value(row: Any) -> Any:
+    try:
+        from airflow.models.xcom import XComModel
+
+        value = XComModel.deserialize_value(row)
+    except Exception:
+        value = getattr(row, "value", None)
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    return value
+
+
+_HANDLE_FIELDS = ("backend", "connection", "location", "infra", "job_id", "job_name",
+                  "num_nodes", "accelerator", "gpus_per_node", "price_per_hour", "submitted_at",
+                  "adopted")
+
+
+def attempts_of(result: Any, handle: Any, next_kwargs: Any
+                ) -> tuple[list[dict[str, Any]], str]:
+    """The attempt history and where it came from.
+
+    The result (on success) has every attempt; while a deferred task waits, the run state the
+    operator handed to its trigger does; otherwise only the current handle is known.
+    """
+    if isinstance(result, Mapping) and isinstance(result.get("attempts"), list):
+        source, items = "result", result["attempts"]
+    else:
+        state = unwrap(next_kwargs or {}).get("state") if isinstance(next_kwargs, Mapping) \
+            else None
+        running = RunState.from_dict(state).attempts if isinstance(state, Mapping) else []
+        if running:
+            source, items = "running", [a.to_dict() for a in running]
+        elif isinstance(handle, Mapping) and handle.get("job_id"):
+            source, items = "handle", [handle]
+        else:
+            return [], "none"
+    return [Attempt.ui_view(a) for a in items if isinstance(a, Mapping)], source
+
+
+def handle_extra(handle: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Backend details worth showing (namespace, instance ids, log path); never credentials."""
+    extra = handle.get("extra")
+    if not isinstance(extra, Mapping):
+        return []
+    out = []
+    for key, value in sorted(extra.items()):
+        if _SECRETISH.search(str(key)) or isinstance(value, Mapping):
+            continue
+        if isinstance(value, list):
+            if not all(isinstance(v, (str, int, float, bool)) or v is None for v in value):
+                continue
+            value = ", ".join(str(v) for v in value)
+        out.append((str(key), "" if value is None else str(value)))
+    return out
+
+
+def _job_summary(ti: Any, xcoms: Mapping[str, Any]) -> dict[str, Any]:
+    """One row of the jobs list (also the JSON form)."""
+    handle = xcoms.get(XCOM_HANDLE) if isinstance(xcoms.get(XCOM_HANDLE), Mapping) else {}
+    placement = xcoms.get(XCOM_PLACEMENT) \
+        if isinstance(xcoms.get(XCOM_PLACEMENT), Mapping) else {}
+    result = xcoms.get(XCOM_RESULT)
+    result = result if isinstance(result, Mapping) and "attempts" in result else {}
+    attempts, source = attempts_of(result, handle, getattr(ti, "next_kwargs", None))
+    chosen = placement.get("chosen") if isinstance(placement.get("chosen"), Mapping) else {}
+    return {
+        "dag_id": ti.dag_id,
+        "run_id": ti.run_id,
+        "task_id": ti.task_id,
+        "map_index": ti.map_index,
+        "try_number": ti.try_number,
+        "state": str(ti.state.value if hasattr(ti.state, "value") else ti.state or "none"),
+        "operator": getattr(ti, "operator", None),
+        "start_date": ti.start_date.isoformat() if ti.start_date else None,
+        "end_date": ti.end_date.isoformat() if ti.end_date else None,
+        "connection": result.get("connection") or handle.get("connection")
+        or chosen.get("connection"),
+        "location": result.get("location") or handle.get("location") or chosen.get("location"),
+        "backend": result.get("backend") or handle.get("backend") or chosen.get("backend"),
+        "accelerator": handle.get("accelerator") or chosen.get("accelerator"),
+        "job_id": result.get("job_id") or handle.get("job_id"),
+        "job_name": result.get("job_name") or handle.get("job_name"),
+        "attempts": len(attempts),
+        "attempts_source": source,
+        "gpu_hours": result.get("gpu_hours"),
+        "cost": result.get("cost"),
+        "placement_summary": placement.get("summary"),
+        "policy": placement.get("policy"),
+    }
+
+
+def _load_xcoms(session: Any, keys: Iterable[tuple[str, str, str, int]]
+                ) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    from airflow.models.xcom import XComModel
+    from sqlalchemy import select
+
+    wanted = set(keys)
+    if not wanted:
+        return {}
+    dag_ids = {k[0] for k in wanted}
+    run_ids = {k[1] for k in wanted}
+    stmt = select(XComModel).where(
+        XComModel.key.in_((XCOM_HANDLE, XCOM_PLACEMENT, XCOM_RESULT)),
+        XComModel.dag_id.in_(dag_ids), XComModel.run_id.in_(run_ids))
+    out: dict[tuple[str, str, str, int], dict[str, Any]] = {k: {} for k in wanted}
+    for row in session.scalars(stmt):
+        key = (row.dag_id, row.run_id, row.task_id, row.map_index)
+        if key in out:
+            out[key][row.key] = xcom_value(row)
+    return out
+
+
+def list_jobs(user: Any, limit: int = 100, dag_id: str | None = None) -> list[dict[str, Any]]:
+    """Recent task instances that wrote SkyPilot XComs, newest first, that ``user`` may read."""
+    from airflow.models.taskinstance import TaskInstance as TI
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import and_, func, select
+
+    readable = readable_dag_ids(user)
+    if dag_id is not None:
+        readable &= {dag_id}
+    if not readable:
+        return []
+    with create_session() as session:
+        marks = (
+            select(XComModel.dag_id, XComModel.run_id, XComModel.task_id, XComModel.map_index,
+                   func.max(XComModel.timestamp).label("ts"))
+            .where(XComModel.key.in_((XCOM_HANDLE, XCOM_PLACEMENT)),
+                   XComModel.dag_id.in_(readable))
+            .group_by(XComModel.dag_id, XComModel.run_id, XComModel.task_id,
+                      XComModel.map_index)
+            .subquery()
+        )
+        stmt = (
+            select(TI, marks.c.ts)
+            .join(marks, and_(TI.dag_id == marks.c.dag_id, TI.run_id == marks.c.run_id,
+                              TI.task_id == marks.c.task_id,
+                              TI.map_index == marks.c.map_index))
+            .order_by(func.coalesce(TI.start_date, marks.c.ts).desc(), TI.dag_id, TI.task_id,
+                      TI.map_index)
+            .limit(limit)
+        )
+        tis = [row[0] for row in session.execute(stmt)]
+        teams = team_names(sorted({ti.dag_id for ti in tis}))
+        allowed = {d: can_read_job(user, d, teams.get(d)) for d in {ti.dag_id for ti in tis}}
+        tis = [ti for ti in tis if allowed[ti.dag_id]]
+        xcoms = _load_xcoms(session, [(t.dag_id, t.run_id, t.task_id, t.map_index) for t in tis])
+        return [_job_summary(ti, xcoms[(ti.dag_id, ti.run_id, ti.task_id, ti.map_index)])
+                for ti in tis]
+
+
+def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str, Any] | None:
+    """Everything the job page shows for one task instance; None if there is no such TI."""
+    from airflow.models.taskinstance import TaskInstance as TI
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        ti = session.scalar(select(TI).where(TI.dag_id == dag_id, TI.run_id == run_id,
+                                             TI.task_id == task_id, TI.map_index == map_index))
+        if ti is None:
+            return None
+        key = (dag_id, run_id, task_id, map_index)
+        xcoms = _load_xcoms(session, [key])[key]
+        summary = _job_summary(ti, xcoms)
+        handle = xcoms.get(XCOM_HANDLE) if isinstance(xcoms.get(XCOM_HANDLE), Mapping) else None
+        placement = xcoms.get(XCOM_PLACEMENT) \
+            if isinstance(xcoms.get(XCOM_PLACEMENT), Mapping) else None
+        result = xcoms.get(XCOM_RESULT)
+        result = result if isinstance(result, Mapping) and "attempts" in result else None
+        attempts, source = attempts_of(result, handle, ti.next_kwargs)
+        return {
+            "task_instance": summary,
+            "handle": {k: handle.get(k) for k in _HANDLE_FIELDS} if handle else None,
+            "handle_extra": dict(handle_extra(handle)) if handle else {},
+            "placement": _clean_placement(placement),
+            "result": {k: v for k, v in result.items() if k != "attempts"} if result else None,
+            "attempts": attempts,
+            "attempts_source": source,
+        }
+
+
+ROW_FIELDS = ("verdict", "connection", "location", "request", "free", "start", "price",
+               "reason", "rank")
+
+
+def _clean_placement(placement: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if not placement:
+        return None
+    rows = placement.get("rows") if isinstance(placement.get("rows"), list) else []
+    chosen = placement.get("chosen") if isinstance(placement.get("chosen"), Mapping) else None
+    return {
+        "policy": placement.get("policy"),
+        "summary": placement.get("summary"),
+        "chosen": {k: chosen.get(k) for k in ("connection", "backend", "location", "infra",
+                                               "accelerator", "num_nodes", "price_per_hour",
+                                               "spot", "instance_type")} if chosen else None,
+        "rows": [{k: r.get(k) for k in ROW_FIELDS} for r in rows if isinstance(r, Mapping)],
+    }

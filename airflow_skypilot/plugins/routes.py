@@ -1,0 +1,207 @@
+"""The pages and their JSON forms: a FastAPI app the plugin mounts under ``/skypilot``.
+
+``/skypilot/jobs``                                    recent SkyPilot task instances, newest first
+``/skypilot/jobs/{dag_id}/{run_id}/{task_id}[/{map_index}]``  one task instance: placement table,
+                                                      job handle, attempts
+``/skypilot/capacity[?conn=ID...]``                    live GPUs per connection/location/accelerator
+``/skypilot/api/jobs``, ``/skypilot/api/jobs/...``, ``/skypilot/api/capacity``   the JSON forms
+
+Pages are server-rendered (no build step) with a strict CSP. Anonymous callers get 401 (JSON)
+or a redirect to Airflow's login (HTML).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any
+from urllib.parse import quote, urlencode
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from airflow_skypilot.links.skypilot import PLUGIN_PREFIX, job_path
+from airflow_skypilot.plugins.auth import UserDep, can_read_job, team_names, user_name
+from airflow_skypilot.plugins.capacity import capacity_for, requested_connections
+from airflow_skypilot.plugins.formatting import TEMPLATES
+from airflow_skypilot.plugins.jobs import list_jobs, load_job
+
+
+# --- request helpers ----------------------------------------------------------------------------
+def _prefix(request: Request) -> str:
+    """Where this app is mounted, as the browser sees it (``/skypilot`` or ``/base/skypilot``)."""
+    return str(request.scope.get("root_path", "")).rstrip("/")
+
+
+def _ui_base(request: Request) -> str:
+    """The Airflow UI's base path: the mount point without the plugin prefix."""
+    prefix = _prefix(request)
+    return prefix[: -len(PLUGIN_PREFIX)] if prefix.endswith(PLUGIN_PREFIX) else ""
+
+
+def _ti_ui_path(base: str, dag_id: str, run_id: str, task_id: str, map_index: int) -> str:
+    ids = [quote(str(x), safe="") for x in (dag_id, run_id, task_id)]
+    path = f"{base}/dags/{ids[0]}/runs/{ids[1]}/tasks/{ids[2]}"
+    return path if map_index < 0 else f"{path}/mapped/{map_index}"
+
+
+def _job_path(request: Request, dag_id: str, run_id: str, task_id: str, map_index: int) -> str:
+    return _ui_base(request) + job_path(dag_id, run_id, task_id, map_index)
+
+
+def parse_map_index(value: str | int | None) -> int:
+    """``-1`` unless a non-negative integer: the UI leaves ``{MAP_INDEX}`` as-is when unmapped."""
+    try:
+        number = int(str(value))
+    except (TypeError, ValueError):
+        return -1
+    return number if number >= 0 else -1
+
+
+def _is_api(request: Request) -> bool:
+    path = request.url.path
+    prefix = _prefix(request)
+    rel = path[len(prefix):] if prefix and path.startswith(prefix) else path
+    return rel.startswith("/api/")
+
+
+def _render(request: Request, template: str, status_code: int = 200, **context: Any
+            ) -> HTMLResponse:
+    """A page with a strict CSP: no script but the one nonce'd helper, framed only by Airflow."""
+    context.setdefault("user_name", "")
+    nonce = secrets.token_urlsafe(16)
+    html = TEMPLATES.get_template(f"skypilot/{template}").render(
+        prefix=_prefix(request), ui_base=_ui_base(request), nonce=nonce, **context)
+    csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; "
+           "img-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'self'")
+    return HTMLResponse(html, status_code=status_code,
+                        headers={"Cache-Control": "no-store", "Content-Security-Policy": csp,
+                                 "X-Content-Type-Options": "nosniff",
+                                 "Referrer-Policy": "same-origin"})
+
+
+# --- the app ------------------------------------------------------------------------------------
+app = FastAPI(title="SkyPilot for Airflow", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """JSON for the API; for pages, Airflow's login on 401 and a readable page otherwise."""
+    if _is_api(request):
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+    if exc.status_code == 401:
+        login = f"{_ui_base(request)}/api/v2/auth/login?{urlencode({'next': str(request.url)})}"
+        return RedirectResponse(login, status_code=303)
+    titles = {403: "Not allowed", 404: "Not found", 400: "Bad request"}
+    return _render(request, "error.html", status_code=exc.status_code,
+                   title=titles.get(exc.status_code, "Error"), detail=str(exc.detail))
+
+
+@app.get("/", include_in_schema=False)
+def index(request: Request) -> RedirectResponse:
+    return RedirectResponse(f"{_prefix(request)}/jobs", status_code=303)
+
+
+@app.get("/icon.svg", include_in_schema=False)
+def icon() -> Response:
+    """The nav icon (served here so no static files need packaging)."""
+    return Response(ICON_SVG, media_type="image/svg+xml",
+                    headers={"Cache-Control": "public, max-age=86400"})
+
+
+def _with_links(request: Request, job: dict[str, Any]) -> dict[str, Any]:
+    args = (job["dag_id"], job["run_id"], job["task_id"], job["map_index"])
+    return {**job, "job_url": _job_path(request, *args),
+            "ui_url": _ti_ui_path(_ui_base(request), *args)}
+
+
+@app.get("/api/jobs")
+def api_jobs(request: Request, user: UserDep,
+             limit: Annotated[int, Query(ge=1, le=500)] = 100,
+             dag_id: str | None = None) -> JSONResponse:
+    jobs = [_with_links(request, j) for j in list_jobs(user, limit, dag_id)]
+    return JSONResponse({"jobs": jobs, "total_entries": len(jobs)})
+
+
+@app.get("/jobs", response_class=HTMLResponse)
+def jobs_page(request: Request, user: UserDep,
+              limit: Annotated[int, Query(ge=1, le=500)] = 100,
+              dag_id: str | None = None) -> HTMLResponse:
+    jobs = [_with_links(request, j) for j in list_jobs(user, limit, dag_id)]
+    counts: dict[str, int] = {}
+    for job in jobs:
+        counts[job["state"]] = counts.get(job["state"], 0) + 1
+    return _render(request, "jobs.html", title="SkyPilot jobs", page="jobs", jobs=jobs,
+                   counts=sorted(counts.items()), limit=limit, dag_id=dag_id,
+                   user_name=user_name(user))
+
+
+def _job_or_error(user: Any, dag_id: str, run_id: str, task_id: str, map_index: int
+                  ) -> dict[str, Any]:
+    teams = team_names([dag_id])
+    if not can_read_job(user, dag_id, teams.get(dag_id)):
+        raise HTTPException(403, f"You may not read task instances and XComs of DAG {dag_id!r}.")
+    job = load_job(dag_id, run_id, task_id, map_index)
+    if job is None:
+        where = f"{dag_id} / {run_id} / {task_id}" + (f" [{map_index}]" if map_index >= 0
+                                                       else "")
+        raise HTTPException(404, f"No task instance {where}.")
+    return job
+
+
+@app.get("/api/jobs/{dag_id}/{run_id}/{task_id}")
+@app.get("/api/jobs/{dag_id}/{run_id}/{task_id}/{map_index}")
+def api_job(request: Request, user: UserDep, dag_id: str, run_id: str, task_id: str,
+            map_index: str = "-1") -> JSONResponse:
+    job = _job_or_error(user, dag_id, run_id, task_id, parse_map_index(map_index))
+    job["task_instance"] = _with_links(request, job["task_instance"])
+    return JSONResponse(job)
+
+
+@app.get("/jobs/{dag_id}/{run_id}/{task_id}", response_class=HTMLResponse)
+@app.get("/jobs/{dag_id}/{run_id}/{task_id}/{map_index}", response_class=HTMLResponse)
+def job_page(request: Request, user: UserDep, dag_id: str, run_id: str, task_id: str,
+             map_index: str = "-1") -> HTMLResponse:
+    index_ = parse_map_index(map_index)
+    job = _job_or_error(user, dag_id, run_id, task_id, index_)
+    ti = _with_links(request, job["task_instance"])
+    return _render(request, "job.html", title=f"{task_id} · {dag_id}", page="job", job=job,
+                   ti=ti, user_name=user_name(user),
+                   json_url=f"{_prefix(request)}/api"
+                            + job_path(dag_id, run_id, task_id, index_)[len(PLUGIN_PREFIX):])
+
+
+@app.get("/api/capacity")
+async def api_capacity(user: UserDep, conn: Annotated[list[str] | None, Query()] = None,
+                       refresh: bool = False) -> JSONResponse:
+    return JSONResponse(await capacity_for(user, requested_connections(conn), refresh))
+
+
+@app.get("/capacity", response_class=HTMLResponse)
+async def capacity_page(request: Request, user: UserDep,
+                        conn: Annotated[list[str] | None, Query()] = None,
+                        refresh: bool = False) -> HTMLResponse:
+    conns = requested_connections(conn)
+    data = await capacity_for(user, conns, refresh) if conns else None
+    groups: list[dict[str, Any]] = []
+    for row in (data or {}).get("rows", []):
+        if not groups or groups[-1]["connection"] != row.get("connection"):
+            groups.append({"connection": row.get("connection"), "rows": [], "free": 0,
+                           "total": 0, "errors": 0})
+        group = groups[-1]
+        group["rows"].append(row)
+        group["free"] += int(row.get("free") or 0) if row.get("accelerator") else 0
+        group["total"] += int(row.get("total") or 0) if row.get("accelerator") else 0
+        group["errors"] += 1 if row.get("error") else 0
+    query = urlencode([("conn", c) for c in conn or []])
+    return _render(request, "capacity.html", title="SkyPilot capacity", page="capacity",
+                   data=data, groups=groups, conns=conns, explicit=bool(conn),
+                   query=query, user_name=user_name(user))
+
+
+ICON_SVG = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" fill="none" '
+    'stroke="#4f6bed" stroke-width="2" stroke-linecap="round" stroke-linejoin="round">'
+    '<path d="M3 17l6-6 4 4 8-8"/><path d="M14 7h7v7"/></svg>'
+)

@@ -1,0 +1,224 @@
+"""One operator run's state, typed: what travels through defer kwargs, the trigger and XCom.
+
+:class:`RunState` is the operator's memory across deferrals (attempt number, attempts so far,
+blocked places, failover and restart counters); :class:`Attempt` is one submitted job of it,
+the record that the result, the log messages and the UI all show. The operator builds and
+advances them, the trigger carries the state (opaque) and hands it back in its event, the sensor
+reports its job as an :class:`Attempt`, and the UI plugin reads attempts from XCom and from a
+deferred task's ``next_kwargs``.
+
+``to_dict`` gives plain JSON. ``from_dict`` takes any earlier shape: missing keys get their
+defaults and unknown keys are ignored, so state written by an older release (a task deferred
+across an upgrade, an old run's XCom) still loads. This module uses the standard library only:
+the UI plugin imports it in every Airflow process that loads plugins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from airflow_skypilot.backends.base import JobHandle, JobStatus, Offer
+
+#: the operator's XCom keys besides its return value: the job handle and the placement table
+XCOM_HANDLE = "skypilot_handle"
+XCOM_PLACEMENT = "skypilot_placement"
+#: one attempt as ``execute_complete``'s result lists it (README: ``attempts: [...]``)
+RESULT_ATTEMPT_FIELDS = ("connection", "location", "job_id", "state", "reason", "exit_code",
+                         "submitted_at", "started_at", "ended_at", "adopted")
+#: one attempt as the UI shows it (from the result, or from a deferred task's state)
+UI_ATTEMPT_FIELDS = ("connection", "location", "job_id", "job_name", "state", "reason",
+                     "exit_code", "submitted_at", "started_at", "ended_at", "adopted", "gpus",
+                     "price_per_hour", "infra_failure")
+
+
+def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A place that failed during this run: ``connection/location`` (``connection/*``: all)."""
+
+    place: str
+    reason: str
+    at: float = field(default_factory=time.time)
+
+    def covers(self, offer: Offer) -> bool:
+        """``conn/*`` covers the connection; ``conn/us-east-1/*`` every location under it."""
+        conn, _, loc = self.place.partition("/")
+        if conn != offer.connection:
+            return False
+        if loc.endswith("/*"):
+            return offer.location.startswith(loc[:-1])
+        return loc in ("*", offer.location)
+
+    def describe(self) -> str:
+        return f"blocked: {self.reason} at {time.strftime('%H:%M', time.gmtime(self.at))}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Blocked:
+        return cls(place=data["place"], reason=data.get("reason", ""),
+                   at=data.get("at") or time.time())
+
+
+@dataclass
+class Attempt:
+    """One submitted job of a run, from submission to its end."""
+
+    connection: str = ""
+    location: str = ""
+    infra: str = ""
+    backend: str = ""
+    job_id: str = ""
+    job_name: str = ""
+    state: str = "pending"  # a JobState value
+    reason: str = ""
+    exit_code: int | None = None
+    submitted_at: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    gpus: float = 0  # GPUs of the whole job (per node x nodes)
+    price_per_hour: float = 0.0
+    adopted: bool = False  # this try had submitted it before (a worker restart)
+    infra_failure: bool = False  # ended because the place failed, not the program
+
+    @property
+    def place(self) -> str:
+        """Where a failure is remembered (``placement.Offer.place_key``)."""
+        return f"{self.connection}/{self.location}"
+
+    @classmethod
+    def from_handle(cls, handle: JobHandle) -> Attempt:
+        return cls(connection=handle.connection, location=handle.location, infra=handle.infra,
+                   backend=handle.backend, job_id=handle.job_id, job_name=handle.job_name,
+                   submitted_at=handle.submitted_at,
+                   gpus=handle.gpus_per_node * handle.num_nodes,
+                   price_per_hour=handle.price_per_hour, adopted=handle.adopted)
+
+    def is_job(self, handle: JobHandle) -> bool:
+        return self.job_id == handle.job_id and self.connection == handle.connection
+
+    def close(self, status: JobStatus, now: float | None = None) -> None:
+        """Record how the job ended."""
+        self.state = status.state.value
+        self.reason = status.reason
+        self.exit_code = status.exit_code
+        self.started_at = status.started_at
+        self.ended_at = status.ended_at or (time.time() if now is None else now)
+        self.infra_failure = bool(status.state.infra_failure)
+
+    def hours(self, now: float | None = None) -> float:
+        """Wall-clock hours on the allocation (from the start, else from the submission)."""
+        start = self.started_at or self.submitted_at
+        if not start:
+            return 0.0
+        end = self.ended_at or (time.time() if now is None else now)
+        return max(0.0, (end - start) / 3600)
+
+    def describe(self) -> str:
+        return (f"{self.connection}/{self.location} job {self.job_id}: {self.state} "
+                f"{self.reason or ''}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "place": self.place}
+
+    def to_result(self) -> dict[str, Any]:
+        """This attempt as the operator's result lists it."""
+        data = self.to_dict()
+        return {k: data[k] for k in RESULT_ATTEMPT_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Attempt:
+        return cls(**_known(cls, data))
+
+    @staticmethod
+    def ui_view(data: Mapping[str, Any]) -> dict[str, Any]:
+        """An attempt as the UI shows it, from any shape XCom holds (absent fields: None)."""
+        return {k: data.get(k) for k in UI_ATTEMPT_FIELDS}
+
+
+@dataclass
+class RunState:
+    """Where a run stands between deferrals; the failover rule (``recovery``) advances it."""
+
+    prefix: str = ""  # job names of this try: ``{prefix}-a{attempt}``
+    task_env_id: str = ""  # SKYPILOT_TASK_ID: the same for every try and failover
+    attempt: int = 0  # number of the attempt being placed or watched
+    attempts: list[Attempt] = field(default_factory=list)
+    blocked: list[Blocked] = field(default_factory=list)
+    failovers: int = 0  # placements again after infrastructure failures
+    restarts: int = 0  # restarts counted against max_restarts_on_errors
+    code_restarts: int = 0  # restarts for recover_on_exit_codes
+    prefer: str | None = None  # the place to try first on the next placement
+    log_offset: int = 0  # bytes of the current job's log already shown
+    started_at: float = field(default_factory=time.time)
+    waiting_since: float | None = None  # first time nothing could take the job
+    last_plan: str = ""  # the summary of the last placement that chose nothing
+
+    @property
+    def job_name(self) -> str:
+        """The deterministic name of the attempt being placed."""
+        return f"{self.prefix}-a{self.attempt}"
+
+    def record(self, handle: JobHandle) -> Attempt:
+        """A job was submitted (or adopted): a new attempt, its log read from the start."""
+        attempt = Attempt.from_handle(handle)
+        self.attempts.append(attempt)
+        self.log_offset = 0
+        return attempt
+
+    def close(self, handle: JobHandle, status: JobStatus, now: float | None = None) -> Attempt:
+        """The job ended: its attempt (recorded now if this state never saw it), closed."""
+        attempt = next((a for a in reversed(self.attempts) if a.is_job(handle)), None)
+        if attempt is None:
+            attempt = self.record(handle)
+        attempt.close(status, now)
+        return attempt
+
+    def attempts_text(self) -> str:
+        return "\n".join(f"  attempt {i + 1}: {a.describe()}"
+                         for i, a in enumerate(self.attempts))
+
+    def result(self, final: Attempt, now: float | None = None) -> dict[str, Any]:
+        """The operator's return value (README): where it ran, every attempt, GPU-hours, cost."""
+        now = time.time() if now is None else now
+        gpu_hours = sum(a.hours(now) * (a.gpus or 0) for a in self.attempts)
+        cost = sum(a.hours(now) * (a.price_per_hour or 0) for a in self.attempts)
+        return {
+            "state": "succeeded",
+            "connection": final.connection,
+            "location": final.location,
+            "infra": final.infra,
+            "backend": final.backend,
+            "job_id": final.job_id,
+            "job_name": final.job_name,
+            "task_id": self.task_env_id,
+            "attempts": [a.to_result() for a in self.attempts],
+            "gpu_hours": round(gpu_hours, 6),
+            "cost": round(cost, 6),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["attempts"] = [a.to_dict() for a in self.attempts]
+        data["blocked"] = [b.to_dict() for b in self.blocked]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> RunState:
+        data = dict(data or {})
+        attempts: Sequence[Any] = data.pop("attempts", None) or []
+        blocked: Sequence[Any] = data.pop("blocked", None) or []
+        state = cls(**_known(cls, data))
+        state.attempts = [Attempt.from_dict(a) for a in attempts if isinstance(a, Mapping)]
+        state.blocked = [Blocked.from_dict(b) for b in blocked
+                         if isinstance(b, Mapping) and b.get("place")]
+        return state

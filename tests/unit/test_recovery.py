@@ -1,0 +1,117 @@
+"""The failover rule, directly: ``recovery.decide`` (pure) and ``recovery.record``."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_skypilot import recovery
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+from airflow_skypilot.recovery import AGAIN, FAIL, SUCCEED
+from airflow_skypilot.runstate import RunState
+
+
+def _handle(n: int, conn="c1", location="p") -> JobHandle:
+    return JobHandle(backend="fake", connection=conn, job_id=str(n), job_name=f"j-a{n}",
+                     location=location, infra="fake")
+
+
+def _ended(run: RunState, state: JobState, exit_code=None, reason="", conn="c1", location="p"):
+    handle = _handle(len(run.attempts) + 1, conn, location)
+    run.record(handle)
+    return run.close(handle, JobStatus(state, reason=reason, exit_code=exit_code), now=100.0)
+
+
+def _decide(run, ended, job_recovery=None, max_failovers=3, tail="Traceback: boom"):
+    before = run.to_dict()
+    verdict = recovery.decide(run, ended, job_recovery or {}, max_failovers, tail=tail, now=5.0)
+    assert run.to_dict() == before, "decide changes nothing"
+    return verdict
+
+
+def test_success():
+    run = RunState(prefix="x")
+    verdict = _decide(run, _ended(run, JobState.SUCCEEDED, exit_code=0))
+    assert verdict.action == SUCCEED and not verdict.cancel
+
+
+@pytest.mark.parametrize("state", [JobState.INFRA_FAILED, JobState.PREEMPTED, JobState.LOST])
+def test_infra_failure_blocks_the_place_and_cancels_the_old_copy(state):
+    run = RunState(prefix="x")
+    verdict = _decide(run, _ended(run, state, reason="node failure"))
+    assert verdict.action == AGAIN and verdict.cancel and verdict.counts_as == "failover"
+    assert verdict.block.place == "c1/p" and verdict.block.at == 5.0
+    assert "moving elsewhere (EAGER_NEXT_REGION)" in verdict.message
+    recovery.record(run, verdict)
+    assert (run.failovers, run.attempt, run.prefer) == (1, 1, None)
+    assert [b.place for b in run.blocked] == ["c1/p"]
+    assert run.job_name == "x-a1"
+
+
+def test_failover_strategy_prefers_the_same_place_once():
+    run = RunState(prefix="x")
+    job_recovery = {"strategy": "FAILOVER"}
+    first = _decide(run, _ended(run, JobState.PREEMPTED, reason="spot"), job_recovery)
+    assert first.prefer == "c1/p" and first.block is None
+    recovery.record(run, first)
+    second = _decide(run, _ended(run, JobState.PREEMPTED, reason="spot"), job_recovery)
+    assert second.block.place == "c1/p" and second.prefer is None
+    assert "again: moving elsewhere (FAILOVER)" in second.message
+
+
+def test_gives_up_after_max_failovers_with_every_attempt():
+    run = RunState(prefix="x")
+    recovery.record(run, _decide(run, _ended(run, JobState.LOST, reason="gone"),
+                                 max_failovers=1))
+    verdict = _decide(run, _ended(run, JobState.LOST, reason="gone again", conn="c2"),
+                      max_failovers=1)
+    assert verdict.action == FAIL and verdict.cancel
+    assert "lost to infrastructure failures 2 times; gave up (max_failovers=1)" in \
+        verdict.message
+    assert "attempt 1: c1/p job 1: lost gone" in verdict.message
+    assert "attempt 2: c2/p job 2: lost gone again" in verdict.message
+
+
+def test_user_failure_fails_with_the_log_tail():
+    run = RunState(prefix="x")
+    verdict = _decide(run, _ended(run, JobState.FAILED, exit_code=1, reason="exit code 1"))
+    assert verdict.action == FAIL and not verdict.cancel
+    assert verdict.message.startswith("job 1 on c1 failed: exit code 1; no restart on user")
+    assert verdict.message.endswith("Last lines of its log:\nTraceback: boom")
+
+
+def test_max_restarts_on_errors_counts_restarts():
+    run = RunState(prefix="x")
+    job_recovery = {"max_restarts_on_errors": 1}
+    verdict = _decide(run, _ended(run, JobState.FAILED, exit_code=1), job_recovery)
+    assert verdict.action == AGAIN and verdict.prefer == "c1/p" and not verdict.cancel
+    recovery.record(run, verdict)
+    assert (run.restarts, run.failovers, run.attempt) == (1, 0, 1)
+    verdict = _decide(run, _ended(run, JobState.FAILED, exit_code=1), job_recovery)
+    assert verdict.action == FAIL and "failed after 1 restart(s)" in verdict.message
+
+
+def test_recover_on_exit_codes_is_bounded_by_max_failovers():
+    run = RunState(prefix="x")
+    job_recovery = {"recover_on_exit_codes": [33]}
+    for _ in range(2):
+        verdict = _decide(run, _ended(run, JobState.FAILED, exit_code=33), job_recovery,
+                          max_failovers=2)
+        assert verdict.counts_as == "exit_code_restart"
+        recovery.record(run, verdict)
+    assert (run.code_restarts, run.restarts) == (2, 0)
+    verdict = _decide(run, _ended(run, JobState.FAILED, exit_code=33), job_recovery,
+                      max_failovers=2)
+    assert verdict.action == FAIL and "already restarted 2 times" in verdict.message
+
+
+def test_cancelled_outside_airflow_is_not_placed_again():
+    run = RunState(prefix="x")
+    verdict = _decide(run, _ended(run, JobState.CANCELLED, reason="scancel"), tail="")
+    assert verdict.action == FAIL and not verdict.cancel
+    assert verdict.message.startswith("job 1 on c1 ended cancelled: scancel; not placed again")
+
+
+def test_only_a_verdict_to_place_again_is_recorded():
+    run = RunState(prefix="x")
+    with pytest.raises(ValueError):
+        recovery.record(run, recovery.Verdict(FAIL, "no"))

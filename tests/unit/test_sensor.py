@@ -1,0 +1,145 @@
+"""``SkyPilotJobSensor`` over the in-memory backend: deferred and poke mode, every outcome."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from airflow.sdk.exceptions import AirflowException, TaskDeferred
+
+from airflow_skypilot.backends import registry
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+from airflow_skypilot.sensors import SkyPilotJobSensor
+from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger
+from tests.fakes import FakeBackend
+
+LOG = "".join(f"step {i}\n" for i in range(100)) + "Traceback: boom\n"
+
+
+@pytest.fixture(autouse=True)
+def _fake():
+    registry.register_backend(FakeBackend)
+    FakeBackend.reset()
+    yield
+    FakeBackend.reset()
+
+
+@pytest.fixture
+def handle() -> JobHandle:
+    FakeBackend.jobs["1"] = {"name": "sky-x-a0", "conn": "c1", "env": {}, "location": "p",
+                             "status": JobStatus(JobState.RUNNING), "log": LOG}
+    return JobHandle(backend="fake", connection="c1", job_id="1", job_name="sky-x-a0",
+                     location="p", infra="fake/c1/p")
+
+
+def _end(state: JobState, reason: str = "", exit_code: int | None = None) -> JobStatus:
+    status = JobStatus(state, reason=reason, exit_code=exit_code, started_at=10.0, ended_at=70.0)
+    FakeBackend.jobs["1"]["status"] = status
+    return status
+
+
+def _sensor(handle, **kw) -> SkyPilotJobSensor:
+    return SkyPilotJobSensor(task_id="wait", handle=handle, **kw)
+
+
+def _event(handle: JobHandle, status: JobStatus, tail: str = "Traceback: boom") -> dict:
+    return {"status": "done", "handle": handle.to_dict(), "job_status": status.to_dict(),
+            "log_tail": tail, "log_offset": len(LOG)}
+
+
+# --- deferrable (the default) ------------------------------------------------------------------
+def test_defers_to_the_job_trigger_with_its_settings(handle):
+    sensor = _sensor(handle.to_dict(), poke_interval=3, max_unreachable=4, stream_logs=False,
+                     timeout=600)
+    assert sensor.deferrable is True
+    with pytest.raises(TaskDeferred) as info:
+        sensor.execute({})
+    deferred = info.value
+    assert isinstance(deferred.trigger, SkyPilotJobTrigger)
+    assert deferred.method_name == "execute_complete" and deferred.timeout == 600
+    trigger = deferred.trigger
+    assert JobHandle.from_dict(trigger.handle) == handle
+    assert (trigger.poll_interval, trigger.max_unreachable, trigger.stream_logs) == (3, 4, False)
+    assert trigger.state is None  # the sensor places nothing: no run state to carry
+
+
+@pytest.mark.parametrize("rendered", ["json", "python"])
+def test_a_rendered_handle_text_is_read(handle, rendered):
+    # `{{ ti.xcom_pull(...) }}` renders a dict as JSON or, without native rendering, as repr
+    text = json.dumps(handle.to_dict()) if rendered == "json" else repr(handle.to_dict())
+    with pytest.raises(TaskDeferred) as info:
+        _sensor(text).execute({})
+    assert info.value.trigger.handle["job_id"] == "1"
+
+
+def test_something_that_is_not_a_handle_fails(handle):
+    with pytest.raises(AirflowException, match="must be a SkyPilot job handle"):
+        _sensor({"connection": "c1"}).execute({})
+
+
+def test_success_event_returns_the_result(handle):
+    status = _end(JobState.SUCCEEDED, exit_code=0)
+    result = _sensor(handle.to_dict()).execute_complete({}, _event(handle, status))
+    assert result == {"state": "succeeded", "connection": "c1", "location": "p", "job_id": "1",
+                      "started_at": 10.0, "ended_at": 70.0}
+
+
+def test_user_failure_event_raises_with_the_log_tail(handle):
+    status = _end(JobState.FAILED, reason="exit code 3", exit_code=3)
+    with pytest.raises(AirflowException) as info:
+        _sensor(handle.to_dict()).execute_complete({}, _event(handle, status))
+    assert "job 1 on c1 ended: failed: exit code 3" in str(info.value)
+    assert str(info.value).endswith("Last lines of its log:\nTraceback: boom")
+
+
+def test_infra_failure_event_raises_and_is_not_placed_again(handle):
+    status = _end(JobState.PREEMPTED, reason="spot reclaimed")
+    with pytest.raises(AirflowException, match="infrastructure failure: spot reclaimed"):
+        _sensor(handle.to_dict()).execute_complete({}, _event(handle, status))
+    assert len(FakeBackend.jobs) == 1
+
+
+@pytest.mark.parametrize("event", [None, {"status": "error", "message": "cannot watch"}])
+def test_an_error_event_fails(handle, event):
+    with pytest.raises(AirflowException, match="watching the job failed"):
+        _sensor(handle.to_dict()).execute_complete({}, event)
+
+
+# --- poke mode ---------------------------------------------------------------------------------
+def test_poke_is_not_done_while_the_job_runs(handle):
+    assert _sensor(handle.to_dict(), deferrable=False).poke({}) is False
+
+
+def test_poke_mode_returns_the_result_as_the_deferred_sensor_does(handle):
+    _end(JobState.SUCCEEDED, exit_code=0)
+    sensor = _sensor(handle.to_dict(), deferrable=False, poke_interval=0.01, timeout=5)
+    done = sensor.poke({})
+    assert done.is_done and done.xcom_value["state"] == "succeeded"
+    assert sensor.execute({}) == done.xcom_value  # what XCom gets
+
+
+def test_poke_mode_user_failure_raises_with_the_log_tail(handle):
+    _end(JobState.FAILED, reason="exit code 3", exit_code=3)
+    with pytest.raises(AirflowException) as info:
+        _sensor(handle.to_dict(), deferrable=False).poke({})
+    message = str(info.value)
+    assert "ended: failed: exit code 3" in message and message.endswith("Traceback: boom")
+    assert "step 58" not in message and "step 61" in message  # the last 40 lines
+
+
+def test_poke_mode_unreachable_n_times_in_a_row_fails(handle):
+    FakeBackend.down = {"c1"}
+    sensor = _sensor(handle.to_dict(), deferrable=False, max_unreachable=3)
+    assert [sensor.poke({}) for _ in range(2)] == [False, False]
+    with pytest.raises(AirflowException, match="infrastructure failure: unreachable: .*down"):
+        sensor.poke({})
+
+
+def test_poke_mode_a_poll_that_answers_resets_the_count(handle):
+    sensor = _sensor(handle.to_dict(), deferrable=False, max_unreachable=2)
+    FakeBackend.down = {"c1"}
+    assert sensor.poke({}) is False
+    FakeBackend.down = set()
+    assert sensor.poke({}) is False  # answered: running
+    FakeBackend.down = {"c1"}
+    assert sensor.poke({}) is False  # the first failure again, not the second
