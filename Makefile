@@ -40,6 +40,9 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test]" -c .ci/constraints.txt
+	@# the build's egg-info next to the sources would make tests that put the checkout on
+	@# PYTHONPATH see the provider's entry points twice ("Plugin already registered")
+	@rm -rf airflow_skypilot.egg-info
 	@rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 venv: $(STAMP)
