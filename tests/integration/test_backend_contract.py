@@ -98,6 +98,14 @@ def _until(check: Callable[[], T], timeout: float, what: str) -> T:
         time.sleep(0.3)
 
 
+def _until_none(left: Callable[[], list[str]], timeout: float, what: str) -> None:
+    """Wait until ``left()`` is empty; else fail showing what is still there."""
+    deadline = time.monotonic() + timeout
+    while remaining := left():
+        assert time.monotonic() < deadline, f"{what}: still there after {timeout}s: {remaining}"
+        time.sleep(0.3)
+
+
 def _async(backend: Backend, call: Callable[[], Awaitable[T]]) -> T:
     """Run ``call`` as the triggerer does: aprepare first, aclose (when there is one) after."""
     async def main() -> T:
@@ -240,7 +248,7 @@ def test_cancel_stops_everything_and_is_safe_twice(target):
     assert target.secret_store(handle)
     backend.cancel(handle)
     # cancel releases everything the job holds, its secrets too (no cleanup call needed)
-    _until(lambda: not target.leftovers(handle, task_id), 30, "nothing of the job is left")
+    _until_none(lambda: target.leftovers(handle, task_id), 30, "what the job held")
     status = _wait(target, backend, handle)
     backend.cancel(handle)  # twice, and from another process: no error
     target.backend().cancel(handle)
@@ -342,7 +350,7 @@ def test_cleanup_removes_what_the_job_left_and_is_safe_twice(target):
     assert target.secret_store(handle), "the secret is stored while the job may run"
     assert _wait(target, backend, handle).state == JobState.SUCCEEDED
     backend.cleanup(handle)
-    _until(lambda: not target.leftovers(handle, task_id), 30, "nothing of the job is left")
+    _until_none(lambda: target.leftovers(handle, task_id), 30, "what the job held")
     backend.cleanup(handle)  # twice, and from another process
     target.backend().cleanup(handle)
     assert target.leftovers(handle, task_id) == []
@@ -383,12 +391,12 @@ def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):
 
 
 def test_secret_reaches_the_job_but_is_never_in_clear(target, caplog):
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.INFO)  # what a task log shows (DEBUG adds this test's own calls)
     token = f"ct-secret-{uuid.uuid4().hex[:12]}"
     secret = f"{token} with 'quotes' \"dq\" $(echo subst) `tick`\nsecond line"
     digest = hashlib.sha256(secret.encode()).hexdigest()
     backend = target.backend()
-    task = _task(target, 'printf %s "$API_TOKEN" | sha256sum; sleep 3',
+    task = _task(target, 'printf %s "$API_TOKEN" | sha256sum; echo "leak:$API_TOKEN:end"; sleep 3',
                  secrets={"API_TOKEN": secret})
     handle, _ = _submit(target, backend, task)
     assert target.secret_store(handle)
@@ -397,6 +405,7 @@ def test_secret_reaches_the_job_but_is_never_in_clear(target, caplog):
     log, _ = backend.read_log(handle)
     assert status.state == JobState.SUCCEEDED, (status, log)
     assert digest in log, "the job saw the secret's exact bytes"
+    assert "leak:***" in log, "a secret the job prints itself is masked in its log"
     after = target.stored_texts(handle)
     assert any("sha256sum" in text for text in after.values()), \
         "the stored texts include the job's own script (else this test sees nothing)"
