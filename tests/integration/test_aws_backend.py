@@ -232,18 +232,6 @@ def test_two_node_job_gets_ranks_and_both_ips(box):
     backend.cleanup(handle)
 
 
-def test_exit_code_3_is_a_user_failure(box):
-    backend = AwsBackend(CONN)
-    task = load_task({"run": "echo failing; exit 3", "resources": {"cpus": "2+"}})
-    handle = backend.submit(task, _offer(backend, task), _name("fail"), {})
-    assert handle.extra["instance_type"] == "m6i.large"
-    status = _wait(backend, handle)
-    assert status.state == JobState.FAILED and status.exit_code == 3
-    assert status.reason == "exit code 3" and not status.state.infra_failure
-    assert "failing" in backend.read_log(handle)[0]
-    backend.cleanup(handle)
-
-
 def test_capacity_error_in_one_az_moves_to_the_next(box):
     box.fail_capacity("g5.xlarge", "us-east-1a")
     backend = AwsBackend(CONN)
@@ -300,41 +288,6 @@ def test_spot_interruption_is_preempted(box):
     final = _wait(backend, handle, DONE, timeout=30)
     assert final.state.infra_failure
     assert _instances(box, handle.job_name)[0]["State"]["Name"] == "terminated"
-
-
-def test_cancel_terminates_and_is_safe_twice(box):
-    backend = AwsBackend(CONN)
-    task = load_task({"run": "sleep 300", "resources": {"accelerators": "A10G:1"},
-                      "secrets": {"TOKEN": "x"}})
-    handle = backend.submit(task, _offer(backend, task), _name("cancel"), {})
-    _wait(backend, handle, {JobState.RUNNING})
-    backend.cancel(handle)
-    assert [i["State"]["Name"] for i in _instances(box, handle.job_name)] == ["terminated"]
-    status = backend.status([handle])[handle.job_id]
-    assert status.state == JobState.CANCELLED
-    backend.cancel(handle)
-    backend.cleanup(handle)
-    ssm = _client(box, "ssm")
-    path = f"/airflow-skypilot/{handle.job_name}"
-    assert ssm.get_parameters_by_path(Path=path)["Parameters"] == []
-
-
-def test_submit_twice_with_one_name_launches_once(box):
-    backend = AwsBackend(CONN)
-    task = load_task({"num_nodes": 2, "run": "sleep 300",
-                      "resources": {"accelerators": "A10G:1"}})
-    offer = _offer(backend, task)
-    name = _name("twice")
-    first = backend.submit(task, offer, name, {})
-    again = AwsBackend(CONN).submit(task, offer, name, {})  # a restarted worker
-    assert again.adopted and not first.adopted
-    assert again.extra["instance_ids"] == first.extra["instance_ids"]
-    assert len(_instances(box, name)) == 2
-    found = AwsBackend(CONN).find(name)
-    assert found is not None and found.adopted and found.location == first.location
-    assert AwsBackend(CONN).find(_name("never")) is None
-    backend.cancel(again)
-    assert {i["State"]["Name"] for i in _instances(box, name)} == {"terminated"}
 
 
 def test_secrets_reach_the_job_but_not_user_data_and_are_deleted(box):

@@ -254,16 +254,6 @@ def test_log_read_in_chunks_adds_up_to_the_whole_log(k8s, monkeypatch):
     assert offset == len(whole.encode())
 
 
-def test_exit_code_is_a_user_failure(k8s):
-    backend = KubernetesBackend("k8s_sandbox")
-    handle = _submit(backend, {"run": "echo about to fail; exit 3"})
-    status = _terminal(backend, handle, use_poll=True)
-    assert (status.state, status.exit_code) == (JobState.FAILED, 3)
-    assert not status.state.infra_failure
-    text, _ = asyncio.run(backend.read_log_async(handle))
-    assert "about to fail" in text
-
-
 def test_eviction_is_an_infrastructure_failure(k8s, kube):
     backend = KubernetesBackend("k8s_sandbox")
     handle = _submit(backend, {"run": "echo started; sleep 60"})
@@ -348,22 +338,6 @@ def test_cancel_removes_job_pods_service_secret_and_configmap(k8s, kube):
     assert not any(p["pod"].startswith(name) for p in k8s.processes())
     backend.cancel(handle)  # safe twice
     assert backend.status([handle])[handle.job_id].state == JobState.LOST
-
-
-def test_submit_twice_with_one_name_adopts(k8s, kube):
-    backend = KubernetesBackend("k8s_sandbox")
-    name = _name("twice")
-    first = _submit(backend, {"run": "sleep 5"}, name=name)
-    second = _submit(KubernetesBackend("k8s_sandbox"), {"run": "sleep 5"}, name=name)
-    assert not first.adopted and second.adopted
-    assert second.job_id == first.job_id and second.extra["uid"] == first.extra["uid"]
-    jobs = client.BatchV1Api(kube).list_namespaced_job(
-        NS, label_selector=f"{names.LABEL_JOB}={name}").items
-    assert len(jobs) == 1
-    found = backend.find(name)
-    assert found is not None and found.adopted and found.extra["uid"] == first.extra["uid"]
-    assert backend.find("no-such-job") is None
-    backend.cancel(first)
 
 
 def test_a_submission_cut_short_is_finished_on_adoption(k8s, kube):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shlex
 import time
@@ -177,17 +176,6 @@ def test_secrets_are_never_in_clear_in_the_script_or_a_readable_file(slurm):
     assert gone.returncode != 0, "secrets.sh must be removed when the job ends"
 
 
-def test_exit_code_3_is_a_user_failure_with_code_3(slurm):
-    beta = SlurmBackend("slurm_beta")
-    task = _task("echo about to fail; exit 3")
-    handle = _submit(beta, task, "sky-test-exit3")
-    status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
-    assert status.state == JobState.FAILED
-    assert status.exit_code == 3
-    assert status.raw_state == "FAILED"
-    assert "about to fail" in _log(beta, handle)
-
-
 def test_setup_failure_skips_run_and_fails(slurm):
     beta = SlurmBackend("slurm_beta")
     task = load_task({"setup": "exit 7", "run": "echo should-not-run"})
@@ -209,17 +197,6 @@ def test_killing_the_slurmd_under_a_job_is_an_infra_failure(slurm):
     assert status.state == JobState.INFRA_FAILED, status
     assert status.state.infra_failure
     assert status.raw_state == "NODE_FAIL"
-
-
-def test_scancel_is_cancelled(slurm):
-    beta = SlurmBackend("slurm_beta")
-    task = _task("sleep 300")
-    handle = _submit(beta, task, "sky-test-cancel")
-    _wait(beta, handle, {JobState.RUNNING})
-    beta.cancel(handle)
-    status = _wait(beta, handle, {JobState.CANCELLED})
-    assert status.state == JobState.CANCELLED
-    beta.cancel(handle)  # twice is fine
 
 
 def test_too_many_gpus_is_explained_and_nothing_submitted(slurm):
@@ -269,34 +246,6 @@ def test_unreachable_login_node_is_reported_and_the_others_answer(slurm):
         slurm.start_sshd("alpha")
 
 
-def test_submitting_twice_with_one_name_gives_one_job(slurm):
-    beta = SlurmBackend("slurm_beta")
-    task = _task("sleep 30")
-    offer = _offer(beta, task)
-    name = _name("sky-test-twice")
-    first = beta.submit(task, offer, name, {"SKYPILOT_TASK_ID": "t"})
-    second = SlurmBackend("slurm_beta").submit(task, offer, name, {"SKYPILOT_TASK_ID": "t"})
-    assert second.job_id == first.job_id and second.adopted and not first.adopted
-    found = beta.find(name)
-    assert found is not None and found.job_id == first.job_id
-    names = slurm.run("beta", "squeue", "-h", "-t", "all", "-o", "%j").stdout.split()
-    assert names.count(name) == 1
-    assert beta.find("sky-never-submitted") is None
-
-
-def test_status_of_many_jobs_is_one_command(slurm):
-    beta = SlurmBackend("slurm_beta")
-    task = _task("sleep 60")
-    offer = _offer(beta, task)
-    handles = [beta.submit(task, offer, _name(f"sky-test-many-{i}"), {"SKYPILOT_TASK_ID": "t"})
-               for i in range(5)]
-    slurm.clear_commands_log("beta")
-    statuses = asyncio.run(beta.poll(handles))
-    assert set(statuses) == {h.job_id for h in handles}
-    assert all(s.state in (JobState.PENDING, JobState.RUNNING) for s in statuses.values())
-    assert len(slurm.commands_log("beta")) == 1
-
-
 def test_finished_job_that_left_the_queue_is_judged_by_its_exit_file(slurm):
     beta = SlurmBackend("slurm_beta")
     task = _task("exit 4")
@@ -323,19 +272,6 @@ def test_workdir_is_copied_over_sftp(slurm, tmp_path):
     log = _log(beta, handle)
     assert status.state == JobState.SUCCEEDED, log
     assert "from workdir" in log and ".git" not in log
-
-
-def test_log_reads_from_an_offset(slurm):
-    beta = SlurmBackend("slurm_beta")
-    task = _task("for i in 1 2 3; do echo line-$i; done")
-    handle = _submit(beta, task, "sky-test-log")
-    _wait(beta, handle, {JobState.SUCCEEDED})
-    text, offset = beta.read_log(handle, 0)
-    assert "line-3" in text and offset == len(text.encode())
-    rest, offset2 = beta.read_log(handle, offset)
-    assert rest == "" and offset2 == offset
-    tail, _ = asyncio.run(beta.read_log_async(handle, text.encode().index(b"line-2")))
-    assert tail.startswith("line-2")
 
 
 def test_cli_show_gpus_and_plan(slurm, capsys, tmp_path):

@@ -1,0 +1,408 @@
+"""The backends the contract suite (test_backend_contract.py) runs against, one target each.
+
+The suite talks to a backend only through the :class:`~airflow_skypilot.backends.base.Backend`
+protocol. What the protocol cannot say (how many requests a poll made, what is stored about a
+job outside its secret store, what still runs) a target observes on its sandbox. Adding a
+backend to the contract = one more :class:`Target` subclass in :data:`TARGETS`; the test
+functions stay as they are.
+
+A target may declare ``gaps``: contract points its backend does not meet yet, each with the
+reason (file:line). The suite checks the point anyway and expects it to fail (strictly: when the
+backend is fixed, the test fails until the gap is removed here).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import gzip
+import io
+import json
+import os
+import re
+import tarfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from airflow_skypilot.backends.base import Backend, JobHandle
+from airflow_skypilot.backends.registry import backend_for_connection
+from tests.conftest import use_connections
+
+# --- helpers shared by the targets -------------------------------------------------------------
+
+_B64_RUN = re.compile(r"(?:[A-Za-z0-9+/]{4}\n?){8,}(?:[A-Za-z0-9+/]{2,3}={0,2})?")
+
+
+def unpacked(name: str, data: bytes | str, depth: int = 0) -> dict[str, str]:
+    """``data`` as text, plus the text of everything packed inside it (gzip, tar, base64 runs):
+    a secret in an embedded base64 ``tar.gz`` is still found by a substring test."""
+    raw = data.encode() if isinstance(data, str) else data
+    out: dict[str, str] = {}
+    if depth > 4:
+        return {name: raw.decode("utf-8", "replace")}
+    if raw[:2] == b"\x1f\x8b":
+        with contextlib.suppress(OSError, EOFError):
+            return unpacked(f"{name}|gunzip", gzip.decompress(raw), depth + 1)
+    if len(raw) > 262 and raw[257:262] == b"ustar":
+        with contextlib.suppress(tarfile.TarError), \
+                tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+            for member in tar.getmembers():
+                fh = tar.extractfile(member) if member.isfile() else None
+                if fh is not None:
+                    out.update(unpacked(f"{name}|{member.name}", fh.read(), depth + 1))
+            return out
+    text = raw.decode("utf-8", "replace")
+    out[name] = text
+    for i, match in enumerate(_B64_RUN.finditer(text)):
+        blob = re.sub(r"\s+", "", match.group(0))
+        with contextlib.suppress(binascii.Error, ValueError):
+            decoded = base64.b64decode(blob + "=" * (-len(blob) % 4))
+            if decoded[:2] == b"\x1f\x8b" or decoded[257:262] == b"ustar":
+                out.update(unpacked(f"{name}|b64#{i}", decoded, depth + 1))
+            else:
+                with contextlib.suppress(UnicodeDecodeError):
+                    out[f"{name}|b64#{i}"] = decoded.decode("utf-8")
+    return out
+
+
+def processes_with_env(key: str, value: str) -> list[str]:
+    """Local processes whose environment has ``key=value`` (every sandbox runs its jobs as
+    processes on this machine; a job's processes inherit ``SKYPILOT_TASK_ID``)."""
+    needle = f"{key}={value}".encode() + b"\0"
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            env = (proc / "environ").read_bytes()
+            if needle in b"\0" + env or env.startswith(needle):
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(f"pid {proc.name}: {cmd.strip()}")
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+# --- the target protocol --------------------------------------------------------------------
+
+
+class Target(ABC):
+    """One backend on its sandbox, as the contract suite sees it."""
+
+    #: the pytest id (``-k slurm``)
+    id: ClassVar[str]
+    #: the tests/conftest.py fixture that gives a clean sandbox with its connections set
+    fixture: ClassVar[str]
+    #: the Airflow connection the suite's backend uses
+    conn_id: ClassVar[str]
+    #: a GPU type with at least 2 nodes of at least 1 free GPU on a clean sandbox
+    accelerator: ClassVar[str]
+    #: candidate resources (a task's ``resources``) for a plain CPU job
+    cpu_resources: ClassVar[dict[str, Any]] = {}
+    #: seconds a short job may take from submit to its end on this sandbox
+    job_timeout: ClassVar[float] = 60.0
+    #: most requests one status poll of any number of jobs may make (the batched query)
+    max_status_queries: ClassVar[int] = 1
+    #: contract points not met yet: name -> why (file:line); see the module docstring
+    gaps: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, box: Any, monkeypatch: pytest.MonkeyPatch):
+        self.box = box
+        self.monkeypatch = monkeypatch
+        #: (handle, SKYPILOT_TASK_ID) of every job a test submitted: cancelled after it
+        self.submitted: list[tuple[JobHandle, str]] = []
+
+    def connect(self) -> None:
+        """Adjust the connection for fast tests (after the fixture has set it)."""
+        return None
+
+    def backend(self) -> Backend:
+        """A fresh backend on the target's connection, as a worker or triggerer makes one."""
+        return backend_for_connection(self.conn_id)
+
+    # --- what the protocol cannot tell --------------------------------------------------------
+    @abstractmethod
+    def reset_requests(self) -> None:
+        """Zero the request counters."""
+
+    @abstractmethod
+    def status_queries(self) -> int:
+        """Requests since :meth:`reset_requests` that asked the backend for job states."""
+
+    @abstractmethod
+    def all_requests(self) -> int:
+        """Every request since :meth:`reset_requests` (status, logs, markers, ...)."""
+
+    @abstractmethod
+    def submissions(self, job_name: str) -> int:
+        """How many jobs the backend holds under ``job_name`` (submitted, in any state)."""
+
+    @abstractmethod
+    def running(self, handle: JobHandle, task_id: str) -> list[str]:
+        """What of the job still runs or holds resources (empty: nothing)."""
+
+    @abstractmethod
+    def secret_store(self, handle: JobHandle) -> list[str]:
+        """Where the job's secrets are still stored (empty: nowhere)."""
+
+    @abstractmethod
+    def stored_texts(self, handle: JobHandle) -> dict[str, str]:
+        """Everything stored about the job outside its secret store (name -> text, unpacked
+        with :func:`unpacked`), where a secret value must never appear."""
+
+    def rank_outputs(self, backend: Backend, handle: JobHandle) -> str:
+        """Output of the job's ranks that :meth:`Backend.read_log` does not show."""
+        return ""
+
+    def leftovers(self, handle: JobHandle, task_id: str) -> list[str]:
+        return self.secret_store(handle) + self.running(handle, task_id)
+
+
+# --- Slurm ------------------------------------------------------------------------------------
+
+
+class SlurmTarget(Target):
+    """Cluster alpha (partitions batch = a1, a2 and short = a2; 4 x A100 per node) over ssh."""
+
+    id = "slurm"
+    fixture = "slurm"
+    conn_id = "slurm_alpha"
+    cluster = "alpha"
+    accelerator = "A100"
+    max_status_queries = 1  # one ssh command
+
+    def reset_requests(self) -> None:
+        self.box.clear_commands_log(self.cluster)
+
+    def status_queries(self) -> int:
+        return len(self.box.commands_log(self.cluster))
+
+    all_requests = status_queries
+
+    def _squeue(self, *args: str) -> list[str]:
+        proc = self.box.run(self.cluster, "squeue", "-h", *args, check=False)
+        return proc.stdout.split()
+
+    def submissions(self, job_name: str) -> int:
+        return len(self._squeue("-t", "all", "-n", job_name, "-o", "%i"))
+
+    def running(self, handle: JobHandle, task_id: str) -> list[str]:
+        active = [f"squeue: {state}" for state in self._squeue(
+            "-j", handle.job_id, "-t", "PD,R,CG,CF,S,RQ,RS,SO,ST", "-o", "%T")]
+        return active + processes_with_env("SKYPILOT_TASK_ID", task_id)
+
+    def secret_store(self, handle: JobHandle) -> list[str]:
+        path = Path(handle.extra["job_dir"]) / "secrets.sh"
+        return [str(path)] if path.exists() else []
+
+    def stored_texts(self, handle: JobHandle) -> dict[str, str]:
+        job_dir = Path(handle.extra["job_dir"])
+        out: dict[str, str] = {}
+        for path in sorted(job_dir.rglob("*")):  # the login node is this machine; we are root
+            if path.is_file() and path.name != "secrets.sh":
+                out.update(unpacked(str(path), path.read_bytes()))
+        for name, argv in (("scontrol show job", ["scontrol", "show", "job", "-dd",
+                                                  handle.job_id]),
+                           ("batch script", ["scontrol", "write", "batch_script",
+                                             handle.job_id, "-"])):
+            out.update(unpacked(name, self.box.run(self.cluster, *argv, check=False).stdout))
+        out["ssh command lines"] = "\n".join(self.box.commands_log(self.cluster))
+        return out
+
+
+# --- Kubernetes -------------------------------------------------------------------------------
+
+
+class KubernetesTarget(Target):
+    """The kmock cluster (gpu-node-1, gpu-node-2 with 8 x A100 each, cpu-node-1)."""
+
+    id = "kubernetes"
+    fixture = "k8s"
+    conn_id = "k8s_sandbox"
+    accelerator = "A100"
+    max_status_queries = 3  # one Job list and one pod list per namespace, one node list
+    label = "skypilot.airflow/job-name"
+    gaps = {
+        "cancelled-state": (
+            "cancel deletes the Job (airflow_skypilot/backends/kubernetes.py:1125-1129 "
+            "_delete_all), and a Job that no longer exists reads LOST "
+            "(kubernetes.py:465-467), an infra failure: a cancelled job is not told from a "
+            "lost one, and a Job a user deletes (kubectl delete) reads LOST, which the "
+            "operator fails over (operators/skypilot.py:400) where it means not to fight a "
+            "user's cancel (operators/skypilot.py:421)"),
+    }
+
+    def connect(self) -> None:
+        from kubernetes import client, config
+
+        self.api = config.new_client_from_config(config_file=str(self.box.kubeconfig),
+                                                 context="sandbox")
+        self.core = client.CoreV1Api(self.api)
+        self.batch = client.BatchV1Api(self.api)
+
+    def reset_requests(self) -> None:
+        self.box.reset_requests()
+
+    def status_queries(self) -> int:
+        return len(self.box.requests())
+
+    all_requests = status_queries
+
+    def _ns(self, handle: JobHandle) -> str:
+        return handle.extra.get("namespace") or "default"
+
+    def submissions(self, job_name: str) -> int:
+        jobs = self.batch.list_namespaced_job("default").items
+        return sum((j.metadata.labels or {}).get(self.label) == job_name
+                   or j.metadata.name == job_name for j in jobs)
+
+    def running(self, handle: JobHandle, task_id: str) -> list[str]:
+        pods = [f"pod process {p['pod']} (pid {p['pid']})" for p in self.box.processes()
+                if p["pod"].startswith(handle.job_name)]
+        return pods + processes_with_env("SKYPILOT_TASK_ID", task_id)
+
+    def secret_store(self, handle: JobHandle) -> list[str]:
+        return [f"Secret {s.metadata.name}" for s in
+                self.core.list_namespaced_secret(self._ns(handle)).items
+                if s.metadata.name.startswith(handle.job_name)]
+
+    def stored_texts(self, handle: JobHandle) -> dict[str, str]:
+        ns = self._ns(handle)
+        out: dict[str, str] = {}
+        for kind, items in (
+            ("Job", self.batch.list_namespaced_job(ns).items),
+            ("Pod", self.core.list_namespaced_pod(ns).items),
+            ("ConfigMap", self.core.list_namespaced_config_map(ns).items),
+            ("Service", self.core.list_namespaced_service(ns).items),
+            ("Event", self.core.list_namespaced_event(ns).items),
+        ):
+            for obj in items:
+                text = json.dumps(self.api.sanitize_for_serialization(obj), indent=1)
+                out.update(unpacked(f"{kind} {obj.metadata.name}", text))
+                for key, value in ((getattr(obj, "data", None) or {}).items()
+                                   if kind == "ConfigMap" else ()):
+                    out.update(unpacked(f"{kind} {obj.metadata.name} {key}", value))
+        return out
+
+
+# --- AWS --------------------------------------------------------------------------------------
+
+
+class AwsTarget(Target):
+    """moto over HTTP with instances whose user-data runs here (us-east-1, us-west-2)."""
+
+    id = "aws"
+    fixture = "aws"
+    conn_id = "aws_sandbox"
+    accelerator = "A10G"
+    cpu_resources = {"cpus": "2+"}
+    job_timeout = 90.0
+    max_status_queries = 1  # one DescribeInstances per region
+    tag = "skypilot-airflow:job-name"
+    gaps = {
+        "log-all-ranks": (
+            "read_log/read_log_async read rank 0's log only (airflow_skypilot/backends/"
+            "aws.py:1703-1722 _log_key/read_log: <prefix>rank-0/log); the other ranks' output "
+            "is in S3 (rank-N/log) but never reaches the task log"),
+        "requests-per-job": (
+            "poll lists the S3 markers of every job with a started instance, one "
+            "ListObjectsV2 each (airflow_skypilot/backends/aws.py:1600-1624, markers_of; "
+            "status: aws.py:1626-1640): a poll of N running jobs makes 1 + N requests"),
+    }
+
+    def connect(self) -> None:
+        import boto3
+
+        from tests.sandbox.aws.config import ACCESS_KEY_ID, BUCKET, SECRET_ACCESS_KEY
+
+        conn = self.box.connections()[self.conn_id]
+        conn["extra"] = {**conn["extra"], "log_interval": 1, "spot_check_interval": 1}
+        use_connections(self.monkeypatch, {self.conn_id: conn})
+        self.bucket = BUCKET
+        session = boto3.session.Session()
+        self._client = lambda service, region="us-east-1": session.client(
+            service, region_name=region, endpoint_url=self.box.endpoint_url(),
+            aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key=SECRET_ACCESS_KEY)
+
+    def reset_requests(self) -> None:
+        self.box.reset_requests()
+
+    def _count(self, action: str | None = None) -> int:
+        return sum(r["count"] for r in self.box.requests() if r["caller"] == "client"
+                   and (action is None or r["action"] == action))
+
+    def status_queries(self) -> int:
+        return self._count("DescribeInstances")
+
+    def all_requests(self) -> int:
+        return self._count()
+
+    def _instances(self, handle_or_name: JobHandle | str) -> list[dict]:
+        name = getattr(handle_or_name, "job_name", handle_or_name)
+        region = getattr(handle_or_name, "extra", {}).get("region", "us-east-1")
+        pages = self._client("ec2", region).describe_instances(
+            Filters=[{"Name": f"tag:{self.tag}", "Values": [name]}])
+        return [{**i, "ReservationId": r["ReservationId"]} for r in pages["Reservations"]
+                for i in r["Instances"]]
+
+    def submissions(self, job_name: str) -> int:
+        return len({i["ReservationId"] for i in self._instances(job_name)})
+
+    def running(self, handle: JobHandle, task_id: str) -> list[str]:
+        ids = set(handle.extra.get("instance_ids", []))
+        alive = [f"instance {r['instance_id']} ({r['state']}, pids {r['pids']})"
+                 for r in self.box.running_instances() if r["instance_id"] in ids]
+        return alive + processes_with_env("SKYPILOT_TASK_ID", task_id)
+
+    def secret_store(self, handle: JobHandle) -> list[str]:
+        ssm = self._client("ssm", handle.extra.get("region", "us-east-1"))
+        params = ssm.get_parameters_by_path(Path=handle.extra["ssm_path"], Recursive=True)
+        return [f"SSM {p['Name']}" for p in params["Parameters"]]
+
+    def _objects(self, handle: JobHandle) -> list[str]:
+        listed = self._client("s3").list_objects_v2(Bucket=self.bucket,
+                                                    Prefix=handle.extra["prefix"])
+        return [o["Key"] for o in listed.get("Contents", [])]
+
+    def leftovers(self, handle: JobHandle, task_id: str) -> list[str]:
+        staged = [f"s3 {k}" for k in self._objects(handle) if k.endswith("payload.tgz")]
+        return super().leftovers(handle, task_id) + staged
+
+    def stored_texts(self, handle: JobHandle) -> dict[str, str]:
+        out: dict[str, str] = {}
+        ec2 = self._client("ec2", handle.extra.get("region", "us-east-1"))
+        for inst in self._instances(handle):
+            iid = inst["InstanceId"]
+            raw = ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
+            value = (raw.get("UserData") or {}).get("Value", "")
+            out.update(unpacked(f"{iid} user-data", base64.b64decode(value)))
+            out[f"{iid} tags"] = json.dumps(inst.get("Tags", []))
+        s3 = self._client("s3")
+        for key in self._objects(handle):
+            body = s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            out.update(unpacked(f"s3 {key}", body))
+        ids = set(handle.extra.get("instance_ids", []))
+        for inst in self.box.instances():  # what EC2's GetConsoleOutput would show
+            console = Path(inst.get("dir") or "/nonexistent") / "console.log"
+            if inst.get("instance_id") in ids and console.exists():
+                out[f"{inst['instance_id']} console"] = console.read_text(errors="replace")
+        return out
+
+    def rank_outputs(self, backend: Backend, handle: JobHandle) -> str:
+        s3 = self._client("s3")
+        texts = []
+        for rank in range(1, handle.num_nodes):
+            key = f"{handle.extra['prefix']}rank-{rank}/log"
+            with contextlib.suppress(Exception):
+                texts.append(s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+                             .decode("utf-8", "replace"))
+        return "\n".join(texts)
+
+
+TARGETS: list[type[Target]] = [SlurmTarget, KubernetesTarget, AwsTarget]

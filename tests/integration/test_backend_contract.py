@@ -1,0 +1,417 @@
+"""The backend contract: every backend, on its sandbox, behaves the same through the protocol.
+
+Each test is written once against :class:`~airflow_skypilot.backends.base.Backend` and runs for
+every target in :data:`tests.integration.contract_targets.TARGETS` (``-k slurm``, ``-k aws``...).
+A target supplies the connection, the resources that land on its sandbox and the few
+observations the protocol cannot give (request counts, stored texts, what still runs). A new
+backend adds a target and must pass these tests unchanged.
+
+Contract points a backend does not meet yet are declared as gaps on its target, checked last in
+the test that covers them, and expected to fail (strictly: fixing the backend fails the test
+until the gap is removed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from airflow_skypilot import placement
+from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus, Offer
+from airflow_skypilot.spec import load_task
+from tests.conftest import wait_for_job
+from tests.integration.contract_targets import TARGETS, Target
+
+pytestmark = pytest.mark.sandbox
+
+T = TypeVar("T")
+ACTIVE = {JobState.PENDING, JobState.RUNNING}
+TERMINAL = {s for s in JobState if s.terminal}
+
+
+@pytest.fixture(params=TARGETS, ids=[t.id for t in TARGETS])
+def target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
+    """A clean sandbox of one backend; after the test, every job it submitted is cancelled."""
+    box = request.getfixturevalue(request.param.fixture)
+    tgt = request.param(box, monkeypatch)
+    tgt.connect()
+    yield tgt
+    backend = tgt.backend()
+    for handle, _ in tgt.submitted:
+        try:
+            backend.cancel(handle)
+            backend.cleanup(handle)
+        except Exception as exc:  # the next test's sandbox reset stops it anyway
+            logging.getLogger(__name__).warning("could not stop %s: %s", handle.job_id, exc)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _name(word: str) -> str:
+    return f"ct-{word}-{uuid.uuid4().hex[:6]}"
+
+
+def _task(target: Target, run: str, gpus: int = 0, **fields: Any):
+    resources = {"accelerators": f"{target.accelerator}:{gpus}"} if gpus \
+        else dict(target.cpu_resources)
+    return load_task({"run": run, "resources": resources, **fields})
+
+
+def _offer(backend: Backend, task) -> Offer:
+    offers = backend.probe(task)
+    fitting = [o for o in offers if o.fits]
+    assert fitting, [o.reason for o in offers]
+    return placement.rank(fitting).chosen
+
+
+def _submit(target: Target, backend: Backend, task, name: str | None = None,
+            offer: Offer | None = None) -> tuple[JobHandle, str]:
+    """Submit ``task`` at the best offer; returns the handle and the job's SKYPILOT_TASK_ID."""
+    task_id = f"ct-task-{uuid.uuid4().hex[:10]}"
+    handle = backend.submit(task, offer or _offer(backend, task), name or _name("job"),
+                            {"SKYPILOT_TASK_ID": task_id})
+    target.submitted.append((handle, task_id))
+    return handle, task_id
+
+
+def _wait(target: Target, backend: Backend, handle: JobHandle, states=TERMINAL) -> JobStatus:
+    return wait_for_job(backend, handle, set(states), target.job_timeout)
+
+
+def _until(check: Callable[[], T], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result or time.monotonic() > deadline:
+            assert result, f"{what}: not within {timeout}s (last: {result!r})"
+            return result
+        time.sleep(0.3)
+
+
+def _until_none(left: Callable[[], list[str]], timeout: float, what: str) -> None:
+    """Wait until ``left()`` is empty; else fail showing what is still there."""
+    deadline = time.monotonic() + timeout
+    while remaining := left():
+        assert time.monotonic() < deadline, f"{what}: still there after {timeout}s: {remaining}"
+        time.sleep(0.3)
+
+
+def _async(backend: Backend, call: Callable[[], Awaitable[T]]) -> T:
+    """Run ``call`` as the triggerer does: aprepare first, aclose (when there is one) after."""
+    async def main() -> T:
+        await backend.aprepare()
+        try:
+            return await call()
+        finally:
+            close = getattr(backend, "aclose", None)
+            if close is not None:
+                await close()
+    return asyncio.run(main())
+
+
+def _meets(target: Target, gap: str, holds: bool, message: str) -> None:
+    """Assert a contract point; for a declared gap, expect it to fail (and fail if it holds)."""
+    if gap in target.gaps:
+        assert not holds, (f"{target.id} now meets {gap!r}: remove it from "
+                           f"{type(target).__name__}.gaps")
+        pytest.xfail(f"{target.id}: known gap {gap!r}: {target.gaps[gap]}")
+    assert holds, message
+
+
+def _roundtrip(handle: JobHandle) -> JobHandle:
+    return JobHandle.from_dict(json.loads(json.dumps(handle.to_dict())))
+
+
+# --- placement ----------------------------------------------------------------------------------
+
+
+def test_probe_gives_offers_of_the_contract_shape(target):
+    backend = target.backend()
+    task = load_task({"run": "true", "resources": {"accelerators": f"{target.accelerator}:1"}})
+    offers = backend.probe(task)
+    assert offers and all(isinstance(o, Offer) for o in offers)
+    for o in offers:
+        assert (o.connection, o.backend) == (target.conn_id, backend.name)
+        assert o.location and o.infra.split("/")[0] == backend.name, o.infra
+        assert o.request.accelerator == target.accelerator and o.request.accelerator_count == 1
+        assert o.num_nodes == 1 and o.gpus_per_node == 1
+        assert (o.accelerator or "").lower() == target.accelerator.lower()
+        assert o.fits or o.reason, o  # an offer that cannot fit says why
+        assert Offer.from_dict(json.loads(json.dumps(o.to_dict()))).to_dict() == o.to_dict()
+    free = [o for o in offers if o.free_now]
+    assert free, "a clean sandbox has a free place"
+    assert all(o.fits and o.wait_seconds == 0 for o in free)
+
+    two = load_task({"run": "true", "num_nodes": 2, "resources": dict(target.cpu_resources)})
+    offers = backend.probe(two)
+    assert any(o.free_now for o in offers) and all(o.num_nodes == 2 for o in offers)
+
+    never = load_task({"run": "true", "resources": {"accelerators": f"{target.accelerator}:64"}})
+    offers = backend.probe(never)
+    assert offers, "an impossible shape still gets an answer per location"
+    for o in offers:
+        assert not o.fits and not o.free_now
+        assert "64" in o.reason, o.reason
+
+
+def test_capacity_rows_have_the_show_gpus_shape(target):
+    rows = target.backend().capacity()
+    assert rows and all(r.connection == target.conn_id and r.location for r in rows)
+    mine = [r for r in rows if (r.accelerator or "").lower() == target.accelerator.lower()]
+    assert mine, [r.accelerator for r in rows]
+    assert all(r.free is None or r.free >= 1 for r in mine)  # a clean sandbox
+    for r in rows:
+        keys = set(json.loads(json.dumps(r.to_json())))
+        assert keys >= {"connection", "location", "accelerator", "total", "free", "pending",
+                        "price_per_hour"}
+
+
+# --- jobs ---------------------------------------------------------------------------------------
+
+
+def test_submit_gives_a_handle_that_survives_json_and_runs_to_success(target):
+    backend = target.backend()
+    task = _task(target, "echo started-ok; sleep 4; echo finished-ok")
+    offer = _offer(backend, task)
+    name = _name("ok")
+    handle, _ = _submit(target, backend, task, name, offer)
+    assert isinstance(handle, JobHandle) and not handle.adopted
+    assert (handle.backend, handle.connection, handle.job_name) == (backend.name,
+                                                                    target.conn_id, name)
+    assert handle.location == offer.location and handle.num_nodes == 1
+    assert handle.infra.split("/")[0] == backend.name and handle.key.startswith(target.conn_id)
+    same = _roundtrip(handle)  # it travels through XCom and the triggerer
+    assert same == handle
+    watcher = target.backend()  # another process: only the handle in hand
+    running = _wait(target, watcher, same, {JobState.RUNNING, *TERMINAL})
+    assert running.state == JobState.RUNNING, running
+    done = _wait(target, watcher, same)
+    text, _ = watcher.read_log(same)
+    assert done.state == JobState.SUCCEEDED, (done, text)
+    assert done.exit_code in (0, None) and not done.state.infra_failure
+    assert "started-ok" in text and "finished-ok" in text
+    again = _async(watcher, lambda: watcher.poll([same]))  # the triggerer's path agrees
+    assert set(again) == {same.job_id}
+    assert (again[same.job_id].state, again[same.job_id].exit_code) == (done.state,
+                                                                        done.exit_code)
+    assert JobStatus.from_dict(json.loads(json.dumps(done.to_dict()))) == done
+
+
+def test_find_and_a_second_submit_adopt_the_same_job(target):
+    backend = target.backend()
+    task = _task(target, "sleep 30")
+    offer = _offer(backend, task)
+    name = _name("twice")
+    first, _ = _submit(target, backend, task, name, offer)
+    found = target.backend().find(name)
+    assert found is not None and found.adopted
+    assert (found.job_id, found.job_name, found.connection) == (first.job_id, name,
+                                                                target.conn_id)
+    second, _ = _submit(target, target.backend(), task, name, offer)  # a restarted worker
+    assert second.adopted and not first.adopted
+    assert (second.job_id, second.key) == (first.job_id, first.key)
+    assert target.submissions(name) == 1
+    assert target.backend().find(_name("never")) is None
+    status = backend.status([second])[second.job_id]
+    assert status.state in ACTIVE, status
+
+
+def test_exit_code_3_is_a_user_failure_with_its_code(target):
+    backend = target.backend()
+    handle, _ = _submit(target, backend, _task(target, "echo about-to-fail; exit 3"))
+    status = _wait(target, backend, handle)
+    assert status.state == JobState.FAILED, status
+    assert status.exit_code == 3 and "3" in status.reason
+    assert not status.state.infra_failure
+    assert "about-to-fail" in backend.read_log(handle)[0]
+    again = _async(backend, lambda: backend.poll([handle]))[handle.job_id]
+    assert (again.state, again.exit_code) == (JobState.FAILED, 3)
+
+
+def test_cancel_stops_everything_and_is_safe_twice(target):
+    backend = target.backend()
+    task = _task(target, "echo cancel-me; sleep 120",
+                 secrets={"CT_TOKEN": f"tok-{uuid.uuid4().hex}"})
+    handle, task_id = _submit(target, backend, task)
+    _wait(target, backend, handle, {JobState.RUNNING})
+    _until(lambda: target.running(handle, task_id), 30, "the job's processes start")
+    assert target.secret_store(handle)
+    backend.cancel(handle)
+    # cancel releases everything the job holds, its secrets too (no cleanup call needed)
+    _until_none(lambda: target.leftovers(handle, task_id), 30, "what the job held")
+    status = _wait(target, backend, handle)
+    backend.cancel(handle)  # twice, and from another process: no error
+    target.backend().cancel(handle)
+    later = _async(backend, lambda: backend.poll([handle]))[handle.job_id]
+    assert later.state.terminal and target.leftovers(handle, task_id) == []
+    _meets(target, "cancelled-state",
+           status.state == JobState.CANCELLED and later.state == JobState.CANCELLED,
+           f"a cancelled job reads {status.state.value} ({status.reason}), then "
+           f"{later.state.value}")
+
+
+def test_status_of_many_jobs_is_one_batched_request(target):
+    backend = target.backend()
+    task = _task(target, "sleep 60")
+    offer = _offer(backend, task)
+    handles = [_submit(target, backend, task, _name(f"many{i}"), offer)[0] for i in range(5)]
+    for h in handles:
+        _wait(target, backend, h, {JobState.RUNNING})
+    poller = target.backend()
+    _async(poller, lambda: poller.poll(handles[:1]))  # connection set-up is not counted
+
+    def counted(call: Callable[[], dict[str, JobStatus]]) -> tuple[dict, int, int]:
+        target.reset_requests()
+        result = call()
+        return result, target.status_queries(), target.all_requests()
+
+    _, q1, all1 = counted(lambda: _async(poller, lambda: poller.poll(handles[:1])))
+    many, q5, all5 = counted(lambda: _async(poller, lambda: poller.poll(handles)))
+    assert set(many) == {h.job_id for h in handles}
+    assert {s.state for s in many.values()} == {JobState.RUNNING}
+    assert 1 <= q5 == q1 <= target.max_status_queries, (q1, q5)
+    synced, q5s, _ = counted(lambda: poller.status(handles))  # the worker's path
+    assert {s.state for s in synced.values()} == {JobState.RUNNING}
+    assert 1 <= q5s <= target.max_status_queries, q5s
+    _meets(target, "requests-per-job", all5 == all1,
+           f"a poll of 5 jobs made {all5} requests, of 1 job {all1}")
+
+
+# --- logs ---------------------------------------------------------------------------------------
+
+
+def test_log_offsets_give_only_new_text(target):
+    backend = target.backend()
+    handle, _ = _submit(target, backend,
+                        _task(target, "echo first-line; sleep 6; echo second-line"))
+
+    def first() -> tuple[str, int] | None:
+        text, offset = backend.read_log(handle, 0)
+        return (text, offset) if "first-line" in text else None
+
+    text1, off1 = _until(first, target.job_timeout, "the first line is readable")
+    assert "second-line" not in text1, "the job should still be sleeping"
+    assert off1 == len(text1.encode())
+    status = _wait(target, backend, handle)
+    assert status.state == JobState.SUCCEEDED, status
+    text2, off2 = backend.read_log(handle, off1)
+    assert "second-line" in text2 and "first-line" not in text2
+    assert off2 == off1 + len(text2.encode())
+    assert _async(backend, lambda: backend.read_log_async(handle, off1)) == (text2, off2)
+    whole, end = backend.read_log(handle, 0)
+    assert (whole, end) == (text1 + text2, off2)
+    assert backend.read_log(handle, end) == ("", end)
+    middle = whole.encode().index(b"second-line")
+    rest, end2 = backend.read_log(handle, middle)
+    assert rest.startswith("second-line") and end2 == end
+
+
+def test_logs_of_several_jobs_in_one_call(target):
+    backend = target.backend()
+    handles = [_submit(target, backend, _task(target, f"echo log-of-job-{i}-end"))[0]
+               for i in range(3)]
+    for h in handles:
+        assert _wait(target, backend, h).state == JobState.SUCCEEDED
+    reader = target.backend()
+    got = _async(reader, lambda: reader.read_logs_async([(h, 0) for h in handles]))
+    assert set(got) == {h.job_id for h in handles}
+    for i, h in enumerate(handles):
+        text, offset = got[h.job_id]
+        assert f"log-of-job-{i}-end" in text
+        assert not any(f"log-of-job-{j}-" in text for j in range(3) if j != i)
+        assert offset == len(text.encode()) and (text, offset) == backend.read_log(h, 0)
+    later = _async(reader, lambda: reader.read_logs_async(
+        [(h, got[h.job_id][1]) for h in handles]))
+    assert later == {h.job_id: ("", got[h.job_id][1]) for h in handles}
+    mixed = _async(reader, lambda: reader.read_logs_async(
+        [(handles[0], 0), (handles[1], got[handles[1].job_id][1])]))
+    assert mixed == {handles[0].job_id: got[handles[0].job_id],
+                     handles[1].job_id: ("", got[handles[1].job_id][1])}
+
+
+# --- cleanup, nodes, secrets --------------------------------------------------------------------
+
+
+def test_cleanup_removes_what_the_job_left_and_is_safe_twice(target):
+    backend = target.backend()
+    task = _task(target, "echo cleanup-me; sleep 2",
+                 secrets={"CT_TOKEN": f"tok-{uuid.uuid4().hex}"})
+    handle, task_id = _submit(target, backend, task)
+    assert target.secret_store(handle), "the secret is stored while the job may run"
+    assert _wait(target, backend, handle).state == JobState.SUCCEEDED
+    backend.cleanup(handle)
+    _until_none(lambda: target.leftovers(handle, task_id), 30, "what the job held")
+    backend.cleanup(handle)  # twice, and from another process
+    target.backend().cleanup(handle)
+    assert target.leftovers(handle, task_id) == []
+
+
+LINE = re.compile(r"rank=(\d) nodes=(\S*) gpus=(\S*) task=(\S*) my=<(.*)> ipcount=(\d+) "
+                  r"ips=(\S*) sha=(\w*)")
+
+
+def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):
+    backend = target.backend()
+    secret = f"two-{uuid.uuid4().hex}"
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    task = _task(
+        target, gpus=1, num_nodes=2, envs={"MY_ENV": "x y"}, secrets={"CT_TOKEN": secret},
+        setup='echo "setup-rank=$SKYPILOT_SETUP_NODE_RANK"',
+        run='echo "rank=$SKYPILOT_NODE_RANK nodes=$SKYPILOT_NUM_NODES '
+            'gpus=$SKYPILOT_NUM_GPUS_PER_NODE task=$SKYPILOT_TASK_ID my=<$MY_ENV> '
+            'ipcount=$(printf "%s\\n" "$SKYPILOT_NODE_IPS" | grep -c .) '
+            'ips=$(printf "%s" "$SKYPILOT_NODE_IPS" | tr "\\n" ,) '
+            'sha=$(printf %s "$CT_TOKEN" | sha256sum | cut -d" " -f1)"')
+    handle, task_id = _submit(target, backend, task)
+    assert handle.num_nodes == 2
+    status = _wait(target, backend, handle)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, (status, log)
+    output = log + "\n" + target.rank_outputs(backend, handle)
+    ranks = {int(m.group(1)): m.groups()[1:] for m in LINE.finditer(output)}
+    assert sorted(ranks) == [0, 1], output
+    for rank, (nodes, gpus, tid, my, ipcount, ips, sha) in ranks.items():
+        assert (nodes, gpus, tid, my, ipcount, sha) == ("2", "1", task_id, "x y", "2", digest)
+        assert len(set(filter(None, ips.split(",")))) == 2, ips
+        assert f"setup-rank={rank}" in output
+    assert ranks[0][5] == ranks[1][5], "every rank sees the same SKYPILOT_NODE_IPS"
+    assert secret not in output
+    _meets(target, "log-all-ranks", {int(m.group(1)) for m in LINE.finditer(log)} == {0, 1},
+           f"read_log shows only some ranks:\n{log}")
+
+
+def test_secret_reaches_the_job_but_is_never_in_clear(target, caplog):
+    caplog.set_level(logging.INFO)  # what a task log shows (DEBUG adds this test's own calls)
+    token = f"ct-secret-{uuid.uuid4().hex[:12]}"
+    secret = f"{token} with 'quotes' \"dq\" $(echo subst) `tick`\nsecond line"
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    backend = target.backend()
+    task = _task(target, 'printf %s "$API_TOKEN" | sha256sum; echo "leak:$API_TOKEN:end"; sleep 3',
+                 secrets={"API_TOKEN": secret})
+    handle, _ = _submit(target, backend, task)
+    assert target.secret_store(handle)
+    while_running = target.stored_texts(handle)
+    status = _wait(target, backend, handle)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, (status, log)
+    assert digest in log, "the job saw the secret's exact bytes"
+    assert "leak:***" in log, "a secret the job prints itself is masked in its log"
+    after = target.stored_texts(handle)
+    assert any("sha256sum" in text for text in after.values()), \
+        "the stored texts include the job's own script (else this test sees nothing)"
+    assert handle.job_name in caplog.text, "the backend's log records are captured"
+    texts = {**{f"{k} (running)": v for k, v in while_running.items()}, **after,
+             "job log": log, "airflow log": caplog.text,
+             "handle": json.dumps(handle.to_dict()), "status": json.dumps(status.to_dict())}
+    leaks = sorted(name for name, text in texts.items() if token in text)
+    assert not leaks, f"the secret is in clear in: {leaks}"
