@@ -118,13 +118,13 @@ async def _watch(handles: list[JobHandle], interval: float, periods: int
 
 def bench_poller(quick: bool) -> None:
     registry.register_backend(FakeBackend)
-    real_poll = FakeBackend.poll
+    real_poll = FakeBackend.astatus
 
     async def slow_poll(self, handles, _real=real_poll, latency=0.05):
         await asyncio.sleep(latency)  # a cluster's answer takes time
         return await _real(self, handles)
 
-    FakeBackend.poll = slow_poll
+    FakeBackend.astatus = slow_poll
     try:
         for jobs, conns in ((100, 2), (1000, 10), (5000 if not quick else 2000, 20)):
             FakeBackend.reset()
@@ -144,7 +144,7 @@ def bench_poller(quick: bool) -> None:
                          f"CPU {cpu / periods * 1e3:.0f} ms per 1 s interval, "
                          f"peak {peak / 2**20:.0f} MiB"))
     finally:
-        FakeBackend.poll = real_poll
+        FakeBackend.astatus = real_poll
 
 
 def bench_slurm_probe(quick: bool) -> None:

@@ -84,14 +84,14 @@ class FakeBackend(Backend):
 
     polls = 0
 
-    async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+    async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         type(self).polls += 1
         if self.conn_id in self.down:
             raise BackendUnreachable(f"{self.conn_id} is down")
         return {h.job_id: self.jobs[h.job_id]["status"] if h.job_id in self.jobs
                 else JobStatus(JobState.LOST) for h in handles}
 
-    async def read_logs_async(self, requests):
+    async def aread_logs(self, requests):
         """Batched, as the real backends do (one request per connection)."""
         return {h.job_id: self.read_log(h, o) for h, o in requests}
 

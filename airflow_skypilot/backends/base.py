@@ -195,8 +195,8 @@ class CapacityRow:
 
 
 class Backend(LoggingMixin, ABC):
-    """One kind of place to run jobs. Sync methods run in the worker; ``poll`` and
-    ``read_log_async`` run in the triggerer's event loop and must not block it."""
+    """One kind of place to run jobs. Sync methods run in the worker; ``astatus`` and
+    ``aread_log`` run in the triggerer's event loop and must not block it."""
 
     #: short name used in handles and infra strings: ``slurm``, ``kubernetes``, ``aws``
     name: ClassVar[str]
@@ -257,35 +257,35 @@ class Backend(LoggingMixin, ABC):
             await asyncio.to_thread(getattr, self, "settings")
 
     @abstractmethod
-    async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+    async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """Status of many jobs on this connection in one request; keyed by ``handle.job_id``.
 
         A job the backend no longer knows is ``LOST``. Raises BackendUnreachable when the
         backend cannot be asked at all (the caller counts consecutive failures)."""
 
     def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
-        """Sync wrapper of :meth:`poll` for the worker side."""
+        """Sync wrapper of :meth:`astatus` for the worker side."""
         import asyncio
 
-        return asyncio.run(self.poll(handles))
+        return asyncio.run(self.astatus(handles))
 
     @abstractmethod
     def read_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
         """Job output from byte ``offset``; returns (text, next offset)."""
 
-    async def read_log_async(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+    async def aread_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
         import asyncio
 
         return await asyncio.to_thread(self.read_log, handle, offset)
 
-    async def read_logs_async(self, requests: list[tuple[JobHandle, int]]
+    async def aread_logs(self, requests: list[tuple[JobHandle, int]]
                               ) -> dict[str, tuple[str, int]]:
         """New output of many jobs on this connection, keyed by job id. The triggerer calls it
         once per poll for every job it streams; backends that can answer for all jobs in one
         request (one SSH command, one S3 listing) should override it."""
         out = {}
         for handle, offset in requests:
-            out[handle.job_id] = await self.read_log_async(handle, offset)
+            out[handle.job_id] = await self.aread_log(handle, offset)
         return out
 
     def cleanup(self, handle: JobHandle) -> None:

@@ -112,7 +112,7 @@ class SharedPoller:
             if not self._prepared:
                 await self.backend.aprepare()
                 self._prepared = True
-            statuses = await self.backend.poll(handles)
+            statuses = await self.backend.astatus(handles)
         except Exception as exc:  # reported to every watcher; the loop goes on
             error = PollError(f"{type(exc).__name__}: {exc}")
             for sub in subs:
@@ -123,7 +123,7 @@ class SharedPoller:
         if wanted:
             self.log_polls += 1
             try:
-                logs = await self.backend.read_logs_async(list(wanted.values()))
+                logs = await self.backend.aread_logs(list(wanted.values()))
             except Exception:  # output is a convenience; the status is what matters
                 logs = {}
         for sub in subs:
@@ -237,7 +237,7 @@ class SkyPilotJobTrigger(BaseTrigger):
 
     async def _astream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
         try:
-            text, offset = await backend.read_log_async(handle, offset)
+            text, offset = await backend.aread_log(handle, offset)
         except Exception as exc:  # logs are a convenience; the status is what matters
             self.log.debug("Could not read the log of %s: %s", handle.key, exc)
             return offset
@@ -247,7 +247,7 @@ class SkyPilotJobTrigger(BaseTrigger):
 
     async def _atail(self, backend: Backend, handle: JobHandle, offset: int) -> str:
         try:
-            text, _ = await backend.read_log_async(handle, max(0, offset - 32768))
+            text, _ = await backend.aread_log(handle, max(0, offset - 32768))
         except Exception as exc:
             return f"(log unavailable: {exc})"
         return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])

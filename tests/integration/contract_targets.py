@@ -307,7 +307,7 @@ class AwsTarget(Target):
     tag = "skypilot-airflow:job-name"
     gaps = {
         "log-all-ranks": (
-            "read_log/read_log_async read rank 0's log only (airflow_skypilot/backends/"
+            "read_log/aread_log read rank 0's log only (airflow_skypilot/backends/"
             "aws.py:1703-1722 _log_key/read_log: <prefix>rank-0/log); the other ranks' output "
             "is in S3 (rank-N/log) but never reaches the task log"),
         "requests-per-job": (

@@ -202,7 +202,7 @@ def test_job_runs_and_its_exit_code_and_log_come_back(box):
 
 async def _read_async(backend, handle, offset):
     try:
-        return await backend.read_log_async(handle, offset)
+        return await backend.aread_log(handle, offset)
     finally:
         await backend.aclose()
 
@@ -346,7 +346,7 @@ def test_polling_is_batched_one_describe_per_region(box):
     async def polls(n):
         poller = AwsBackend(CONN)
         try:
-            return [await poller.poll(handles) for _ in range(n)]
+            return [await poller.astatus(handles) for _ in range(n)]
         finally:
             await poller.aclose()
 

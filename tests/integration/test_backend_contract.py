@@ -200,7 +200,7 @@ def test_submit_gives_a_handle_that_survives_json_and_runs_to_success(target):
     assert done.state == JobState.SUCCEEDED, (done, text)
     assert done.exit_code in (0, None) and not done.state.infra_failure
     assert "started-ok" in text and "finished-ok" in text
-    again = _async(watcher, lambda: watcher.poll([same]))  # the triggerer's path agrees
+    again = _async(watcher, lambda: watcher.astatus([same]))  # the triggerer's path agrees
     assert set(again) == {same.job_id}
     assert (again[same.job_id].state, again[same.job_id].exit_code) == (done.state,
                                                                         done.exit_code)
@@ -234,7 +234,7 @@ def test_exit_code_3_is_a_user_failure_with_its_code(target):
     assert status.exit_code == 3 and "3" in status.reason
     assert not status.state.infra_failure
     assert "about-to-fail" in backend.read_log(handle)[0]
-    again = _async(backend, lambda: backend.poll([handle]))[handle.job_id]
+    again = _async(backend, lambda: backend.astatus([handle]))[handle.job_id]
     assert (again.state, again.exit_code) == (JobState.FAILED, 3)
 
 
@@ -252,7 +252,7 @@ def test_cancel_stops_everything_and_is_safe_twice(target):
     status = _wait(target, backend, handle)
     backend.cancel(handle)  # twice, and from another process: no error
     target.backend().cancel(handle)
-    later = _async(backend, lambda: backend.poll([handle]))[handle.job_id]
+    later = _async(backend, lambda: backend.astatus([handle]))[handle.job_id]
     assert later.state.terminal and target.leftovers(handle, task_id) == []
     _meets(target, "cancelled-state",
            status.state == JobState.CANCELLED and later.state == JobState.CANCELLED,
@@ -268,15 +268,15 @@ def test_status_of_many_jobs_is_one_batched_request(target):
     for h in handles:
         _wait(target, backend, h, {JobState.RUNNING})
     poller = target.backend()
-    _async(poller, lambda: poller.poll(handles[:1]))  # connection set-up is not counted
+    _async(poller, lambda: poller.astatus(handles[:1]))  # connection set-up is not counted
 
     def counted(call: Callable[[], dict[str, JobStatus]]) -> tuple[dict, int, int]:
         target.reset_requests()
         result = call()
         return result, target.status_queries(), target.all_requests()
 
-    _, q1, all1 = counted(lambda: _async(poller, lambda: poller.poll(handles[:1])))
-    many, q5, all5 = counted(lambda: _async(poller, lambda: poller.poll(handles)))
+    _, q1, all1 = counted(lambda: _async(poller, lambda: poller.astatus(handles[:1])))
+    many, q5, all5 = counted(lambda: _async(poller, lambda: poller.astatus(handles)))
     assert set(many) == {h.job_id for h in handles}
     assert {s.state for s in many.values()} == {JobState.RUNNING}
     assert 1 <= q5 == q1 <= target.max_status_queries, (q1, q5)
@@ -307,7 +307,7 @@ def test_log_offsets_give_only_new_text(target):
     text2, off2 = backend.read_log(handle, off1)
     assert "second-line" in text2 and "first-line" not in text2
     assert off2 == off1 + len(text2.encode())
-    assert _async(backend, lambda: backend.read_log_async(handle, off1)) == (text2, off2)
+    assert _async(backend, lambda: backend.aread_log(handle, off1)) == (text2, off2)
     whole, end = backend.read_log(handle, 0)
     assert (whole, end) == (text1 + text2, off2)
     assert backend.read_log(handle, end) == ("", end)
@@ -323,17 +323,17 @@ def test_logs_of_several_jobs_in_one_call(target):
     for h in handles:
         assert _wait(target, backend, h).state == JobState.SUCCEEDED
     reader = target.backend()
-    got = _async(reader, lambda: reader.read_logs_async([(h, 0) for h in handles]))
+    got = _async(reader, lambda: reader.aread_logs([(h, 0) for h in handles]))
     assert set(got) == {h.job_id for h in handles}
     for i, h in enumerate(handles):
         text, offset = got[h.job_id]
         assert f"log-of-job-{i}-end" in text
         assert not any(f"log-of-job-{j}-" in text for j in range(3) if j != i)
         assert offset == len(text.encode()) and (text, offset) == backend.read_log(h, 0)
-    later = _async(reader, lambda: reader.read_logs_async(
+    later = _async(reader, lambda: reader.aread_logs(
         [(h, got[h.job_id][1]) for h in handles]))
     assert later == {h.job_id: ("", got[h.job_id][1]) for h in handles}
-    mixed = _async(reader, lambda: reader.read_logs_async(
+    mixed = _async(reader, lambda: reader.aread_logs(
         [(handles[0], 0), (handles[1], got[handles[1].job_id][1])]))
     assert mixed == {handles[0].job_id: got[handles[0].job_id],
                      handles[1].job_id: ("", got[handles[1].job_id][1])}

@@ -77,7 +77,7 @@ def _submit(backend: KubernetesBackend, spec: dict[str, Any], name: str | None =
 def _until(backend, handle, states, timeout=40.0, use_poll=False) -> JobStatus:
     def check():
         if use_poll:
-            status = asyncio.run(backend.poll([handle]))[handle.job_id]
+            status = asyncio.run(backend.astatus([handle]))[handle.job_id]
         else:
             status = backend.status([handle])[handle.job_id]
         return status if status.state in states else None
@@ -390,7 +390,7 @@ def test_poll_is_batched_one_pod_list_per_namespace(k8s, kube):
 
     k8s.reset_requests()
     for _ in range(3):
-        statuses = asyncio.run(backend.poll(handles))
+        statuses = asyncio.run(backend.astatus(handles))
         assert set(statuses) == {h.job_id for h in handles}
     assert len(mine("pods")) == 3 * 2, mine("pods")
     assert len(mine("jobs")) == 3 * 2, mine("jobs")
@@ -398,9 +398,9 @@ def test_poll_is_batched_one_pod_list_per_namespace(k8s, kube):
         _until(backend, h, [JobState.RUNNING])
 
     async def poll_then_logs() -> dict[str, tuple[str, int]]:  # the shared poller's pattern
-        await backend.poll(handles)
+        await backend.astatus(handles)
         k8s.reset_requests()
-        return await backend.read_logs_async([(h, 0) for h in handles])
+        return await backend.aread_logs([(h, 0) for h in handles])
 
     logs = asyncio.run(poll_then_logs())
     assert all("hi" in text for text, _ in logs.values()), logs
@@ -410,7 +410,7 @@ def test_poll_is_batched_one_pod_list_per_namespace(k8s, kube):
     assert len(reads) == len(handles)
     # without a poll just before: one pod list per namespace for all of them, then the logs
     k8s.reset_requests()
-    asyncio.run(KubernetesBackend("k8s_sandbox").read_logs_async([(h, 0) for h in handles]))
+    asyncio.run(KubernetesBackend("k8s_sandbox").aread_logs([(h, 0) for h in handles]))
     assert len(mine("pods")) == 2, mine("pods")
     for h in handles:
         backend.cancel(h)
@@ -460,7 +460,7 @@ def test_jobs_can_be_watched_where_pods_may_not_be_listed(k8s):
 
 
 def test_the_trigger_watches_a_kubernetes_job_to_the_end(k8s):
-    """The shared poller's pattern (poll, then read_log_async per job) end to end."""
+    """The shared poller's pattern (poll, then aread_log per job) end to end."""
     from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger
 
     backend = KubernetesBackend("k8s_sandbox")

@@ -692,7 +692,7 @@ def test_unreachable_account_raises_backend_unreachable(monkeypatch):
 
     async def poll():
         try:
-            return await backend.poll([handle])
+            return await backend.astatus([handle])
         finally:
             await backend.aclose()
 

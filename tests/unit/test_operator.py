@@ -267,17 +267,17 @@ def test_on_kill_cancels_the_job():
 def test_non_deferrable_polls_in_the_worker():
     op = _op(deferrable=False, poll_interval=0.01)
     FakeBackend.offers = {"c1": [offer("c1", "p")]}
-    real_poll = FakeBackend.poll
+    real_poll = FakeBackend.astatus
 
-    async def poll(self, handles):
+    async def astatus(self, handles):
         _end(handles[0].job_id, JobState.SUCCEEDED)
         return await real_poll(self, handles)
 
-    FakeBackend.poll = poll
+    FakeBackend.astatus = astatus
     try:
         result = op.execute({"ti": TI()})
     finally:
-        FakeBackend.poll = real_poll
+        FakeBackend.astatus = real_poll
     assert result["state"] == "succeeded"
 
 
@@ -344,7 +344,7 @@ def test_non_deferrable_waits_for_capacity_in_a_loop_not_by_recursion(monkeypatc
     rounds = 1000
     FakeBackend.down = {"c1", "c2"}
     probes, lock = [0], threading.Lock()
-    real_probe, real_poll = FakeBackend.probe, FakeBackend.poll
+    real_probe, real_poll = FakeBackend.probe, FakeBackend.astatus
 
     def probe(self, task):
         with lock:
@@ -353,13 +353,13 @@ def test_non_deferrable_waits_for_capacity_in_a_loop_not_by_recursion(monkeypatc
                 FakeBackend.down = set()
         return real_probe(self, task)
 
-    async def poll(self, handles):
+    async def astatus(self, handles):
         _end(handles[0].job_id, JobState.SUCCEEDED)
         return await real_poll(self, handles)
 
     sleeps: list[float] = []
     monkeypatch.setattr(FakeBackend, "probe", probe)
-    monkeypatch.setattr(FakeBackend, "poll", poll)
+    monkeypatch.setattr(FakeBackend, "astatus", astatus)
     monkeypatch.setattr(module, "time", SimpleNamespace(time=real_time.time,
                                                         sleep=sleeps.append))
     ti = TI()
@@ -375,15 +375,15 @@ def test_non_deferrable_fails_over_in_the_worker(monkeypatch):
 
     from airflow_skypilot.operators import skypilot as module
 
-    real_poll = FakeBackend.poll
+    real_poll = FakeBackend.astatus
     ends = iter([(JobState.INFRA_FAILED, "node failure"), (JobState.SUCCEEDED, "")])
 
-    async def poll(self, handles):
+    async def astatus(self, handles):
         state, reason = next(ends)
         _end(handles[0].job_id, state, reason=reason)
         return await real_poll(self, handles)
 
-    monkeypatch.setattr(FakeBackend, "poll", poll)
+    monkeypatch.setattr(FakeBackend, "astatus", astatus)
     monkeypatch.setattr(module, "time", SimpleNamespace(time=__import__("time").time,
                                                         sleep=lambda s: None))
     result = _op(deferrable=False, poll_interval=0).execute({"ti": TI()})

@@ -308,7 +308,7 @@ class AwsBackend(Backend):
                 self.log.warning("%s", error)
 
     # --- status ------------------------------------------------------------------------------
-    async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+    async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """One DescribeInstances per region for all handles, then the S3 markers of the
         jobs with a started instance (one listing each, concurrently)."""
         if not handles:
@@ -336,7 +336,7 @@ class AwsBackend(Backend):
                 for h, m in zip(handles, found, strict=True)}
 
     def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
-        """The same as :meth:`poll`, with boto3 from the worker."""
+        """The same as :meth:`astatus`, with boto3 from the worker."""
         if not handles:
             return {}
         raw = []
@@ -356,6 +356,6 @@ class AwsBackend(Backend):
         """Rank 0's log from byte ``offset`` (an S3 range read)."""
         return logs.read_log(self._clients, self.settings, handle, offset, limit)
 
-    async def read_log_async(self, handle: JobHandle, offset: int = 0,
+    async def aread_log(self, handle: JobHandle, offset: int = 0,
                              limit: int = logs.LOG_LIMIT) -> tuple[str, int]:
         return await logs.aread_log(self._clients, self.settings, handle, offset, limit)

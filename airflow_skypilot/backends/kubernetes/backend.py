@@ -202,7 +202,7 @@ class KubernetesBackend(Backend):
                           handle.job_name)
 
     # --- status ------------------------------------------------------------------------------
-    async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+    async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """One Job list and one pod list per namespace, and one node list, for all handles."""
         if not handles:
             return {}
@@ -212,7 +212,7 @@ class KubernetesBackend(Backend):
         return self._statuses(groups, results, with_nodes)
 
     def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
-        """The worker's :meth:`poll`: the same requests on the sync client."""
+        """The worker's :meth:`astatus`: the same requests on the sync client."""
         if not handles:
             return {}
         groups = status.by_namespace(handles, self.settings.namespace)
@@ -249,11 +249,11 @@ class KubernetesBackend(Backend):
         return logs.read(self.client, self._namespace(handle), handle, offset,
                          self._cached_pods(handle))
 
-    async def read_log_async(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+    async def aread_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
         """As :meth:`read_log`; the pods come from the last poll when it was just now."""
-        return (await self.read_logs_async([(handle, offset)]))[handle.job_id]
+        return (await self.aread_logs([(handle, offset)]))[handle.job_id]
 
-    async def read_logs_async(self, requests: list[tuple[JobHandle, int]]
+    async def aread_logs(self, requests: list[tuple[JobHandle, int]]
                               ) -> dict[str, tuple[str, int]]:
         """New output of many jobs in one client session: the pods come from the last poll
         (else one pod list per namespace for all of them), then the logs, a few at a time

@@ -12,7 +12,7 @@ submit / find / cancel
     (:mod:`.submit`).
 poll / status
     one command for all watched jobs (:mod:`.status`).
-read_log / read_logs_async
+read_log / aread_logs
     byte offsets into each job's ``slurm.log``, many jobs per command (:mod:`.logs`).
 
 The SSH side (paramiko in the worker, asyncssh in the triggerer) is :mod:`.remote`.
@@ -150,7 +150,7 @@ class SlurmBackend(Backend):
             raise BackendUnreachable(f"{self.conn_id}: status query failed: {err.strip()[-200:]}")
         return jobstatus.parse_status(out, handles)
 
-    async def poll(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
+    async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         if not handles:
             return {}
         rc, out, err = await self.remote.arun(jobstatus.status_script(handles))
@@ -168,12 +168,12 @@ class SlurmBackend(Backend):
         rc, out, err = self.remote.run(logs.log_script(handle, offset, limit))
         return logs.split_log(out, offset)
 
-    async def read_log_async(self, handle: JobHandle, offset: int = 0,
+    async def aread_log(self, handle: JobHandle, offset: int = 0,
                              limit: int = logs.READ_LIMIT) -> tuple[str, int]:
         rc, out, err = await self.remote.arun(logs.log_script(handle, offset, limit))
         return logs.split_log(out, offset)
 
-    async def read_logs_async(self, requests: list[tuple[JobHandle, int]],
+    async def aread_logs(self, requests: list[tuple[JobHandle, int]],
                               limit: int = logs.BATCH_READ_LIMIT) -> dict[str, tuple[str, int]]:
         """New output of every streamed job in one SSH command (base64-framed per job)."""
         if not requests:
