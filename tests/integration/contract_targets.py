@@ -228,15 +228,6 @@ class KubernetesTarget(Target):
     accelerator = "A100"
     max_status_queries = 3  # one Job list and one pod list per namespace, one node list
     label = "skypilot.airflow/job-name"
-    gaps = {
-        "cancelled-state": (
-            "cancel deletes the Job (airflow_skypilot/backends/kubernetes.py:1125-1129 "
-            "_delete_all), and a Job that no longer exists reads LOST "
-            "(kubernetes.py:465-467), an infra failure: a cancelled job is not told from a "
-            "lost one, and a Job a user deletes (kubectl delete) reads LOST, which the "
-            "operator fails over (operators/skypilot.py:400) where it means not to fight a "
-            "user's cancel (operators/skypilot.py:421)"),
-    }
 
     def connect(self) -> None:
         from kubernetes import client, config

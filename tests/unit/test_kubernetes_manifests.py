@@ -612,6 +612,60 @@ def test_pending_reasons_lost_and_cancelled():
     assert _status(_job([{"type": "Complete"}], deleting=True), []).state == JobState.SUCCEEDED
 
 
+def _cancelled(job, seconds_ago=2.0):
+    job["metadata"]["annotations"] = {
+        names.ANN_CANCELLED: datetime.fromtimestamp(NOW - seconds_ago, UTC).isoformat()}
+    job["spec"]["suspend"] = True
+    return job
+
+
+def test_our_cancel_reads_cancelled_until_the_job_is_gone():
+    st = _status(_cancelled(_job()), [])
+    assert st.state == JobState.CANCELLED and not st.state.infra_failure
+    assert names.ANN_CANCELLED in st.reason and st.exit_code is None
+    assert st.ended_at == pytest.approx(NOW - 2.0)  # when it was cancelled, on every poll
+    assert _status(_cancelled(_job()), [], now=NOW + 60).ended_at == st.ended_at
+    # what the pods did after the cancel (killed, failed; the Job failed by its policy) is
+    # the cancel's doing
+    killed = _jpod(phase="Failed", state=_term(143), deleting=True)
+    after = {"type": "Failed", "reason": "PodFailurePolicy", "lastTransitionTime": _ts(1),
+             "message": "Container main for pod ns/j-0-x failed with exit code 143"}
+    assert _status(_cancelled(_job([after])), [killed]).state == JobState.CANCELLED
+    assert _status(_cancelled(_job(failed=1)), []).state == JobState.CANCELLED
+    assert _status(_cancelled(_job()), [_jpod()]).state == JobState.CANCELLED
+    # a job that had ended before the cancel keeps what happened to it
+    before = dict(after, lastTransitionTime=_ts(30), message=after["message"].replace(
+        "143", "3"))
+    st = _status(_cancelled(_job([before])), [])
+    assert (st.state, st.exit_code) == (JobState.FAILED, 3)
+    done = _jpod(phase="Failed", state={"terminated": {"exitCode": 3, "finishedAt": _ts(30)}})
+    assert _status(_cancelled(_job()), [done]).state == JobState.FAILED
+    assert _status(_cancelled(_job([{"type": "Complete"}])), []).state == JobState.SUCCEEDED
+    # a cancelled Job is suspended but not a submission cut short
+    old = _cancelled(_job())
+    old["metadata"].update(creationTimestamp=_ts(600))
+    old["metadata"]["annotations"]["skypilot.airflow/managed"] = "true"
+    assert _status(old, []).state == JobState.CANCELLED
+    from airflow_skypilot.backends.kubernetes import submit
+    assert submit.is_cancelled(old) and not submit.needs_finishing(old)
+    # absent from a list that succeeded: lost, whatever we did before
+    assert _status(None, []).state == JobState.LOST
+
+
+def test_success_has_exit_code_0_and_terminal_states_a_stable_end():
+    done = _jpod(phase="Succeeded", state=_term(0, "Completed"))
+    complete = {"type": "Complete", "lastTransitionTime": _ts(3)}
+    for job, pods in ((_job([complete]), []), (_job(), [done])):
+        st = _status(job, pods)
+        assert (st.state, st.exit_code) == (JobState.SUCCEEDED, 0)
+        assert st.ended_at == _status(job, pods, now=NOW + 60).ended_at
+    failed = {"type": "Failed", "reason": "PodFailurePolicy", "lastTransitionTime": _ts(7),
+              "message": "Container main for pod ns/j-0-x failed with exit code 42"}
+    st = _status(_job([failed]), [])  # the pods are gone: the condition's time
+    assert st.ended_at == pytest.approx(NOW - 7, abs=1)
+    assert _status(_job([failed]), [], now=NOW + 60).ended_at == st.ended_at
+
+
 # --- logs ------------------------------------------------------------------------------------
 
 
