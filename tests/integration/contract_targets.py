@@ -4,11 +4,7 @@ The suite talks to a backend only through the :class:`~airflow_skypilot.backends
 protocol. What the protocol cannot say (how many requests a poll made, what is stored about a
 job outside its secret store, what still runs) a target observes on its sandbox. Adding a
 backend to the contract = one more :class:`Target` subclass in :data:`TARGETS`; the test
-functions stay as they are.
-
-A target may declare ``gaps``: contract points its backend does not meet yet, each with the
-reason (file:line). The suite checks the point anyway and expects it to fail (strictly: when the
-backend is fixed, the test fails until the gap is removed here).
+functions stay as they are, and every backend meets all of them.
 """
 
 from __future__ import annotations
@@ -109,8 +105,6 @@ class Target(ABC):
     job_timeout: ClassVar[float] = 60.0
     #: most requests one status poll of any number of jobs may make (the batched query)
     max_status_queries: ClassVar[int] = 1
-    #: contract points not met yet: name -> why (file:line); see the module docstring
-    gaps: ClassVar[dict[str, str]] = {}
 
     def __init__(self, box: Any, monkeypatch: pytest.MonkeyPatch):
         self.box = box
@@ -155,10 +149,6 @@ class Target(ABC):
     def stored_texts(self, handle: JobHandle) -> dict[str, str]:
         """Everything stored about the job outside its secret store (name -> text, unpacked
         with :func:`unpacked`), where a secret value must never appear."""
-
-    def rank_outputs(self, backend: Backend, handle: JobHandle) -> str:
-        """Output of the job's ranks that :meth:`Backend.read_log` does not show."""
-        return ""
 
     def leftovers(self, handle: JobHandle, task_id: str) -> list[str]:
         return self.secret_store(handle) + self.running(handle, task_id)
@@ -376,16 +366,6 @@ class AwsTarget(Target):
             if inst.get("instance_id") in ids and console.exists():
                 out[f"{inst['instance_id']} console"] = console.read_text(errors="replace")
         return out
-
-    def rank_outputs(self, backend: Backend, handle: JobHandle) -> str:
-        s3 = self._client("s3")
-        texts = []
-        for rank in range(1, handle.num_nodes):
-            key = f"{handle.extra['prefix']}rank-{rank}/log"
-            with contextlib.suppress(Exception):
-                texts.append(s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-                             .decode("utf-8", "replace"))
-        return "\n".join(texts)
 
 
 TARGETS: list[type[Target]] = [SlurmTarget, KubernetesTarget, AwsTarget]
