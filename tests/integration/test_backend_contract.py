@@ -238,6 +238,10 @@ def test_exit_code_3_is_a_user_failure_with_its_code(target):
     again = _async(backend, lambda: backend.astatus([handle]))[handle.job_id]
     assert (again.state, again.exit_code) == (JobState.FAILED, 3)
     _same_end(backend, handle, status)
+    backend.cancel(handle)  # a job that had ended keeps what happened to it
+    after = backend.status([handle])[handle.job_id]
+    assert (after.state, after.exit_code, after.ended_at) == (JobState.FAILED, 3,
+                                                              status.ended_at), after
 
 
 def test_cancel_stops_everything_and_is_safe_twice(target):

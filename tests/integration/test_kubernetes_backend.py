@@ -359,6 +359,21 @@ def test_cancel_stops_the_pods_keeps_the_job_as_cancelled_until_cleanup(k8s, kub
     backend.cleanup(handle)
 
 
+def test_cancel_where_pods_may_not_be_listed_leaves_it_to_the_suspend(k8s, kube):
+    """RBAC without pod listing: cancel marks and suspends the Job, and the Job controller
+    deletes the pods of a suspended Job."""
+    backend = KubernetesBackend("k8s_sandbox_nopods")
+    handle = _submit(backend, {"run": "sleep 60", "secrets": {"TOKEN": "x"}})
+    wait_for(lambda: any(p["pod"].startswith(handle.job_name) for p in k8s.processes()))
+    backend.cancel(handle)
+    assert backend.status([handle])[handle.job_id].state == JobState.CANCELLED
+    wait_for(lambda: not _pods(kube, handle.job_name) and not any(
+        p["pod"].startswith(handle.job_name) for p in k8s.processes()))
+    with pytest.raises(ApiException):
+        _core(kube).read_namespaced_secret(names.secret_name(handle.job_name), NS)
+    backend.cleanup(handle)
+
+
 def test_a_submission_cut_short_is_finished_on_adoption(k8s, kube):
     """A worker that died after creating the (suspended) Job: the retry completes it."""
     backend = KubernetesBackend("k8s_sandbox")

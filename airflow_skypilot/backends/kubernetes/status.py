@@ -21,7 +21,6 @@ end, the Failed condition, the cancel mark), so every poll reports the same ``en
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -192,8 +191,9 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
 
     if "Complete" in conds or "SuccessCriteriaMet" in conds:
         return out(JobState.SUCCEEDED, exit_code=0, raw="Complete")
-    if cancelled_at is not None and not _ended_before(cancelled_at, failed_cond, views):
-        # our cancel: what the pods did after it (killed, counted as failed) is its doing
+    if cancelled_at is not None:
+        # our cancel (it marks only a Job that had not ended): what the pods and the Job
+        # controller did after it (pods killed, counted as failed, the Job failed) is its doing
         return out(JobState.CANCELLED, f"cancelled (the Job is marked {ANN_CANCELLED}="
                                        f"{cancelled_raw})", raw="Cancelled", ended=cancelled_at)
     if meta.get("deletionTimestamp") and failed_cond is None:
@@ -289,17 +289,6 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
         elif waiting:
             pending_reason = waiting[0].waiting_reason or "pending"
     return out(JobState.PENDING, pending_reason)
-
-
-def _ended_before(cancelled_at: float, failed_cond: Mapping[str, Any] | None,
-                  views: list[PodView]) -> bool:
-    """Had the job already failed when it was cancelled (the Job's Failed condition, or a pod
-    that failed on its own, strictly before the cancel's second: the API's timestamps have
-    whole seconds)? Then that failure, not the cancel, is what happened to it."""
-    cut = math.floor(cancelled_at)
-    times = [epoch((failed_cond or {}).get("lastTransitionTime"))]
-    times += [v.finished for v in views if v.phase == "Failed" and not v.deleting]
-    return any(t is not None and t < cut for t in times)
 
 
 # --- one poll for many jobs -------------------------------------------------------------------

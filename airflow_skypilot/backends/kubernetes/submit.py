@@ -11,7 +11,9 @@ Cancel (:func:`cancel`) keeps the Job as the record of what happened: it marks i
 is started again, deletes its pods (the program gets SIGTERM and its grace period) and its
 Secret, ConfigMap and Service; the Job then reads CANCELLED (not LOST, which is an
 infrastructure failure) until :func:`cleanup` deletes it. A cancelled Job is never resumed by
-an adoption.
+an adoption. Whether the job had ended before is decided when it is cancelled (a Job verdict,
+or a pod that failed by itself: then it is not marked), not by comparing our clock with the
+API server's timestamps.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def needs_finishing(job: Mapping[str, Any]) -> bool:
 
 def is_cancelled(job: Mapping[str, Any] | None) -> bool:
     """Did our cancel mark this Job?"""
-    return ANN_CANCELLED in ((job or {}).get("metadata") or {}).get("annotations") or {}
+    return ANN_CANCELLED in (((job or {}).get("metadata") or {}).get("annotations") or {})
 
 
 def has_verdict(job: Mapping[str, Any]) -> bool:
@@ -179,36 +181,56 @@ def _rfc3339(when: float) -> str:
     return datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _ended_on_its_own(pods: list[Mapping[str, Any]] | None) -> bool:
+    """Has a pod already failed by itself (not one being deleted)? Then the job has ended
+    before the cancel, and the Job controller's verdict follows."""
+    return any((p.get("status") or {}).get("phase") == "Failed"
+               and not (p.get("metadata") or {}).get("deletionTimestamp") for p in pods or [])
+
+
 def cancel(client: KubeClient, namespace: str, job_name: str,
            now: float | None = None) -> list[str]:
     """Stop the job and release what it holds, keeping its Job as the record (see the module
-    docstring); safe twice. Returns what was done, for the log."""
+    docstring); safe twice. A job that had already ended (a Job verdict, a pod that failed by
+    itself) is not marked: it keeps what happened to it. Returns what was done, for the log."""
     core, batch = client.apis()
     done: list[str] = []
     job = get_job(client, namespace, job_name)
-    if job is not None and not has_verdict(job) and not is_cancelled(job):
-        # a job that ended before the cancel keeps its verdict: it is not marked
+    pods: list[Mapping[str, Any]] | None = None
+    if job is not None:
+        try:
+            found = client.call(core.list_namespaced_pod, namespace,
+                                label_selector=f"{LABEL_JOB}={job_name}")
+            pods = pods_of(job_name, found.get("items") or [], job["metadata"].get("uid"))
+        except KubeApiError as exc:
+            if exc.status != 403:
+                raise
+            done.append("pods may not be listed: the Job controller deletes them")
+    if job is not None and not (has_verdict(job) or is_cancelled(job)
+                                or _ended_on_its_own(pods)):
         ann = (job.get("metadata") or {}).get("annotations")
         when = _rfc3339(time.time() if now is None else now)
         mark = ({"op": "add", "path": "/metadata/annotations/" +
                  ANN_CANCELLED.replace("~", "~0").replace("/", "~1"), "value": when}
                 if ann is not None else
                 {"op": "add", "path": "/metadata/annotations", "value": {ANN_CANCELLED: when}})
-        client.call(batch.patch_namespaced_job, job_name, namespace,
-                    [mark, {"op": "replace", "path": "/spec/suspend", "value": True}])
-        done.append("marked cancelled and suspended")
-    if job is not None:
-        # the Job controller deletes a suspended Job's pods too; we do not wait for it
-        found = client.call(core.list_namespaced_pod, namespace,
-                            label_selector=f"{LABEL_JOB}={job_name}")
-        pods = [p for p in pods_of(job_name, found.get("items") or [],
-                                   job["metadata"].get("uid"))
-                if (p.get("status") or {}).get("phase") not in TERMINAL
-                and not (p.get("metadata") or {}).get("deletionTimestamp")]
-        stopped = _delete(client, [("pod", core.delete_namespaced_pod, p["metadata"]["name"])
-                                   for p in pods], namespace)
-        if stopped:
-            done.append(f"deleted {len(stopped)} pod(s)")
+        try:
+            # suspended, the Job controller starts no pod again (and deletes the active ones)
+            client.call(batch.patch_namespaced_job, job_name, namespace,
+                        [mark, {"op": "replace", "path": "/spec/suspend", "value": True}])
+            done.append("marked cancelled and suspended")
+        except KubeApiError as exc:
+            if exc.status == 404:  # gone meanwhile: only its dependents may be left
+                job, pods = None, None
+            else:  # may not be patched: stop it the only other way (it then reads LOST)
+                return [f"could not mark it ({exc})",
+                        "deleted " + (", ".join(delete_all(client, job_name, namespace))
+                                      or "nothing")]
+    running = [p for p in pods or [] if (p.get("status") or {}).get("phase") not in TERMINAL
+               and not (p.get("metadata") or {}).get("deletionTimestamp")]
+    if stopped := _delete(client, [("pod", core.delete_namespaced_pod, p["metadata"]["name"])
+                                   for p in running], namespace):
+        done.append(f"deleted {len(stopped)} pod(s)")
     if gone := _delete(client, _dependents(client, job_name), namespace):
         done.append("deleted " + ", ".join(gone))
     return done
