@@ -378,6 +378,24 @@ def test_polling_is_batched_one_describe_per_region(box):
     assert [(r["region"], r["count"]) for r in describes] == [("us-east-1", 2)]
     lists = sum(r["count"] for r in mine if r["action"] == "ListObjectsV2")
     assert lists == 2  # one listing per poll for every job (one bucket)
+    two = load_task({"run": "echo two-ranks; sleep 300", "num_nodes": 2,
+                     "resources": {"accelerators": "A10G:1"}})
+    handles.append(backend.submit(two, _offer(backend, two), _name("batch-two"), {}))
+    _wait(backend, handles[-1], {JobState.RUNNING})
+
+    async def poll_then_logs():  # the shared poller's pattern: the poll's listing is reused
+        poller = AwsBackend(CONN)
+        try:
+            await poller.astatus(handles)
+            box.reset_requests()
+            return await poller.aread_logs([(h, 0) for h in handles])
+        finally:
+            await poller.aclose()
+
+    asyncio.run(poll_then_logs())
+    mine = [r for r in box.requests() if r["caller"] == "client"]
+    assert {r["action"] for r in mine} <= {"GetObject"}, mine
+    assert sum(r["count"] for r in mine) == len(handles)  # one ranged read of rank 0 each
     for h in handles:
         backend.cancel(h)
 

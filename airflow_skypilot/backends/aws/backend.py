@@ -355,11 +355,9 @@ class AwsBackend(Backend):
         out = {}
         for h in handles:
             insts = instances.get(h.job_name, [])
-            found = markers.get(h.job_name)
-            out[h.job_id] = judge_handle(h, insts, found or Markers())
-            if found is not None:
-                self._seen[h.job_name] = (now, logs.JobView(found, logs.instances_gone(
-                    h, insts)))
+            found = markers.get(h.job_name) or Markers()  # none listed: no instance started
+            out[h.job_id] = judge_handle(h, insts, found)
+            self._seen[h.job_name] = (now, logs.JobView(found, logs.instances_gone(h, insts)))
         return out
 
     # --- logs --------------------------------------------------------------------------------
@@ -391,7 +389,11 @@ class AwsBackend(Backend):
         insts = ec2.by_job(ec2.describe_jobs(self._clients, region_of(handle),
                                              [handle.job_name])).get(handle.job_name, [])
         found = self._markers.read_many(self.settings, [handle])[handle.job_name]
-        return logs.JobView(found, logs.instances_gone(handle, insts))
+        return self._saw(handle, logs.JobView(found, logs.instances_gone(handle, insts)))
+
+    def _saw(self, handle: JobHandle, view: logs.JobView) -> logs.JobView:
+        self._seen[handle.job_name] = (time.monotonic(), view)
+        return view
 
     async def _afresh_view(self, handle: JobHandle) -> logs.JobView:
         try:
@@ -402,4 +404,4 @@ class AwsBackend(Backend):
             raise
         except Exception as exc:
             raise self._clients.error(exc, f"reading the state of {handle.job_name}") from exc
-        return logs.JobView(found, logs.instances_gone(handle, insts))
+        return self._saw(handle, logs.JobView(found, logs.instances_gone(handle, insts)))
