@@ -732,6 +732,16 @@ def test_success_has_exit_code_0_and_terminal_states_a_stable_end():
     st = _status(_job([failed]), [])  # the pods are gone: the condition's time
     assert st.ended_at == pytest.approx(NOW - 7, abs=1)
     assert _status(_job([failed]), [], now=NOW + 60).ended_at == st.ended_at
+    # a rank's failure: when it failed, not when the controller killed the other ranks
+    first = _jpod(1, phase="Failed", state={"terminated": {"exitCode": 3,
+                                                           "finishedAt": _ts(9)}})
+    killed = _jpod(0, phase="Failed", state={"terminated": {"exitCode": 143,
+                                                            "finishedAt": _ts(2)}},
+                   deleting=True)
+    for job in (_job(), _job([failed])):
+        st = _status(job, [killed, first], num_nodes=2)
+        assert (st.state, st.exit_code) == (JobState.FAILED, 3)
+        assert st.ended_at == pytest.approx(NOW - 9, abs=1)
 
 
 # --- logs ------------------------------------------------------------------------------------

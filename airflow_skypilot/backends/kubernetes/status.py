@@ -171,10 +171,11 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     cancelled_at = epoch(cancelled_raw) if cancelled_raw else None
     if cancelled_raw and cancelled_at is None:  # a mark we cannot read is still a mark
         cancelled_at = epoch(meta.get("creationTimestamp")) or 0.0
-    # when it ended, as the cluster recorded it: the same answer on every poll
+    # when it ended, as the cluster recorded it: the same answer on every poll (the Job's own
+    # record first: it outlives the pods)
     ended_at = (epoch(status.get("completionTime"))
-                or (max(finished) if finished else None)
                 or epoch((verdict or {}).get("lastTransitionTime"))
+                or (max(finished) if finished else None)
                 or cancelled_at or epoch(meta.get("deletionTimestamp")))
     nodes_used = [latest[r].node for r in sorted(latest) if latest[r].node]
     phases = ",".join(f"{r}:{latest[r].phase}" for r in sorted(latest))
@@ -185,9 +186,9 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
                          ended_at=(ended or ended_at or now) if state.terminal else None,
                          nodes=nodes_used, raw_state=raw or phases or "no pods")
 
-    def infra(reason: str, preempted: bool = False) -> JobStatus:
+    def infra(reason: str, preempted: bool = False, ended: float | None = None) -> JobStatus:
         state = JobState.PREEMPTED if preempted or spot else JobState.INFRA_FAILED
-        return out(state, reason)
+        return out(state, reason, ended=ended)
 
     if "Complete" in conds or "SuccessCriteriaMet" in conds:
         return out(JobState.SUCCEEDED, exit_code=0, raw="Complete")
@@ -202,7 +203,7 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     disrupted = [v for v in views if v.disruption]
     if disrupted:
         first = min(disrupted, key=lambda v: v.finished or v.created)
-        return infra(first.disruption, first.preempted)
+        return infra(first.disruption, first.preempted, first.finished)
     if nodes is not None:
         for v in views:
             if v.phase in TERMINAL or not v.node:
@@ -222,7 +223,7 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
         extra = " (out of memory: OOMKilled)" if first.term_reason == "OOMKilled" else ""
         where = f" on rank {first.rank}" if num_nodes > 1 else ""
         return out(JobState.FAILED, f"exit code {first.exit_code}{where}{extra}",
-                   first.exit_code)
+                   first.exit_code, ended=first.finished)  # the first failure, not the kills
     # 3. the Job's own verdict, which outlives its pods
     if failed_cond is not None:
         reason, message = failed_cond.get("reason", ""), failed_cond.get("message", "")
