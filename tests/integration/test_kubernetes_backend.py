@@ -309,35 +309,69 @@ def test_bad_image_fails_clearly_and_is_not_failed_over(k8s, kube, monkeypatch):
     wait_for(lambda: not _pods(kube, handle.job_name) and backend.find(handle.job_name) is None)
 
 
-def test_cancel_removes_job_pods_service_secret_and_configmap(k8s, kube):
+def test_cancel_stops_the_pods_keeps_the_job_as_cancelled_until_cleanup(k8s, kube):
+    """Cancel stops every pod and deletes the Service, Secret and ConfigMap at once, but keeps
+    the Job, marked and suspended: it reads CANCELLED (our own stop), where a Job that is
+    gone reads LOST (an infrastructure failure, which the operator fails over). Cleanup then
+    deletes the Job. (Before, cancel deleted the Job, so a cancelled job read LOST.)"""
     backend = KubernetesBackend("k8s_sandbox")
     handle = _submit(backend, {"num_nodes": 2, "run": "sleep 60",
                                "secrets": {"TOKEN": "x"}})
     _until(backend, handle, [JobState.RUNNING])
-    core = _core(kube)
+    core, batch = _core(kube), client.BatchV1Api(kube)
     name = handle.job_name
     assert core.read_namespaced_service(name, NS).spec.cluster_ip == "None"
     assert core.read_namespaced_secret(names.secret_name(name), NS)
     assert core.read_namespaced_config_map(names.configmap_name(name), NS)
     backend.cancel(handle)
     status = backend.status([handle])[handle.job_id]
-    assert status.state in (JobState.CANCELLED, JobState.LOST)
+    assert status.state == JobState.CANCELLED, status
+    assert status.ended_at is not None
 
-    def gone() -> bool:
+    def dependents_left() -> list[str]:
         left = []
-        for read, obj in ((client.BatchV1Api(kube).read_namespaced_job, name),
-                          (core.read_namespaced_service, name),
+        for read, obj in ((core.read_namespaced_service, name),
                           (core.read_namespaced_secret, names.secret_name(name)),
                           (core.read_namespaced_config_map, names.configmap_name(name))):
             with contextlib.suppress(ApiException):
                 read(obj, NS)
                 left.append(obj)
-        return not left and not _pods(kube, name)
+        return left
 
-    wait_for(gone)
+    wait_for(lambda: not dependents_left() and not _pods(kube, name))
     assert not any(p["pod"].startswith(name) for p in k8s.processes())
+    job = batch.read_namespaced_job(name, NS)
+    assert job.spec.suspend and names.ANN_CANCELLED in job.metadata.annotations
+    time.sleep(3)  # the Job controller has had its turns: nothing starts again
+    assert not _pods(kube, name) and not any(p["pod"].startswith(name)
+                                             for p in k8s.processes())
+    later = asyncio.run(backend.astatus([handle]))[handle.job_id]
+    assert (later.state, later.ended_at) == (JobState.CANCELLED, status.ended_at)
     backend.cancel(handle)  # safe twice
+    again = _submit(backend, {"num_nodes": 2, "run": "sleep 60", "secrets": {"TOKEN": "x"}},
+                    name)  # a retried submit adopts it and does not start it again
+    assert again.adopted and backend.status([again])[name].state == JobState.CANCELLED
+    assert batch.read_namespaced_job(name, NS).spec.suspend
+    backend.cleanup(handle)
+    wait_for(lambda: backend.find(name) is None)
     assert backend.status([handle])[handle.job_id].state == JobState.LOST
+    backend.cancel(handle)  # and after cleanup
+    backend.cleanup(handle)
+
+
+def test_cancel_where_pods_may_not_be_listed_leaves_it_to_the_suspend(k8s, kube):
+    """RBAC without pod listing: cancel marks and suspends the Job, and the Job controller
+    deletes the pods of a suspended Job."""
+    backend = KubernetesBackend("k8s_sandbox_nopods")
+    handle = _submit(backend, {"run": "sleep 60", "secrets": {"TOKEN": "x"}})
+    wait_for(lambda: any(p["pod"].startswith(handle.job_name) for p in k8s.processes()))
+    backend.cancel(handle)
+    assert backend.status([handle])[handle.job_id].state == JobState.CANCELLED
+    wait_for(lambda: not _pods(kube, handle.job_name) and not any(
+        p["pod"].startswith(handle.job_name) for p in k8s.processes()))
+    with pytest.raises(ApiException):
+        _core(kube).read_namespaced_secret(names.secret_name(handle.job_name), NS)
+    backend.cleanup(handle)
 
 
 def test_a_submission_cut_short_is_finished_on_adoption(k8s, kube):

@@ -416,6 +416,20 @@ def test_foreground_delete_removes_pods_and_processes(
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
+def test_suspending_a_running_job_deletes_its_pods(
+    k8s: KubernetesSandbox, core: client.CoreV1Api, batch: client.BatchV1Api
+) -> None:
+    """As the real Job controller (KEP-2232): a Job suspended while it runs loses its active
+    pods (gracefully) and gets no new ones; the Job object stays."""
+    batch.create_namespaced_job(NS, job_body("susp", "sleep 120", completions=2, indexed=True))
+    wait_for(lambda: len([p for p in job_pods(core, "susp") if p.status.phase == "Running"]) == 2)
+    batch.patch_namespaced_job("susp", NS, {"spec": {"suspend": True}})
+    wait_for(lambda: not job_pods(core, "susp") and not k8s.processes())
+    time.sleep(3)  # the controller has had its turns: nothing is started again
+    assert not job_pods(core, "susp") and not k8s.processes()
+    assert batch.read_namespaced_job("susp", NS).spec.suspend
+
+
 def test_default_job_delete_orphans_pods(core: client.CoreV1Api, batch: client.BatchV1Api) -> None:
     batch.create_namespaced_job(NS, job_body("orphan", "sleep 30"))
     wait_for(lambda: job_pods(core, "orphan"))

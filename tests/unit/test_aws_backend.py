@@ -17,6 +17,7 @@ import stat
 import subprocess
 import tarfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -402,6 +403,187 @@ def test_markers_from_s3_keys():
                               "rank-2/bootstrap_error": "IMDS unreachable\n"})
     assert m.exit_codes == {0: 0, 1: 137} and m.errors == {2: "IMDS unreachable"}
     assert m.preempted == {1: ""} and m.aborted == {3} and m.setup_done == {0}
+
+
+def test_a_terminal_status_ends_when_aws_recorded_it():
+    """Every poll gives the same ended_at: the deciding marker's time, the cancel's, the
+    instance's transition; the job's newest object, or now, only when nothing says."""
+    m = Markers(exit_codes={0: 0, 1: 0}, written={(0, "exit_code"): 150.0,
+                                                 (1, "exit_code"): 160.0}, last_write=170.0)
+    two = [_inst(0, "terminated"), _inst(1, "terminated")]
+    assert judge(2, False, two, m, now=200.0).ended_at == 160.0
+    assert judge(2, False, two, m, now=900.0).ended_at == 160.0
+    m = Markers(exit_codes={1: 7}, written={(1, "exit_code"): 155.0})
+    assert judge(2, False, two, m, now=200.0).ended_at == 155.0
+    m = Markers(errors={0: "x"}, written={(0, "bootstrap_error"): 120.0})
+    assert judge(1, False, two[:1], m, now=200.0).ended_at == 120.0
+    m = Markers(preempted={0: ""}, written={(0, "preempted"): 130.0})
+    assert judge(1, True, [_inst(0, "running", spot=True)], m, now=200.0).ended_at == 130.0
+    tagged = _inst(0, "terminated", tags={"skypilot-airflow:cancelled":
+                                          launch.cancelled_tag_value(140.25)})
+    st = judge(1, False, [tagged], Markers(), now=200.0)
+    assert (st.state, st.ended_at) == (JobState.CANCELLED, 140.25)
+    from airflow_skypilot.backends.aws.ec2 import transition_time
+
+    when = transition_time("User initiated (2024-05-01 12:00:00 GMT)")
+    assert when == 1714564800.0 and transition_time("") is None
+    reclaimed = _inst(0, "terminated", spot=True, code="Server.SpotInstanceTermination")
+    reclaimed.transition_time = when
+    assert judge(1, True, [reclaimed], Markers(last_write=99.0), now=200.0).ended_at == when
+    old_tag = _inst(0, "terminated", tags={"skypilot-airflow:cancelled": "1"})
+    assert judge(1, False, [old_tag], Markers(last_write=99.0), now=200.0).ended_at == 99.0
+    assert judge(1, False, [], Markers(last_write=98.0), now=200.0).ended_at == 98.0
+
+
+class _S3Error(Exception):
+    def __init__(self, code):
+        super().__init__(code)
+        self.response = {"Error": {"Code": code, "Message": code}}
+
+
+class _FakeS3:
+    """S3 as the backend uses it: paginated, ordered listings (``page`` keys a page) and
+    ranged reads; every request is recorded."""
+
+    def __init__(self, objects: dict[str, bytes], page: int = 3):
+        self.objects, self.page, self.calls = dict(objects), page, []
+        self.modified = {k: 1000.0 + i for i, k in enumerate(sorted(objects))}
+
+    def get_paginator(self, name):
+        s3 = self
+
+        class Paginator:
+            def paginate(self, Bucket, Prefix="", StartAfter=""):
+                keys = sorted(k for k in s3.objects if k.startswith(Prefix) and k > StartAfter)
+                for i in range(0, max(len(keys), 1), s3.page):
+                    s3.calls.append(("list", Prefix, StartAfter))
+                    chunk = keys[i:i + s3.page]
+                    yield {"Contents": [{
+                        "Key": k, "ETag": f"e{len(s3.objects[k])}", "Size": len(s3.objects[k]),
+                        "LastModified": datetime.fromtimestamp(s3.modified[k], timezone.utc)}
+                        for k in chunk]}
+        return Paginator()
+
+    def get_object(self, Bucket, Key, Range=None):
+        self.calls.append(("get", Key, Range))
+        if Key not in self.objects:
+            raise _S3Error("NoSuchKey")
+        data = self.objects[Key]
+        if Range:
+            start, _, end = Range.removeprefix("bytes=").partition("-")
+            if int(start) >= len(data):
+                raise _S3Error("InvalidRange")
+            data = data[int(start):int(end) + 1 if end else None]
+        return {"Body": io.BytesIO(data)}
+
+
+class _FakeClients:
+    def __init__(self, s3):
+        self.s3 = s3
+
+    def client(self, service, region, attempts=3):
+        assert service == "s3"
+        return self.s3
+
+    def error(self, exc, what):
+        from airflow_skypilot.exceptions import BackendError
+
+        return BackendError(f"{what}: {exc}")
+
+
+def _aws_handle(name, nodes=1):
+    from airflow_skypilot.backends.base import JobHandle
+
+    return JobHandle(backend="aws", connection="c", job_id=name, job_name=name,
+                     location="us-east-1/us-east-1a", infra="aws/us-east-1/us-east-1a",
+                     num_nodes=nodes, extra={"bucket": "b", "prefix": f"jobs/{name}/"})
+
+
+def test_one_listing_reads_the_markers_of_every_job():
+    from airflow_skypilot.backends.aws.status import MarkerReader, listing_call
+
+    objects = {f"jobs/old-{i}/rank-0/exit_code": b"0\n" for i in range(4)}  # other jobs
+    objects.update({f"jobs/job-z{i}/rank-0/log": b"x" for i in range(4)})
+    objects.update({"jobs/job-a/rank-0/log": b"hello\n", "jobs/job-a/rank-0/exit_code": b"3\n",
+                    "jobs/job-b/rank-0/log": b"hi\n", "jobs/job-b/handle.json": b"{}",
+                    "jobs/job-c/rank-0/setup_done": b"0\n", "jobs/job-bb/rank-0/log": b"",
+                    "jobs/job-c/rank-1/exit_code": b"0\n"})
+    s3 = _FakeS3(objects)
+    reader = MarkerReader(_FakeClients(s3))
+    handles = [_aws_handle(n, 2) for n in ("job-c", "job-a", "job-b")]
+    found = reader.read_many(AwsSettings(regions=["us-east-1"]), handles)
+    lists = [c for c in s3.calls if c[0] == "list"]
+    # one listing of the common prefix, from just before job-a; it stops on the page that
+    # passes job-c (3 pages of 3 keys: job-a .. job-c, then job-z0, job-z1): the old jobs
+    # before are never listed, the later ones only as far as that page
+    assert lists == [("list", "jobs/job-", "jobs/job-a")] * 3
+    gets = [c[1] for c in s3.calls if c[0] == "get"]
+    assert gets == ["jobs/job-a/rank-0/exit_code", "jobs/job-c/rank-1/exit_code"]
+    assert found["job-a"].exit_codes == {0: 3} and found["job-a"].log_sizes == {0: 6}
+    assert found["job-b"].exit_codes == {} and found["job-b"].log_sizes == {0: 3}
+    assert found["job-c"].exit_codes == {1: 0} and found["job-c"].setup_done == {0}
+    assert found["job-a"].when(0, "exit_code") == s3.modified["jobs/job-a/rank-0/exit_code"]
+    s3.calls.clear()
+    reader.read_many(AwsSettings(regions=["us-east-1"]), handles)  # content: once per ETag
+    assert not [c for c in s3.calls if c[0] == "get"]
+    assert listing_call(["jobs/a/"]) == ({"Prefix": "jobs/a/"}, "jobs/a/")
+
+
+def _log_objects(rank0: bytes, rank1: bytes, ended=(0, 1)):
+    objects = {"jobs/j/rank-0/log": rank0, "jobs/j/rank-1/log": rank1}
+    objects.update({f"jobs/j/rank-{r}/exit_code": b"0\n" for r in ended})
+    return objects
+
+
+def _read_all(s3, handle, view, limit):
+    from airflow_skypilot.backends.aws.logs import read_log
+
+    out, offset = [], 0
+    for _ in range(1000):
+        text, offset = read_log(_FakeClients(s3), AwsSettings(regions=["us-east-1"]), handle,
+                                offset, limit, view)
+        if not text:
+            return "".join(out), offset
+        out.append(text)
+    raise AssertionError("no end")
+
+
+def test_the_log_of_several_ranks_is_rank_0_then_the_others_prefixed():
+    from airflow_skypilot.backends.aws.logs import JobView, read_log
+    from airflow_skypilot.backends.aws.status import MarkerReader
+
+    handle, settings = _aws_handle("j", 2), AwsSettings(regions=["us-east-1"])
+    rank0 = "r0 start\nr0 ☃ end".encode()  # no newline at its end
+    rank1 = b"r1 one\nr1 two\n"
+    s3 = _FakeS3(_log_objects(rank0, rank1, ended=(0,)))
+    running = JobView(MarkerReader(_FakeClients(s3)).read_many(settings, [handle])["j"])
+    assert not running.final(2)
+    assert read_log(_FakeClients(s3), settings, handle, 0, view=running) == (
+        rank0.decode(), len(rank0))  # while it runs: rank 0 only
+    s3 = _FakeS3(_log_objects(rank0, rank1))
+    final = JobView(MarkerReader(_FakeClients(s3)).read_many(settings, [handle])["j"])
+    assert final.final(2)
+    whole = rank0.decode() + "\n(rank 1) r1 one\n(rank 1) r1 two\n"
+    size = len(whole.encode())
+    assert read_log(_FakeClients(s3), settings, handle, 0, view=final) == (whole, size)
+    assert read_log(_FakeClients(s3), settings, handle, len(rank0), view=final) == (
+        whole.encode()[len(rank0):].decode(), size)  # what streaming rank 0 left
+    assert read_log(_FakeClients(s3), settings, handle, size, view=final) == ("", size)
+    for limit in (4, 5, 7, 64):  # in pieces, never half a character: the same text
+        assert _read_all(s3, handle, final, limit) == (whole, size)
+    # every instance gone without end markers: final as well, with what was written
+    s3 = _FakeS3(_log_objects(rank0, rank1, ended=()))
+    gone = JobView(MarkerReader(_FakeClients(s3)).read_many(settings, [handle])["j"], True)
+    assert read_log(_FakeClients(s3), settings, handle, 0, view=gone) == (whole, size)
+    # a rank without a log, and one node: nothing else to read
+    s3 = _FakeS3({"jobs/j/rank-0/log": b"only\n", "jobs/j/rank-0/exit_code": b"0\n",
+                  "jobs/j/rank-1/exit_code": b"0\n"})
+    view = JobView(MarkerReader(_FakeClients(s3)).read_many(settings, [handle])["j"])
+    assert read_log(_FakeClients(s3), settings, handle, 0, view=view) == ("only\n", 5)
+    one = _aws_handle("j", 1)
+    s3.calls.clear()
+    assert read_log(_FakeClients(s3), settings, one, 2, view=None) == ("ly\n", 5)
+    assert len(s3.calls) == 1
 
 
 def test_log_decoding_keeps_partial_characters():

@@ -612,6 +612,138 @@ def test_pending_reasons_lost_and_cancelled():
     assert _status(_job([{"type": "Complete"}], deleting=True), []).state == JobState.SUCCEEDED
 
 
+def _cancelled(job, seconds_ago=2.0):
+    job["metadata"]["annotations"] = {
+        names.ANN_CANCELLED: datetime.fromtimestamp(NOW - seconds_ago, UTC).isoformat()}
+    job["spec"]["suspend"] = True
+    return job
+
+
+def test_our_cancel_reads_cancelled_until_the_job_is_gone():
+    st = _status(_cancelled(_job()), [])
+    assert st.state == JobState.CANCELLED and not st.state.infra_failure
+    assert names.ANN_CANCELLED in st.reason and st.exit_code is None
+    assert st.ended_at == pytest.approx(NOW - 2.0)  # when it was cancelled, on every poll
+    assert _status(_cancelled(_job()), [], now=NOW + 60).ended_at == st.ended_at
+    # what the pods and the controller did after the cancel (pods killed and counted as
+    # failed, the Job failed by its policy) is the cancel's doing: cancel marks only a Job
+    # that had not ended
+    killed = _jpod(phase="Failed", state=_term(143), deleting=True)
+    after = {"type": "Failed", "reason": "PodFailurePolicy", "lastTransitionTime": _ts(1),
+             "message": "Container main for pod ns/j-0-x failed with exit code 143"}
+    assert _status(_cancelled(_job([after])), [killed]).state == JobState.CANCELLED
+    assert _status(_cancelled(_job([after])), [_jpod(phase="Failed", state=_term(143))]
+                   ).state == JobState.CANCELLED
+    assert _status(_cancelled(_job(failed=1)), []).state == JobState.CANCELLED
+    assert _status(_cancelled(_job()), [_jpod()]).state == JobState.CANCELLED
+    # a success that raced the cancel is a success
+    assert _status(_cancelled(_job([{"type": "Complete"}])), []).state == JobState.SUCCEEDED
+    # a cancelled Job is suspended but not a submission cut short
+    old = _cancelled(_job())
+    old["metadata"].update(creationTimestamp=_ts(600))
+    old["metadata"]["annotations"]["skypilot.airflow/managed"] = "true"
+    assert _status(old, []).state == JobState.CANCELLED
+    from airflow_skypilot.backends.kubernetes import submit
+    assert submit.is_cancelled(old) and not submit.needs_finishing(old)
+    # absent from a list that succeeded: lost, whatever we did before
+    assert _status(None, []).state == JobState.LOST
+
+
+class _FakeKube:
+    """The calls submit.cancel makes, on one Job and its pods."""
+
+    def __init__(self, job, pods, pods_forbidden=False):
+        from types import SimpleNamespace
+
+        self.job, self.pods, self.calls = job, pods, []
+        self.forbidden = pods_forbidden
+        names_ = ("read_namespaced_job", "patch_namespaced_job", "list_namespaced_pod",
+                  "delete_namespaced_pod", "delete_namespaced_service",
+                  "delete_namespaced_secret", "delete_namespaced_config_map",
+                  "delete_namespaced_job")
+        api = SimpleNamespace(**{n: n for n in names_})
+        self._apis = (api, api)
+
+    def apis(self):
+        return self._apis
+
+    def call(self, fn, *args, **kw):
+        from airflow_skypilot.backends.kubernetes.client import KubeApiError
+
+        self.calls.append((fn, args[0] if args else None))
+        if fn == "read_namespaced_job":
+            if self.job is None:
+                raise KubeApiError(404, "not found")
+            return self.job
+        if fn == "list_namespaced_pod":
+            if self.forbidden:
+                raise KubeApiError(403, "forbidden")
+            return {"items": self.pods}
+        if fn == "patch_namespaced_job":
+            for op in args[2]:
+                if op["path"].startswith("/metadata/annotations"):
+                    self.job["metadata"].setdefault("annotations", {})[
+                        names.ANN_CANCELLED] = op["value"]
+                else:
+                    self.job["spec"]["suspend"] = op["value"]
+        return {}
+
+
+def test_cancel_marks_only_a_job_that_had_not_ended():
+    from airflow_skypilot.backends.kubernetes import submit
+
+    def patched(kube):
+        return any(fn == "patch_namespaced_job" for fn, _ in kube.calls)
+
+    running = _FakeKube(_job(), [_jpod()])
+    done = submit.cancel(running, "ns", "j", now=NOW)
+    assert patched(running) and submit.is_cancelled(running.job) and running.job["spec"]["suspend"]
+    assert ("delete_namespaced_pod", "j-0-x") in running.calls
+    assert ("delete_namespaced_secret", "j-secrets") in running.calls
+    assert "marked cancelled and suspended" in done
+    assert _status(running.job, []).state == JobState.CANCELLED
+    again = _FakeKube(running.job, [])
+    submit.cancel(again, "ns", "j")  # twice: marked once
+    assert not patched(again)
+    for job, pods in ((_job([{"type": "Failed", "reason": "PodFailurePolicy"}]), []),
+                      (_job([{"type": "Complete"}]), []),
+                      (_job(), [_jpod(phase="Failed", state=_term(3))])):  # no verdict yet
+        ended = _FakeKube(job, pods)
+        submit.cancel(ended, "ns", "j")
+        assert not patched(ended) and not submit.is_cancelled(ended.job)
+        assert ("delete_namespaced_secret", "j-secrets") in ended.calls
+    blind = _FakeKube(_job(), [], pods_forbidden=True)  # the controller deletes the pods
+    assert "pods may not be listed" in " ".join(submit.cancel(blind, "ns", "j"))
+    assert patched(blind) and blind.job["spec"]["suspend"]
+    gone = _FakeKube(None, [])
+    submit.cancel(gone, "ns", "j")
+    assert not patched(gone) and ("delete_namespaced_secret", "j-secrets") in gone.calls
+
+
+def test_success_has_exit_code_0_and_terminal_states_a_stable_end():
+    done = _jpod(phase="Succeeded", state=_term(0, "Completed"))
+    complete = {"type": "Complete", "lastTransitionTime": _ts(3)}
+    for job, pods in ((_job([complete]), []), (_job(), [done])):
+        st = _status(job, pods)
+        assert (st.state, st.exit_code) == (JobState.SUCCEEDED, 0)
+        assert st.ended_at == _status(job, pods, now=NOW + 60).ended_at
+    failed = {"type": "Failed", "reason": "PodFailurePolicy", "lastTransitionTime": _ts(7),
+              "message": "Container main for pod ns/j-0-x failed with exit code 42"}
+    st = _status(_job([failed]), [])  # the pods are gone: the condition's time
+    assert st.ended_at == pytest.approx(NOW - 7, abs=1)
+    assert _status(_job([failed]), [], now=NOW + 60).ended_at == st.ended_at
+    # a rank's failure: when it failed, not when the controller killed the other ranks
+    first = _jpod(1, phase="Failed", state={"terminated": {"exitCode": 3,
+                                                           "finishedAt": _ts(9)}})
+    killed = _jpod(0, phase="Failed", state={"terminated": {"exitCode": 143,
+                                                            "finishedAt": _ts(2)}},
+                   deleting=True)
+    for job in (_job(), _job([failed])):
+        st = _status(job, [killed, first], num_nodes=2)
+        assert (st.state, st.exit_code) == (JobState.FAILED, 3)
+        assert st.ended_at == pytest.approx(NOW - 9, abs=1)
+
+
 # --- logs ------------------------------------------------------------------------------------
 
 

@@ -28,7 +28,8 @@ def _offers(resources, num_nodes=1):
 def test_offers_read_the_probe_through_the_shared_fit_rule():
     _, got = _offers({"accelerators": "A100:2"}, num_nodes=2)
     batch = got["batch"]
-    assert batch.fits and batch.infra == "slurm/alpha/batch" and batch.accelerator == "a100"
+    assert batch.fits and batch.infra == "slurm/alpha/batch" and batch.accelerator == "A100"
+    assert batch.details["gres_type"] == "a100"  # what submit asks Slurm for
     assert (batch.nodes_total, batch.nodes_free) == (3, 2)  # a3 is down
     assert (batch.gpus_total, batch.gpus_free) == (12, 6)
     assert batch.pending_jobs == 2 and batch.price_per_hour == 2 * (2 * 2 + 1)

@@ -11,8 +11,10 @@ submit
     :mod:`.launch`: quota check, AMI, user-data (:mod:`.userdata`), secrets to SSM,
     RunInstances with AZ fallback; the handle goes to S3 (:mod:`.handles`).
 status
-    one ``DescribeInstances`` per region for every watched job, plus one S3 listing per job
-    with a started instance (:mod:`.status`); logs are S3 range reads (:mod:`.logs`).
+    one ``DescribeInstances`` per region and one S3 listing per bucket for every watched job,
+    whatever their number (:mod:`.status`); logs are S3 range reads (:mod:`.logs`), rank 0
+    while a job runs and every rank once it has ended. The triggerer's log read reuses what the
+    poll just before it listed (:attr:`AwsBackend.SEEN_MAX_AGE`).
 
 S3 layout, under ``s3://<s3_bucket>/<s3_prefix><job name>/``: ``handle.json`` (written at
 submit: lets a retried worker find the job even after EC2 forgot its instances),
@@ -33,6 +35,7 @@ from typing import Any
 from airflow_skypilot.backends.aws import ec2, launch, logs, offers, userdata
 from airflow_skypilot.backends.aws.catalog import InstanceTypeInfo, on_demand_price, region_catalog
 from airflow_skypilot.backends.aws.clients import AwsClients
+from airflow_skypilot.backends.aws.ec2 import InstanceView
 from airflow_skypilot.backends.aws.handles import (
     HANDLE_OBJECT,
     handle_from_instances,
@@ -57,6 +60,9 @@ from airflow_skypilot.spec.task import ResourceRequest, Task
 
 class AwsBackend(Backend):
     """EC2 instances in the regions of one AWS connection."""
+
+    #: how long what a poll saw of a job stands in for a listing of a log read
+    SEEN_MAX_AGE = 5.0
 
     name = BACKEND
     conn_types = ("aws",)
@@ -85,6 +91,8 @@ class AwsBackend(Backend):
         self._amis = launch.Amis(self._clients)
         self._refused = launch.RefusedAzs()
         self._markers = MarkerReader(self._clients)
+        #: what the last poll saw of each job (log reads reuse it: no extra listing)
+        self._seen: dict[str, tuple[float, logs.JobView]] = {}
 
     @property
     def settings(self) -> AwsSettings:
@@ -309,8 +317,8 @@ class AwsBackend(Backend):
 
     # --- status ------------------------------------------------------------------------------
     async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
-        """One DescribeInstances per region for all handles, then the S3 markers of the
-        jobs with a started instance (one listing each, concurrently)."""
+        """One DescribeInstances per region, then one S3 listing per bucket for the markers
+        of every job with a started instance (none when no instance has started)."""
         if not handles:
             return {}
         s = self.settings
@@ -319,21 +327,13 @@ class AwsBackend(Backend):
             pages = await asyncio.gather(*(ec2.adescribe_jobs(self._clients, region, names)
                                            for region, names in groups.items()))
             instances = ec2.by_job(i for page in pages for i in page)
-            sem = asyncio.Semaphore(16)
-
-            async def markers_of(h: JobHandle) -> Markers:
-                if not needs_markers(instances.get(h.job_name, [])):
-                    return Markers()
-                async with sem:
-                    return await self._markers.aread(s, h)
-
-            found = await asyncio.gather(*(markers_of(h) for h in handles))
+            listed = [h for h in handles if needs_markers(instances.get(h.job_name, []))]
+            markers = await self._markers.aread_many(s, listed) if listed else {}
         except BackendError:
             raise
         except Exception as exc:
             raise self._clients.error(exc, "status poll") from exc
-        return {h.job_id: judge_handle(h, instances.get(h.job_name, []), m)
-                for h, m in zip(handles, found, strict=True)}
+        return self._judge(handles, instances, markers)
 
     def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """The same as :meth:`astatus`, with boto3 from the worker."""
@@ -343,19 +343,65 @@ class AwsBackend(Backend):
         for region, names in group_by_region(handles).items():
             raw += ec2.describe_jobs(self._clients, region, names)
         instances = ec2.by_job(raw)
+        listed = [h for h in handles if needs_markers(instances.get(h.job_name, []))]
+        markers = self._markers.read_many(self.settings, listed) if listed else {}
+        return self._judge(handles, instances, markers)
+
+    def _judge(self, handles: list[JobHandle], instances: dict[str, list[InstanceView]],
+               markers: dict[str, Markers]) -> dict[str, JobStatus]:
+        now = time.monotonic()
+        self._seen = {name: seen for name, seen in self._seen.items()
+                      if now - seen[0] <= self.SEEN_MAX_AGE}
         out = {}
         for h in handles:
             insts = instances.get(h.job_name, [])
-            markers = self._markers.read(self.settings, h) if needs_markers(insts) else Markers()
-            out[h.job_id] = judge_handle(h, insts, markers)
+            found = markers.get(h.job_name) or Markers()  # none listed: no instance started
+            out[h.job_id] = judge_handle(h, insts, found)
+            self._seen[h.job_name] = (now, logs.JobView(found, logs.instances_gone(h, insts)))
         return out
 
     # --- logs --------------------------------------------------------------------------------
+    def _view(self, handle: JobHandle) -> logs.JobView | None:
+        seen = self._seen.get(handle.job_name)
+        if seen is not None and time.monotonic() - seen[0] <= self.SEEN_MAX_AGE:
+            return seen[1]
+        return None
+
     def read_log(self, handle: JobHandle, offset: int = 0,
                  limit: int = logs.LOG_LIMIT) -> tuple[str, int]:
-        """Rank 0's log from byte ``offset`` (an S3 range read)."""
-        return logs.read_log(self._clients, self.settings, handle, offset, limit)
+        """The job's output from byte ``offset`` (:mod:`.logs`: rank 0 while it runs, then
+        every rank)."""
+        view = self._view(handle)
+        if view is None and handle.num_nodes > 1:
+            view = self._fresh_view(handle)
+        return logs.read_log(self._clients, self.settings, handle, offset, limit, view)
 
     async def aread_log(self, handle: JobHandle, offset: int = 0,
                              limit: int = logs.LOG_LIMIT) -> tuple[str, int]:
-        return await logs.aread_log(self._clients, self.settings, handle, offset, limit)
+        view = self._view(handle)
+        if view is None and handle.num_nodes > 1:
+            view = await self._afresh_view(handle)
+        return await logs.aread_log(self._clients, self.settings, handle, offset, limit, view)
+
+    def _fresh_view(self, handle: JobHandle) -> logs.JobView:
+        """The instances first, then the listing: a job whose instances are gone has written
+        everything it will by then, so the listing shows its final logs."""
+        insts = ec2.by_job(ec2.describe_jobs(self._clients, region_of(handle),
+                                             [handle.job_name])).get(handle.job_name, [])
+        found = self._markers.read_many(self.settings, [handle])[handle.job_name]
+        return self._saw(handle, logs.JobView(found, logs.instances_gone(handle, insts)))
+
+    def _saw(self, handle: JobHandle, view: logs.JobView) -> logs.JobView:
+        self._seen[handle.job_name] = (time.monotonic(), view)
+        return view
+
+    async def _afresh_view(self, handle: JobHandle) -> logs.JobView:
+        try:
+            raw = await ec2.adescribe_jobs(self._clients, region_of(handle), [handle.job_name])
+            insts = ec2.by_job(raw).get(handle.job_name, [])
+            found = (await self._markers.aread_many(self.settings, [handle]))[handle.job_name]
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise self._clients.error(exc, f"reading the state of {handle.job_name}") from exc
+        return self._saw(handle, logs.JobView(found, logs.instances_gone(handle, insts)))

@@ -11,6 +11,7 @@ numbers its instances 0..N-1).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -22,10 +23,41 @@ from airflow_skypilot.backends.aws.settings import AwsSettings
 TAG_JOB = "skypilot-airflow:job-name"
 TAG_META = "skypilot-airflow:meta"
 TAG_CONN = "skypilot-airflow:connection"
+#: set by cancel before it terminates the instances; the value is when (ISO 8601, UTC)
 TAG_CANCELLED = "skypilot-airflow:cancelled"
 
 ALIVE = ("pending", "running")
 GONE = ("shutting-down", "terminated", "stopping", "stopped")
+#: EC2's StateTransitionReason carries the transition's time: "User initiated (2024-05-01
+#: 12:00:00 GMT)"
+_TRANSITION_TIME = re.compile(r"\((\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}) ?(?:GMT|UTC|Z)?\)")
+
+
+def transition_time(reason: str) -> float | None:
+    """The time in an instance's ``StateTransitionReason`` (epoch seconds), if it has one."""
+    match = _TRANSITION_TIME.search(reason or "")
+    if not match:
+        return None
+    try:
+        when = datetime.fromisoformat(match.group(1).replace(" ", "T"))
+    except ValueError:
+        return None
+    return when.replace(tzinfo=timezone.utc).timestamp()
+
+
+def cancelled_tag_value(now: float) -> str:
+    """The :data:`TAG_CANCELLED` value: when the job was cancelled."""
+    return datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def cancelled_at(value: str | None) -> float | None:
+    """When a :data:`TAG_CANCELLED` value says the job was cancelled (None: it does not say,
+    as tags of earlier versions, "1", do not)."""
+    try:
+        when = datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 @dataclass
@@ -39,6 +71,8 @@ class InstanceView:
     reason_code: str = ""
     reason: str = ""
     launch_time: float | None = None
+    #: when it entered its current state (from StateTransitionReason; None: not said)
+    transition_time: float | None = None
     private_ip: str = ""
     az: str = ""
     reservation_id: str = ""
@@ -59,7 +93,9 @@ class InstanceView:
             spot=inst.get("InstanceLifecycle") == "spot",
             reason_code=reason.get("Code", ""),
             reason=reason.get("Message") or inst.get("StateTransitionReason") or "",
-            launch_time=launch_time, private_ip=inst.get("PrivateIpAddress") or "",
+            launch_time=launch_time,
+            transition_time=transition_time(inst.get("StateTransitionReason") or ""),
+            private_ip=inst.get("PrivateIpAddress") or "",
             az=(inst.get("Placement") or {}).get("AvailabilityZone", ""),
             reservation_id=reservation_id, instance_type=inst.get("InstanceType", ""),
             tags={t["Key"]: t["Value"] for t in inst.get("Tags") or []})

@@ -37,6 +37,7 @@ from airflow_skypilot.backends.aws.ec2 import (
     TAG_CONN,
     TAG_JOB,
     TAG_META,
+    cancelled_tag_value,
     describe_instances,
     offerings,
     subnet_azs,
@@ -324,7 +325,8 @@ def terminate(clients: AwsClients, region: str, job_name: str, known_ids: list[s
     untagged = ""
     if cancelled:
         try:
-            ec2.create_tags(Resources=alive, Tags=[{"Key": TAG_CANCELLED, "Value": "1"}])
+            ec2.create_tags(Resources=alive, Tags=[{"Key": TAG_CANCELLED,
+                                                    "Value": cancelled_tag_value(time.time())}])
         except Exception as exc:  # the tag only makes the status say "cancelled"
             untagged = str(exc)
     try:

@@ -4,21 +4,41 @@ Each node writes under ``<job prefix>rank-<r>/``: ``exit_code`` (the program's),
 (a spot interruption notice), ``bootstrap_error``, ``aborted`` (another node failed before run)
 and ``setup_done`` (the setup barrier). :func:`judge` applies SkyPilot's rule: the program's
 exit code decides when there is one; an allocation lost without one is the infrastructure's
-fault. The markers of a job are one S3 listing; the content of ``exit_code`` and
-``bootstrap_error`` is read once per object version (ETag), for the sync and async readers
+fault.
+
+A poll reads the markers of all its jobs with one paginated ``ListObjectsV2`` per bucket
+(:class:`MarkerReader`): the jobs' prefixes share the connection's ``s3_prefix``, so one
+listing of their common prefix, started just before the first job's prefix and stopped past the
+last one's (S3 lists keys in order), covers them all, and each key goes to the job whose prefix
+it has. The request count grows with the objects in that key range (a page is 1000 keys), not
+with the number of jobs. The content of ``exit_code`` and ``bootstrap_error`` is read only for
+the jobs where one appeared, once per object version (ETag), for the sync and async readers
 alike.
+
+A terminal status carries when the job ended as AWS recorded it, so every poll reports the same
+``ended_at``: the deciding marker's ``LastModified``, the time of the cancel (its tag), or the
+instance's state transition time; the job's newest object when nothing else says.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from airflow_skypilot.backends.aws.clients import AwsClients
-from airflow_skypilot.backends.aws.ec2 import GONE, TAG_CANCELLED, InstanceView, newest_reservation
+from airflow_skypilot.backends.aws.ec2 import (
+    GONE,
+    TAG_CANCELLED,
+    InstanceView,
+    cancelled_at,
+    newest_reservation,
+)
 from airflow_skypilot.backends.aws.handles import job_objects, region_of
 from airflow_skypilot.backends.aws.settings import AwsSettings
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
@@ -26,6 +46,15 @@ from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 _MARKER_RE = re.compile(r"^rank-(\d+)/(exit_code|bootstrap_error|preempted|aborted|setup_done)$")
 #: markers whose content matters (the rest only need to exist)
 CONTENT_MARKERS = ("exit_code", "bootstrap_error")
+
+
+@dataclass
+class S3Object:
+    """One object of a job, as a listing shows it."""
+
+    etag: str = ""
+    size: int = 0
+    modified: float | None = None
 
 
 @dataclass
@@ -37,10 +66,24 @@ class Markers:
     preempted: dict[int, str] = field(default_factory=dict)
     aborted: set[int] = field(default_factory=set)
     setup_done: set[int] = field(default_factory=set)
+    #: (rank, marker name) -> the marker's LastModified
+    written: dict[tuple[int, str], float] = field(default_factory=dict)
+    #: rank -> the size of its ``rank-<r>/log`` as listed
+    log_sizes: dict[int, int] = field(default_factory=dict)
+    #: the newest LastModified of any of the job's objects
+    last_write: float | None = None
 
     @property
     def any(self) -> bool:
         return bool(self.exit_codes or self.errors or self.preempted or self.aborted)
+
+    def ended(self, rank: int) -> bool:
+        """Has ``rank`` ended (an exit code, a bootstrap error or an abort)? Its node ships
+        its log before the marker, so its log is complete then."""
+        return rank in self.exit_codes or rank in self.errors or rank in self.aborted
+
+    def when(self, rank: int, name: str) -> float | None:
+        return self.written.get((rank, name))
 
 
 def marker_keys(keys: Iterable[str]) -> list[tuple[str, int, str]]:
@@ -53,9 +96,23 @@ def marker_keys(keys: Iterable[str]) -> list[tuple[str, int, str]]:
     return out
 
 
-def build_markers(found: Iterable[tuple[str, int, str]], content: Mapping[str, str]) -> Markers:
+_LOG_RE = re.compile(r"^rank-(\d+)/log$")
+
+
+def build_markers(found: Iterable[tuple[str, int, str]], content: Mapping[str, str],
+                  objects: Mapping[str, S3Object] | None = None) -> Markers:
+    """The markers ``found`` (:func:`marker_keys`), with the text of those whose content
+    matters, and what the listing said of each of the job's ``objects`` (relative key)."""
     markers = Markers()
+    objects = objects or {}
+    for key, obj in objects.items():
+        if obj.modified is not None:
+            markers.last_write = max(markers.last_write or obj.modified, obj.modified)
+        if match := _LOG_RE.match(key):
+            markers.log_sizes[int(match.group(1))] = obj.size
     for key, rank, name in found:
+        if key in objects and objects[key].modified is not None:
+            markers.written[(rank, name)] = objects[key].modified  # type: ignore[assignment]
         text = (content.get(key) or "").strip()
         if name == "exit_code":
             try:
@@ -90,27 +147,35 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
     ips = [i.private_ip for i in instances if i.private_ip]
     raw = ",".join(f"{i.rank}:{i.state}" for i in instances) or "(no instances)"
 
-    def status(state: JobState, reason: str = "", code: int | None = None) -> JobStatus:
+    def status(state: JobState, reason: str = "", code: int | None = None,
+               ended: float | None = None) -> JobStatus:
+        """``ended``: when AWS recorded the end (else the job's newest object, else now)."""
+        end = (ended or markers.last_write or now) if state.terminal else None
         return JobStatus(state, reason=reason, exit_code=code, started_at=started,
-                         ended_at=now if state.terminal else None, nodes=ips, raw_state=raw)
+                         ended_at=end, nodes=ips, raw_state=raw)
 
     failed = sorted((r, c) for r, c in markers.exit_codes.items() if c != 0)
     if failed:
         rank, code = failed[0]
         where = f" on rank {rank}" if num_nodes > 1 else ""
-        return status(JobState.FAILED, f"exit code {code}{where}", code)
+        return status(JobState.FAILED, f"exit code {code}{where}", code,
+                      markers.when(rank, "exit_code"))
     if all(markers.exit_codes.get(r) == 0 for r in range(num_nodes)):
-        return status(JobState.SUCCEEDED, "", 0)
-    cancelled = any(i.tags.get(TAG_CANCELLED) for i in instances)
+        ends = [markers.when(r, "exit_code") for r in range(num_nodes)]
+        return status(JobState.SUCCEEDED, "", 0,
+                      max(ends) if ends and None not in ends else None)  # type: ignore[type-var]
+    cancelled = [i for i in instances if i.tags.get(TAG_CANCELLED)]
     if markers.errors:
         rank, text = sorted(markers.errors.items())[0]
-        return status(JobState.INFRA_FAILED, f"node bootstrap failed on rank {rank}: {text}")
+        return status(JobState.INFRA_FAILED, f"node bootstrap failed on rank {rank}: {text}",
+                      ended=markers.when(rank, "bootstrap_error"))
     lost_state = JobState.PREEMPTED if spot else JobState.INFRA_FAILED
     pending_preempt = {r: t for r, t in markers.preempted.items() if r not in markers.exit_codes}
     if pending_preempt:  # the notice came first: a later cancel does not change what happened
         rank = min(pending_preempt)
         return status(lost_state, f"spot interruption notice on rank {rank}"
-                      + (f": {pending_preempt[rank]}" if pending_preempt[rank] else ""))
+                      + (f": {pending_preempt[rank]}" if pending_preempt[rank] else ""),
+                      ended=markers.when(rank, "preempted"))
     if not instances:
         return status(JobState.LOST, "no instance of the job exists (never launched, or gone)")
     gone = [i for i in instances if i.state in GONE and i.rank not in markers.exit_codes]
@@ -122,9 +187,12 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
             first, what = reclaimed[0], "spot instance reclaimed by EC2 " \
                 f"({reclaimed[0].reason_code})"
         elif cancelled:
-            return status(JobState.CANCELLED, "cancelled (instances terminated)")
+            marks = [t for i in cancelled if (t := cancelled_at(i.tags[TAG_CANCELLED]))]
+            return status(JobState.CANCELLED, "cancelled (instances terminated)",
+                          ended=min(marks) if marks else first.transition_time)
         return status(lost_state, f"instance {first.instance_id} (rank {first.rank}) is "
-                                  f"{first.state} without an exit code: {what}")
+                                  f"{first.state} without an exit code: {what}",
+                      ended=first.transition_time)
     if any(i.state == "pending" for i in instances) or len(instances) < num_nodes:
         return status(JobState.PENDING, f"{sum(i.state == 'running' for i in instances)} of "
                                         f"{num_nodes} instance(s) running")
@@ -153,66 +221,133 @@ def group_by_region(handles: Iterable[JobHandle]) -> dict[str, list[str]]:
     return groups
 
 
-def _add_listing(objects: dict[str, str], page: Mapping[str, Any], prefix: str) -> None:
-    """One ``list_objects_v2`` page into ``objects``: key relative to ``prefix`` -> ETag."""
-    for obj in page.get("Contents", []):
-        objects[obj["Key"][len(prefix):]] = obj.get("ETag", "")
+def listing_call(prefixes: Iterable[str]) -> tuple[dict[str, str], str]:
+    """The one ``ListObjectsV2`` (its ``Prefix`` and ``StartAfter``) that covers every prefix,
+    and the last prefix (past it, the listing can stop: S3 lists keys in order)."""
+    ordered = sorted(set(prefixes))
+    common = os.path.commonprefix(ordered)
+    call = {"Prefix": common}
+    first = ordered[0]
+    if first != common:  # skip the keys before the first job's (StartAfter is exclusive)
+        call["StartAfter"] = first[:-1]
+    return call, ordered[-1]
+
+
+def past(page: Mapping[str, Any], last: str) -> bool:
+    """Is the page's last key beyond every key under ``last`` (no later page is needed)?"""
+    contents = page.get("Contents") or []
+    if not contents:
+        return False
+    key = contents[-1]["Key"]
+    return key > last and not key.startswith(last)
+
+
+def _stamp(value: Any) -> float | None:
+    return value.timestamp() if isinstance(value, datetime) else None
+
+
+class _Listing:
+    """A listing's keys shared out to the jobs (no job prefix is a prefix of another's: job
+    names have no "/")."""
+
+    def __init__(self, prefixes: Iterable[str]):
+        self.prefixes = sorted(set(prefixes))
+        self.objects: dict[str, dict[str, S3Object]] = {p: {} for p in self.prefixes}
+
+    def add(self, page: Mapping[str, Any]) -> None:
+        for obj in page.get("Contents", []):
+            key = obj["Key"]
+            i = bisect_right(self.prefixes, key) - 1
+            if i >= 0 and key.startswith(self.prefixes[i]):
+                self.objects[self.prefixes[i]][key[len(self.prefixes[i]):]] = S3Object(
+                    obj.get("ETag", ""), int(obj.get("Size") or 0),
+                    _stamp(obj.get("LastModified")))
+
+
+def by_bucket(settings: AwsSettings, handles: Iterable[JobHandle]
+              ) -> dict[str, dict[str, list[JobHandle]]]:
+    """Bucket -> job prefix -> the handles with objects there (a job without a bucket has no
+    markers)."""
+    out: dict[str, dict[str, list[JobHandle]]] = {}
+    for h in handles:
+        bucket, prefix = job_objects(settings, h)
+        if bucket:
+            out.setdefault(bucket, {}).setdefault(prefix, []).append(h)
+    return out
 
 
 class MarkerReader:
-    """Reads a job's markers from its S3 prefix; each marker's content once per version."""
+    """Reads the markers of many jobs with one S3 listing per bucket; each marker's content
+    once per version."""
 
     def __init__(self, clients: AwsClients):
         self._clients = clients
         self._cache: dict[tuple[str, str], str] = {}
 
-    def _wanted(self, bucket: str, prefix: str, objects: Mapping[str, str],
+    def _wanted(self, bucket: str, prefix: str, objects: Mapping[str, S3Object],
                 ) -> tuple[list[tuple[str, int, str]], dict[str, tuple[str, str]]]:
-        """The markers among ``objects`` (relative key -> ETag), and the cache key of each one
-        whose content matters (object and ETag: each version is read once)."""
+        """The markers among ``objects`` (relative key -> what the listing said), and the
+        cache key of each one whose content matters (object and ETag: each version is read
+        once)."""
         found = marker_keys(objects)
-        wanted = {key: (f"{bucket}/{prefix}{key}", objects[key])
+        wanted = {key: (f"{bucket}/{prefix}{key}", objects[key].etag)
                   for key, _, name in found if name in CONTENT_MARKERS}
         return found, wanted
 
     def _markers(self, found: list[tuple[str, int, str]],
-                 wanted: Mapping[str, tuple[str, str]]) -> Markers:
-        return build_markers(found, {k: self._cache[c] for k, c in wanted.items()})
+                 wanted: Mapping[str, tuple[str, str]],
+                 objects: Mapping[str, S3Object]) -> Markers:
+        return build_markers(found, {k: self._cache[c] for k, c in wanted.items()}, objects)
 
-    def read(self, settings: AwsSettings, handle: JobHandle) -> Markers:
-        """The markers of the job of ``handle`` (boto3, from the worker)."""
-        bucket, prefix = job_objects(settings, handle)
-        if not bucket:
-            return Markers()
-        s3 = self._clients.client("s3", settings.s3_region)
-        objects: dict[str, str] = {}
-        try:
-            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                     Prefix=prefix):
-                _add_listing(objects, page, prefix)
-            found, wanted = self._wanted(bucket, prefix, objects)
-            for key, cache_key in wanted.items():
-                if cache_key not in self._cache:
-                    body = s3.get_object(Bucket=bucket, Key=prefix + key)["Body"].read()
-                    self._cache[cache_key] = body.decode("utf-8", "replace")
-        except Exception as exc:
-            raise self._clients.error(exc, f"listing s3://{bucket}/{prefix}") from exc
-        return self._markers(found, wanted)
+    def read_many(self, settings: AwsSettings, handles: Iterable[JobHandle]
+                  ) -> dict[str, Markers]:
+        """The markers of the jobs of ``handles``, by job name (boto3, from the worker)."""
+        out: dict[str, Markers] = {h.job_name: Markers() for h in handles}
+        s3 = None
+        for bucket, jobs in by_bucket(settings, handles).items():
+            s3 = s3 or self._clients.client("s3", settings.s3_region)
+            call, last = listing_call(jobs)
+            listing = _Listing(jobs)
+            try:
+                for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, **call):
+                    listing.add(page)
+                    if past(page, last):
+                        break
+                for prefix, objects in listing.objects.items():
+                    found, wanted = self._wanted(bucket, prefix, objects)
+                    for key, cache_key in wanted.items():
+                        if cache_key not in self._cache:
+                            body = s3.get_object(Bucket=bucket, Key=prefix + key)["Body"].read()
+                            self._cache[cache_key] = body.decode("utf-8", "replace")
+                    for h in jobs[prefix]:
+                        out[h.job_name] = self._markers(found, wanted, objects)
+            except Exception as exc:
+                raise self._clients.error(exc, f"listing s3://{bucket}/{call['Prefix']}") \
+                    from exc
+        return out
 
-    async def aread(self, settings: AwsSettings, handle: JobHandle) -> Markers:
-        """The same as :meth:`read` with aiobotocore (errors are the caller's)."""
-        bucket, prefix = job_objects(settings, handle)
-        if not bucket:
-            return Markers()
-        s3 = await self._clients.aclient("s3", settings.s3_region)
-        objects: dict[str, str] = {}
-        async for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                       Prefix=prefix):
-            _add_listing(objects, page, prefix)
-        found, wanted = self._wanted(bucket, prefix, objects)
-        for key, cache_key in wanted.items():
-            if cache_key not in self._cache:
-                resp = await s3.get_object(Bucket=bucket, Key=prefix + key)
-                async with resp["Body"] as stream:
-                    self._cache[cache_key] = (await stream.read()).decode("utf-8", "replace")
-        return self._markers(found, wanted)
+    async def aread_many(self, settings: AwsSettings, handles: Iterable[JobHandle]
+                         ) -> dict[str, Markers]:
+        """The same as :meth:`read_many` with aiobotocore (errors are the caller's)."""
+        out: dict[str, Markers] = {h.job_name: Markers() for h in handles}
+        s3 = None
+        for bucket, jobs in by_bucket(settings, handles).items():
+            s3 = s3 or await self._clients.aclient("s3", settings.s3_region)
+            call, last = listing_call(jobs)
+            listing = _Listing(jobs)
+            async for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                           **call):
+                listing.add(page)
+                if past(page, last):
+                    break
+            for prefix, objects in listing.objects.items():
+                found, wanted = self._wanted(bucket, prefix, objects)
+                for key, cache_key in wanted.items():
+                    if cache_key not in self._cache:
+                        resp = await s3.get_object(Bucket=bucket, Key=prefix + key)
+                        async with resp["Body"] as stream:
+                            self._cache[cache_key] = (await stream.read()).decode(
+                                "utf-8", "replace")
+                for h in jobs[prefix]:
+                    out[h.job_name] = self._markers(found, wanted, objects)
+        return out

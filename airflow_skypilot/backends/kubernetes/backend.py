@@ -10,7 +10,8 @@ probe / capacity
     nodes a candidate may use, the shared node-pool fit rule, prices).
 submit / find / cancel / cleanup
     :mod:`.manifests` (the Job, ConfigMap, Secret, Service; :mod:`.bundle` for the workdir)
-    and :mod:`.submit` (suspended Job, then its dependents, then resume; adopt, never twice).
+    and :mod:`.submit` (suspended Job, then its dependents, then resume; adopt, never twice;
+    cancel marks and suspends the Job, which reads CANCELLED until cleanup deletes it).
 status / poll
     :mod:`.status`: one Job list and one pod list per namespace (and one node list) per poll,
     for every watched job; the same mapping sync and async.
@@ -188,17 +189,20 @@ class KubernetesBackend(Backend):
         return handle.extra.get("namespace") or self.settings.namespace
 
     def cancel(self, handle: JobHandle) -> None:
+        """Mark the Job cancelled and suspend it, delete its pods, Secret, ConfigMap and
+        Service; the Job stays (it reads CANCELLED) until :meth:`cleanup`."""
         ns = self._namespace(handle)
-        gone = submit.delete_all(self.client, handle.job_name, ns)
-        self.log.info("Cancelled Kubernetes Job %s in %s/%s (deleted: %s)", handle.job_name,
-                      self.settings.context, ns, ", ".join(gone) or "nothing left")
+        done = submit.cancel(self.client, ns, handle.job_name)
+        self.log.info("Cancelled Kubernetes Job %s in %s/%s (%s)", handle.job_name,
+                      self.settings.context, ns, "; ".join(done) or "nothing left to stop")
 
     def cleanup(self, handle: JobHandle) -> None:
-        """Drop the Secret at once; a Job with a pod that has not ended (one stuck on a bad
-        image) is deleted too, so it holds no GPUs. Ended Jobs stay for their logs (TTL)."""
+        """Drop the Secret at once; a cancelled Job, or one with a pod that has not ended (one
+        stuck on a bad image: it holds GPUs), is deleted. Ended Jobs stay for their logs
+        (TTL)."""
         gone = submit.cleanup(self.client, self._namespace(handle), handle.job_name)
         if gone is not None:
-            self.log.info("Deleted %s of unfinished Kubernetes Job %s", ", ".join(gone),
+            self.log.info("Deleted %s of Kubernetes Job %s", ", ".join(gone) or "nothing",
                           handle.job_name)
 
     # --- status ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A job's output: rank 0's pod log while the job runs; once every pod has ended the other
-ranks follow, each line prefixed ``(rank N) ``. Offsets are bytes into that text, which only
-ever grows.
+ranks follow, each line prefixed ``(rank N) `` (:mod:`airflow_skypilot.backends.common.logs`,
+as on AWS). Offsets are bytes into that text, which only ever grows.
 
 The log API reads from the start of a pod's log only, so a read asks for at most
 ``offset + LOG_CHUNK + 1`` bytes of rank 0 and returns at most :data:`LOG_CHUNK` bytes of
@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from airflow_skypilot.backends.base import JobHandle
+from airflow_skypilot.backends.common.logs import LOG_CHUNK, join_logs, slice_log
 from airflow_skypilot.backends.kubernetes.client import KubeClient
 from airflow_skypilot.backends.kubernetes.cluster import TERMINAL
 from airflow_skypilot.backends.kubernetes.names import LABEL_JOB
 from airflow_skypilot.backends.kubernetes.status import PodView, pods_of
 
-LOG_CHUNK = 1 << 20
+__all__ = ["LOG_CHUNK", "aread_many", "join_logs", "log_plan", "read", "slice_log"]
 
 
 def log_plan(pods: list[Mapping[str, Any]], num_nodes: int) -> tuple[list[PodView], bool]:
@@ -33,39 +34,6 @@ def log_plan(pods: list[Mapping[str, Any]], num_nodes: int) -> tuple[list[PodVie
     plan = [latest[r] for r in sorted(latest)]
     final = len(plan) >= num_nodes and all(v.phase in TERMINAL for v in plan)
     return plan, final
-
-
-def join_logs(logs: list[tuple[int, bytes]], final: bool) -> bytes:
-    """Rank 0's log; when ``final``, the other ranks after it, each line prefixed."""
-    if not logs:
-        return b""
-    data = logs[0][1]
-    if final and len(logs) > 1:
-        parts = [data if not data or data.endswith(b"\n") else data + b"\n"]
-        for rank, text in logs[1:]:
-            prefix = f"(rank {rank}) ".encode()
-            parts += [prefix + line for line in text.splitlines(keepends=True)]
-            if parts[-1] and not parts[-1].endswith(b"\n"):
-                parts[-1] += b"\n"
-        data = b"".join(parts)
-    return data
-
-
-def slice_log(data: bytes, offset: int, final: bool, limit: int = LOG_CHUNK) -> tuple[str, int]:
-    """Text from byte ``offset``: whole lines only until the log is final, at most ``limit``
-    bytes (a line longer than that comes in pieces); never half a UTF-8 character."""
-    if offset >= len(data):
-        return "", offset
-    end = min(len(data), offset + limit)
-    if not final or end < len(data):
-        cut = data.rfind(b"\n", offset, end)
-        if cut >= 0:
-            end = cut + 1
-        elif end - offset < limit:
-            end = offset  # a partial line: wait for its end
-    while offset < end < len(data) and (data[end] & 0xC0) == 0x80:
-        end -= 1
-    return data[offset:end].decode("utf-8", "replace"), end
 
 
 def _started(view: PodView) -> bool:

@@ -3,7 +3,8 @@
 A job's Job, ConfigMap, Secret and Service are all named after the job and carry
 :data:`LABEL_JOB`; that label is how status, logs and cleanup find them again (one list per
 namespace for every job). ``skypilot.airflow/`` annotations on the Job hold what a later
-process needs to rebuild the handle (:data:`ANN_PREFIX`).
+process needs to rebuild the handle (:data:`ANN_PREFIX`); :data:`ANN_CANCELLED` marks a Job
+we cancelled (its value is when), so the Job itself records that it was stopped on purpose.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ LABEL_MANAGED = "app.kubernetes.io/managed-by"
 MANAGED_BY = "airflow-skypilot"
 ANN_PREFIX = "skypilot.airflow/"
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+#: set by cancel on the Job (RFC 3339 time of the cancel): the job reads CANCELLED until cleanup
+ANN_CANCELLED = ANN_PREFIX + "cancelled"
 
 #: the job's container in each pod
 CONTAINER = "main"

@@ -9,6 +9,13 @@ preemption, node lost or NotReady past a grace, ``DisruptionTarget``) is infrast
 container exit code is the user's; an image or container config error lasting past
 ``image_error_grace`` fails the job with a clear message and is not failed over (it would fail
 on any cluster).
+
+Our own cancel is read from the Job: :func:`~airflow_skypilot.backends.kubernetes.submit.cancel`
+marks it (:data:`~airflow_skypilot.backends.kubernetes.names.ANN_CANCELLED`) and keeps it until
+cleanup, so it reads CANCELLED, not LOST. A Job absent from a list that succeeded is LOST (the
+backend no longer knows it: deleted behind our back, or its TTL ran out before we looked).
+Terminal states carry the time the job ended as the cluster recorded it (completion, a pod's
+end, the Failed condition, the cancel mark), so every poll reports the same ``ended_at``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,13 @@ from typing import Any
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient
 from airflow_skypilot.backends.kubernetes.cluster import TERMINAL, NodeView, epoch
-from airflow_skypilot.backends.kubernetes.names import ANN_PREFIX, CONTAINER, INDEX_KEY, LABEL_JOB
+from airflow_skypilot.backends.kubernetes.names import (
+    ANN_CANCELLED,
+    ANN_PREFIX,
+    CONTAINER,
+    INDEX_KEY,
+    LABEL_JOB,
+)
 from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable
 
@@ -150,32 +163,47 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     started = [v.started for v in views if v.started] or [epoch(status.get("startTime"))]
     started_at = min((s for s in started if s), default=None)
     finished = [v.finished for v in views if v.finished]
-    ended_at = epoch(status.get("completionTime")) or (max(finished) if finished else None)
-    nodes_used = [latest[r].node for r in sorted(latest) if latest[r].node]
     conds = {c.get("type"): c for c in status.get("conditions") or []
              if c.get("status") == "True"}
+    failed_cond = conds.get("Failed") or conds.get("FailureTarget")
+    verdict = failed_cond or conds.get("Complete") or conds.get("SuccessCriteriaMet")
+    cancelled_raw = (meta.get("annotations") or {}).get(ANN_CANCELLED)
+    cancelled_at = epoch(cancelled_raw) if cancelled_raw else None
+    if cancelled_raw and cancelled_at is None:  # a mark we cannot read is still a mark
+        cancelled_at = epoch(meta.get("creationTimestamp")) or 0.0
+    # when it ended, as the cluster recorded it: the same answer on every poll (the Job's own
+    # record first: it outlives the pods)
+    ended_at = (epoch(status.get("completionTime"))
+                or epoch((verdict or {}).get("lastTransitionTime"))
+                or (max(finished) if finished else None)
+                or cancelled_at or epoch(meta.get("deletionTimestamp")))
+    nodes_used = [latest[r].node for r in sorted(latest) if latest[r].node]
     phases = ",".join(f"{r}:{latest[r].phase}" for r in sorted(latest))
 
     def out(state: JobState, reason: str = "", exit_code: int | None = None,
-            raw: str = "") -> JobStatus:
+            raw: str = "", ended: float | None = None) -> JobStatus:
         return JobStatus(state, reason=reason, exit_code=exit_code, started_at=started_at,
-                         ended_at=(ended_at or now) if state.terminal else None,
+                         ended_at=(ended or ended_at or now) if state.terminal else None,
                          nodes=nodes_used, raw_state=raw or phases or "no pods")
 
-    def infra(reason: str, preempted: bool = False) -> JobStatus:
+    def infra(reason: str, preempted: bool = False, ended: float | None = None) -> JobStatus:
         state = JobState.PREEMPTED if preempted or spot else JobState.INFRA_FAILED
-        return out(state, reason)
+        return out(state, reason, ended=ended)
 
     if "Complete" in conds or "SuccessCriteriaMet" in conds:
-        return out(JobState.SUCCEEDED, raw="Complete")
-    failed_cond = conds.get("Failed") or conds.get("FailureTarget")
+        return out(JobState.SUCCEEDED, exit_code=0, raw="Complete")
+    if cancelled_at is not None:
+        # our cancel (it marks only a Job that had not ended): what the pods and the Job
+        # controller did after it (pods killed, counted as failed, the Job failed) is its doing
+        return out(JobState.CANCELLED, f"cancelled (the Job is marked {ANN_CANCELLED}="
+                                       f"{cancelled_raw})", raw="Cancelled", ended=cancelled_at)
     if meta.get("deletionTimestamp") and failed_cond is None:
         return out(JobState.CANCELLED, "the Job was deleted", raw="Deleting")
     # 1. the allocation was taken away: eviction, preemption, node lost
     disrupted = [v for v in views if v.disruption]
     if disrupted:
         first = min(disrupted, key=lambda v: v.finished or v.created)
-        return infra(first.disruption, first.preempted)
+        return infra(first.disruption, first.preempted, first.finished)
     if nodes is not None:
         for v in views:
             if v.phase in TERMINAL or not v.node:
@@ -195,7 +223,7 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
         extra = " (out of memory: OOMKilled)" if first.term_reason == "OOMKilled" else ""
         where = f" on rank {first.rank}" if num_nodes > 1 else ""
         return out(JobState.FAILED, f"exit code {first.exit_code}{where}{extra}",
-                   first.exit_code)
+                   first.exit_code, ended=first.finished)  # the first failure, not the kills
     # 3. the Job's own verdict, which outlives its pods
     if failed_cond is not None:
         reason, message = failed_cond.get("reason", ""), failed_cond.get("message", "")
@@ -238,7 +266,7 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     # 6. done, running, or waiting
     done = {r for r, v in latest.items() if v.phase == "Succeeded"}
     if len(done) >= num_nodes:
-        return out(JobState.SUCCEEDED)
+        return out(JobState.SUCCEEDED, exit_code=0)
     if any(v.phase == "Running" for v in latest.values()):
         return out(JobState.RUNNING)
     if not pending_reason:

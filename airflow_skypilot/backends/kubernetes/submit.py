@@ -5,12 +5,22 @@ nodes) headless Service, all owned by the Job (:func:`start`), then the Job is r
 is created first so that its name is taken once: a Job of that name already there is adopted,
 never created twice, and one a crash left suspended is finished by whoever adopts it. These
 functions return what happened; the facade decides what to log.
+
+Cancel (:func:`cancel`) keeps the Job as the record of what happened: it marks it
+(:data:`~airflow_skypilot.backends.kubernetes.names.ANN_CANCELLED`) and suspends it, so no pod
+is started again, deletes its pods (the program gets SIGTERM and its grace period) and its
+Secret, ConfigMap and Service; the Job then reads CANCELLED (not LOST, which is an
+infrastructure failure) until :func:`cleanup` deletes it. A cancelled Job is never resumed by
+an adoption. Whether the job had ended before is decided when it is cancelled (a Job verdict,
+or a pod that failed by itself: then it is not marked), not by comparing our clock with the
+API server's timestamps.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Any
 
 from airflow_skypilot.backends.base import JobHandle
@@ -18,6 +28,7 @@ from airflow_skypilot.backends.kubernetes.bundle import Bundle, BundleTooLarge, 
 from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient
 from airflow_skypilot.backends.kubernetes.cluster import TERMINAL, epoch
 from airflow_skypilot.backends.kubernetes.names import (
+    ANN_CANCELLED,
     ANN_PREFIX,
     LABEL_JOB,
     configmap_name,
@@ -68,10 +79,22 @@ def handle_of(job: Mapping[str, Any], *, backend: str, conn_id: str,
 
 
 def needs_finishing(job: Mapping[str, Any]) -> bool:
-    """A Job we created that is still suspended: its submission stopped half way."""
+    """A Job we created that is still suspended: its submission stopped half way (a Job
+    suspended by our cancel is not: it stays stopped)."""
     ann = (job.get("metadata") or {}).get("annotations") or {}
     return bool((job.get("spec") or {}).get("suspend")) and \
-        ann.get(ANN_PREFIX + "managed") == "true"
+        ann.get(ANN_PREFIX + "managed") == "true" and ANN_CANCELLED not in ann
+
+
+def is_cancelled(job: Mapping[str, Any] | None) -> bool:
+    """Did our cancel mark this Job?"""
+    return ANN_CANCELLED in (((job or {}).get("metadata") or {}).get("annotations") or {})
+
+
+def has_verdict(job: Mapping[str, Any]) -> bool:
+    """Has the Job ended (a Complete or Failed condition)?"""
+    return bool({c.get("type") for c in (job.get("status") or {}).get("conditions") or []
+                 if c.get("status") == "True"} & FINISHED)
 
 
 def check_name(task: Task, job_name: str) -> None:
@@ -125,19 +148,13 @@ def start(client: KubeClient, namespace: str, job_name: str,
                 [{"op": "replace", "path": "/spec/suspend", "value": False}])
 
 
-def delete_all(client: KubeClient, job_name: str, namespace: str) -> list[str]:
-    """Delete the Job and its dependents (foreground); the kinds that were there."""
-    core, batch = client.apis()
-    body = {"propagationPolicy": "Foreground"}
+def _delete(client: KubeClient, objects: list[tuple[str, Any, str]], namespace: str,
+            body: Mapping[str, Any] | None = None) -> list[str]:
+    """Delete ``objects`` (kind, delete call, name); the kinds that were there."""
     gone = []
-    for what, fn, name in (
-        ("Job", batch.delete_namespaced_job, job_name),
-        ("Service", core.delete_namespaced_service, service_name(job_name)),
-        ("Secret", core.delete_namespaced_secret, secret_name(job_name)),
-        ("ConfigMap", core.delete_namespaced_config_map, configmap_name(job_name)),
-    ):
+    for what, fn, name in objects:
         try:
-            client.call(fn, name, namespace, body=body)
+            client.call(fn, name, namespace, body=dict(body or {}))
             gone.append(what)
         except KubeApiError as exc:
             if exc.status != 404:
@@ -145,16 +162,90 @@ def delete_all(client: KubeClient, job_name: str, namespace: str) -> list[str]:
     return gone
 
 
+def _dependents(client: KubeClient, job_name: str) -> list[tuple[str, Any, str]]:
+    core, _ = client.apis()
+    return [("Service", core.delete_namespaced_service, service_name(job_name)),
+            ("Secret", core.delete_namespaced_secret, secret_name(job_name)),
+            ("ConfigMap", core.delete_namespaced_config_map, configmap_name(job_name))]
+
+
+def delete_all(client: KubeClient, job_name: str, namespace: str) -> list[str]:
+    """Delete the Job and its dependents (foreground); the kinds that were there."""
+    _, batch = client.apis()
+    return _delete(client, [("Job", batch.delete_namespaced_job, job_name),
+                            *_dependents(client, job_name)],
+                   namespace, {"propagationPolicy": "Foreground"})
+
+
+def _rfc3339(when: float) -> str:
+    return datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _ended_on_its_own(pods: list[Mapping[str, Any]] | None) -> bool:
+    """Has a pod already failed by itself (not one being deleted)? Then the job has ended
+    before the cancel, and the Job controller's verdict follows."""
+    return any((p.get("status") or {}).get("phase") == "Failed"
+               and not (p.get("metadata") or {}).get("deletionTimestamp") for p in pods or [])
+
+
+def cancel(client: KubeClient, namespace: str, job_name: str,
+           now: float | None = None) -> list[str]:
+    """Stop the job and release what it holds, keeping its Job as the record (see the module
+    docstring); safe twice. A job that had already ended (a Job verdict, a pod that failed by
+    itself) is not marked: it keeps what happened to it. Returns what was done, for the log."""
+    core, batch = client.apis()
+    done: list[str] = []
+    job = get_job(client, namespace, job_name)
+    pods: list[Mapping[str, Any]] | None = None
+    if job is not None:
+        try:
+            found = client.call(core.list_namespaced_pod, namespace,
+                                label_selector=f"{LABEL_JOB}={job_name}")
+            pods = pods_of(job_name, found.get("items") or [], job["metadata"].get("uid"))
+        except KubeApiError as exc:
+            if exc.status != 403:
+                raise
+            done.append("pods may not be listed: the Job controller deletes them")
+    if job is not None and not (has_verdict(job) or is_cancelled(job)
+                                or _ended_on_its_own(pods)):
+        ann = (job.get("metadata") or {}).get("annotations")
+        when = _rfc3339(time.time() if now is None else now)
+        mark = ({"op": "add", "path": "/metadata/annotations/" +
+                 ANN_CANCELLED.replace("~", "~0").replace("/", "~1"), "value": when}
+                if ann is not None else
+                {"op": "add", "path": "/metadata/annotations", "value": {ANN_CANCELLED: when}})
+        try:
+            # suspended, the Job controller starts no pod again (and deletes the active ones)
+            client.call(batch.patch_namespaced_job, job_name, namespace,
+                        [mark, {"op": "replace", "path": "/spec/suspend", "value": True}])
+            done.append("marked cancelled and suspended")
+        except KubeApiError as exc:
+            if exc.status == 404:  # gone meanwhile: only its dependents may be left
+                job, pods = None, None
+            else:  # may not be patched: stop it the only other way (it then reads LOST)
+                return [f"could not mark it ({exc})",
+                        "deleted " + (", ".join(delete_all(client, job_name, namespace))
+                                      or "nothing")]
+    running = [p for p in pods or [] if (p.get("status") or {}).get("phase") not in TERMINAL
+               and not (p.get("metadata") or {}).get("deletionTimestamp")]
+    if stopped := _delete(client, [("pod", core.delete_namespaced_pod, p["metadata"]["name"])
+                                   for p in running], namespace):
+        done.append(f"deleted {len(stopped)} pod(s)")
+    if gone := _delete(client, _dependents(client, job_name), namespace):
+        done.append("deleted " + ", ".join(gone))
+    return done
+
+
 def cleanup(client: KubeClient, namespace: str, job_name: str) -> list[str] | None:
-    """Drop the Secret at once; a Job with a pod that has not ended (one stuck on a bad
-    image) is deleted too, so it holds no GPUs: then the kinds deleted are returned (else
-    None). Ended Jobs stay for their logs (TTL)."""
+    """Drop the Secret at once; a Job we cancelled, or with a pod that has not ended (one
+    stuck on a bad image, so it holds no GPUs), is deleted too: then the kinds deleted are
+    returned (else None). Ended Jobs stay for their logs (TTL)."""
     core, _ = client.apis()
     job = get_job(client, namespace, job_name)
+    if job is not None and is_cancelled(job):
+        return delete_all(client, job_name, namespace)
     if job is not None:
-        conds = {c.get("type") for c in (job.get("status") or {}).get("conditions") or []
-                 if c.get("status") == "True"}
-        running = not conds & FINISHED
+        running = not has_verdict(job)
         if running:  # no verdict yet: do its pods still run (or wait, e.g. on an image)?
             try:
                 found = client.call(core.list_namespaced_pod, namespace,

@@ -102,7 +102,10 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
             return no(f"no {req.accelerator} in partition {part} (has: {have})")
         gres_type = matching[0]
         nodes = [n for n in nodes if n.gpus.get(gres_type, 0) > 0]
-        offer.accelerator = gres_type
+        # the canonical name, as every backend's offers and capacity rows say it; submit
+        # asks Slurm for the GRES type it was configured with (details["gres_type"])
+        offer.accelerator = acc.canonical_from_label(gres_type)
+        offer.details["gres_type"] = gres_type
     fit = fit_pool([_pool_node(n, gres_type) for n in nodes], req, task.num_nodes, part,
                    min_cpus=1)
     if req.accelerator:

@@ -1524,7 +1524,13 @@ class Cluster:
                     job, "Normal", "Completed", "Job completed", component="job-controller"
                 )
                 finished, active = True, []
-            elif not spec.get("suspend") and clock - track.create_failed_at > 2.0:
+            elif spec.get("suspend"):
+                # suspended while it runs: the controller deletes the active pods, which
+                # count as failures (KEP-2232), and creates none
+                for pod in active:
+                    self._delete_quietly(pod)
+                active = []
+            elif clock - track.create_failed_at > 2.0:
                 active += self._create_job_pods(
                     job, active, track, indexed, succeeded, completions, parallelism, clock
                 )
