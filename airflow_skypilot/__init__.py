@@ -1,3 +1,3 @@
 """airflow-skypilot: one SkyPilot task YAML, placed on Slurm, Kubernetes or AWS by live capacity."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -93,6 +93,35 @@ def get_provider_info() -> dict[str, Any]:
                         "default": "60",
                         "version_added": "0.1.0",
                     },
+                    "unreachable_timeout": {
+                        "description": "Seconds a job's backend may stay silent (its login node, "
+                                       "API or region cannot be asked, or cannot say) before "
+                                       "the job counts as lost and is placed again. Shorter "
+                                       "silences are waited out: a job is never taken for "
+                                       "gone because one poll failed.",
+                        "type": "float",
+                        "example": "600",
+                        "default": "300",
+                        "version_added": "0.2.0",
+                    },
+                    "block_cooldown": {
+                        "description": "Seconds a place that failed (a node failure, a refused "
+                                       "submission) stays out of the placement of that task.",
+                        "type": "float",
+                        "example": "1800",
+                        "default": "600",
+                        "version_added": "0.2.0",
+                    },
+                    "deployment_id": {
+                        "description": "A name for this Airflow deployment, part of every job's "
+                                       "identity. Set it (differently) in each deployment when "
+                                       "two share a cluster account or cloud account, so that "
+                                       "neither adopts nor stops the other's jobs.",
+                        "type": "string",
+                        "example": "ml-prod",
+                        "default": "",
+                        "version_added": "0.2.0",
+                    },
                 },
             }
         },

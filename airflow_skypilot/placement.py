@@ -18,6 +18,7 @@ Every offer gets a row in the explanation table with why it won or lost.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -99,21 +100,24 @@ def rank(
     blocked: Iterable[Blocked] = (),
     unreachable: dict[str, str] | None = None,
     prefer: str | None = None,
+    now: float | None = None,
 ) -> Placement:
     """Pick the best offer under ``policy`` and explain every other one.
 
-    ``blocked`` places are skipped; ``unreachable`` maps connection -> error (shown as rows);
+    ``blocked`` places are skipped while their block is active at ``now``; ``unreachable``
+    maps connection -> error (shown as rows);
     ``prefer`` (a ``connection/location``) wins among offers that can start now: the FAILOVER
     recovery strategy tries the same place first.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown placement policy {policy!r}; expected one of {POLICIES}")
     blocked = list(blocked)
+    now = time.time() if now is None else now
     viable: list[Offer] = []
     rows_by_id: dict[int, Row] = {}
     rest: list[Row] = []
     for offer in offers:
-        block = next((b for b in blocked if b.covers(offer)), None)
+        block = next((b for b in blocked if b.active(now) and b.covers(offer)), None)
         row = _row(offer)
         if block is not None:
             row.verdict, row.reason = "blocked", block.describe()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from airflow_skypilot.backends.base import JobState
@@ -152,14 +152,18 @@ def decide(run: RunState, ended: Attempt, job_recovery: Mapping[str, Any], max_f
                          f"{tail}")
 
 
-def record(run: RunState, verdict: Verdict) -> None:
-    """The accounting of a placement again: its counter, the blocked place, where to try
-    first, and the next attempt's number (its job name)."""
+def record(run: RunState, verdict: Verdict, cooldown: float | None = None) -> None:
+    """The accounting of a placement again: its counter, the blocked place (lapsing after
+    ``cooldown`` seconds; None: for the rest of the run), where to try first, and the next
+    attempt's number (its job name)."""
     if verdict.action != AGAIN:
         raise ValueError(f"only a verdict to place again is recorded, not {verdict.action!r}")
     counter = COUNTERS[verdict.counts_as]
     setattr(run, counter, getattr(run, counter) + 1)
     if verdict.block is not None:
-        run.blocked.append(verdict.block)
+        block = verdict.block
+        if cooldown is not None:
+            block = replace(block, until=block.at + cooldown)
+        run.blocked.append(block)
     run.prefer = verdict.prefer
     run.attempt += 1

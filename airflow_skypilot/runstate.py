@@ -28,11 +28,11 @@ XCOM_HANDLE = "skypilot_handle"
 XCOM_PLACEMENT = "skypilot_placement"
 #: one attempt as ``execute_complete``'s result lists it (README: ``attempts: [...]``)
 RESULT_ATTEMPT_FIELDS = ("connection", "location", "job_id", "state", "reason", "exit_code",
-                         "submitted_at", "started_at", "ended_at", "adopted")
+                         "submitted_at", "started_at", "ended_at", "adopted", "confirmed_dead")
 #: one attempt as the UI shows it (from the result, or from a deferred task's state)
 UI_ATTEMPT_FIELDS = ("connection", "location", "job_id", "job_name", "state", "reason",
                      "exit_code", "submitted_at", "started_at", "ended_at", "adopted", "gpus",
-                     "price_per_hour", "infra_failure")
+                     "price_per_hour", "infra_failure", "confirmed_dead")
 
 
 def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -42,11 +42,19 @@ def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Blocked:
-    """A place that failed during this run: ``connection/location`` (``connection/*``: all)."""
+    """A place that failed during this run: ``connection/location`` (``connection/*``: all).
+
+    A block lapses at ``until`` (``[skypilot] block_cooldown`` after the failure): a node comes
+    back, a quota frees up, and a run that outlives the outage may go there again.
+    """
 
     place: str
     reason: str
     at: float = field(default_factory=time.time)
+    until: float | None = None  # None: for the rest of the run
+
+    def active(self, now: float | None = None) -> bool:
+        return self.until is None or (time.time() if now is None else now) < self.until
 
     def covers(self, offer: Offer) -> bool:
         """``conn/*`` covers the connection; ``conn/us-east-1/*`` every location under it."""
@@ -58,7 +66,9 @@ class Blocked:
         return loc in ("*", offer.location)
 
     def describe(self) -> str:
-        return f"blocked: {self.reason} at {time.strftime('%H:%M', time.gmtime(self.at))}"
+        until = "" if self.until is None else \
+            f", until {time.strftime('%H:%M', time.gmtime(self.until))}"
+        return f"blocked: {self.reason} at {time.strftime('%H:%M', time.gmtime(self.at))}{until}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,7 +76,47 @@ class Blocked:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Blocked:
         return cls(place=data["place"], reason=data.get("reason", ""),
-                   at=data.get("at") or time.time())
+                   at=data.get("at") or time.time(), until=data.get("until"))
+
+
+@dataclass
+class Sweep:
+    """A copy of this task that may still run where its backend could not be asked.
+
+    Made when an old copy could not be confirmed dead (its backend silent at a failover), when
+    a submission was cut short (the job may exist), or when a connection could not be listed
+    for the jobs of earlier tries. Whoever runs next (the operator, the trigger watching the
+    new job, or a last trigger after the task's end) keeps cancelling until the backend answers
+    that nothing of it is alive: a specific ``handle``, a ``job_name``, or every job under
+    ``prefix`` but the one being watched.
+    """
+
+    connection: str
+    reason: str
+    handle: dict[str, Any] | None = None
+    job_name: str = ""
+    prefix: str = ""
+    since: float = field(default_factory=time.time)
+    done_at: float | None = None
+    outcome: str = ""  # how it ended: "confirmed dead", "cancelled", "nothing there"...
+
+    @property
+    def what(self) -> str:
+        if self.handle:
+            return f"job {self.handle.get('job_id')} ({self.handle.get('job_name')})"
+        return f"job {self.job_name}" if self.job_name else f"jobs {self.prefix}*"
+
+    def describe(self) -> str:
+        state = f"confirmed at {time.strftime('%H:%M:%S', time.gmtime(self.done_at))}: " \
+            f"{self.outcome}" if self.done_at else "NOT confirmed dead"
+        return f"{self.connection} {self.what}: {self.reason}; {state}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Sweep:
+        return cls(**_known(cls, data))
 
 
 @dataclass
@@ -87,8 +137,11 @@ class Attempt:
     ended_at: float | None = None
     gpus: float = 0  # GPUs of the whole job (per node x nodes)
     price_per_hour: float = 0.0
-    adopted: bool = False  # this try had submitted it before (a worker restart)
+    adopted: bool = False  # an earlier run of this try (or an earlier try) submitted it
     infra_failure: bool = False  # ended because the place failed, not the program
+    #: for a copy that had to be stopped (its place failed): True once its backend confirmed
+    #: it dead, False while that could not be confirmed (a sweep keeps trying), None: n/a
+    confirmed_dead: bool | None = None
 
     @property
     def place(self) -> str:
@@ -149,8 +202,10 @@ class Attempt:
 class RunState:
     """Where a run stands between deferrals; the failover rule (``recovery``) advances it."""
 
-    prefix: str = ""  # job names of this try: ``{prefix}-a{attempt}``
+    prefix: str = ""  # every job name of this task instance starts with it (identity.py)
     task_env_id: str = ""  # SKYPILOT_TASK_ID: the same for every try and failover
+    clear: int = 0  # the DagRun's clear number when this try started
+    try_number: int = 1
     attempt: int = 0  # number of the attempt being placed or watched
     attempts: list[Attempt] = field(default_factory=list)
     blocked: list[Blocked] = field(default_factory=list)
@@ -162,11 +217,16 @@ class RunState:
     started_at: float = field(default_factory=time.time)
     waiting_since: float | None = None  # first time nothing could take the job
     last_plan: str = ""  # the summary of the last placement that chose nothing
+    sweeps: list[Sweep] = field(default_factory=list)  # copies still to confirm dead
 
     @property
     def job_name(self) -> str:
-        """The deterministic name of the attempt being placed."""
-        return f"{self.prefix}-a{self.attempt}"
+        """The deterministic name of the attempt being placed (``identity.TaskKey``)."""
+        return f"{self.prefix}c{self.clear}-t{self.try_number}-a{self.attempt}"
+
+    @property
+    def pending_sweeps(self) -> list[Sweep]:
+        return [s for s in self.sweeps if s.done_at is None]
 
     def record(self, handle: JobHandle) -> Attempt:
         """A job was submitted (or adopted): a new attempt, its log read from the start."""
@@ -182,6 +242,12 @@ class RunState:
             attempt = self.record(handle)
         attempt.close(status, now)
         return attempt
+
+    def sweeps_text(self) -> str:
+        """Every old copy and whether it was confirmed dead ("" when there were none)."""
+        if not self.sweeps:
+            return ""
+        return "\nOld copies:\n" + "\n".join(f"  {w.describe()}" for w in self.sweeps)
 
     def attempts_text(self) -> str:
         return "\n".join(f"  attempt {i + 1}: {a.describe()}"
@@ -202,6 +268,9 @@ class RunState:
             "job_name": final.job_name,
             "task_id": self.task_env_id,
             "attempts": [a.to_result() for a in self.attempts],
+            "old_copies": [{"connection": w.connection, "what": w.what, "reason": w.reason,
+                            "confirmed_dead": w.done_at is not None, "outcome": w.outcome}
+                           for w in self.sweeps],
             "gpu_hours": round(gpu_hours, 6),
             "cost": round(cost, 6),
         }
@@ -210,6 +279,7 @@ class RunState:
         data = asdict(self)
         data["attempts"] = [a.to_dict() for a in self.attempts]
         data["blocked"] = [b.to_dict() for b in self.blocked]
+        data["sweeps"] = [w.to_dict() for w in self.sweeps]
         return data
 
     @classmethod
@@ -217,7 +287,10 @@ class RunState:
         data = dict(data or {})
         attempts: Sequence[Any] = data.pop("attempts", None) or []
         blocked: Sequence[Any] = data.pop("blocked", None) or []
+        sweeps: Sequence[Any] = data.pop("sweeps", None) or []
         state = cls(**_known(cls, data))
+        state.sweeps = [Sweep.from_dict(w) for w in sweeps
+                        if isinstance(w, Mapping) and w.get("connection")]
         state.attempts = [Attempt.from_dict(a) for a in attempts if isinstance(a, Mapping)]
         state.blocked = [Blocked.from_dict(b) for b in blocked
                          if isinstance(b, Mapping) and b.get("place")]

@@ -59,28 +59,49 @@ class FakeBackend(Backend):
 
     def submit(self, task: Task, offer: Offer, job_name: str,
                env: Mapping[str, str]) -> JobHandle:
+        self._reachable()
         existing = self.find(job_name)
         if existing:
             existing.adopted = True
             return existing
         job_id = str(len(self.jobs) + 1)
         self.jobs[job_id] = {"name": job_name, "conn": self.conn_id, "env": dict(env),
-                             "status": JobStatus(JobState.PENDING), "location": offer.location}
+                             "status": JobStatus(JobState.PENDING), "location": offer.location,
+                             "submitted_at": time.time()}
         return JobHandle(backend="fake", connection=self.conn_id, job_id=job_id,
                          job_name=job_name, location=offer.location, infra=offer.infra,
                          num_nodes=task.num_nodes, accelerator=offer.request.accelerator,
                          gpus_per_node=offer.request.accelerator_count,
-                         price_per_hour=offer.price_per_hour)
+                         price_per_hour=offer.price_per_hour,
+                         submitted_at=self.jobs[job_id]["submitted_at"])
+
+    def _reachable(self) -> None:
+        if self.conn_id in self.down:
+            raise BackendUnreachable(f"{self.conn_id} is down")
+
+    def _handle(self, job_id: str) -> JobHandle:
+        job = self.jobs[job_id]
+        return JobHandle(backend="fake", connection=self.conn_id, job_id=job_id,
+                         job_name=job["name"], location=job["location"], infra="fake",
+                         submitted_at=job.get("submitted_at") or 0.0)
 
     def find(self, job_name: str) -> JobHandle | None:
+        self._reachable()
         for job_id, job in self.jobs.items():
             if job["name"] == job_name and job["conn"] == self.conn_id:
-                return JobHandle(backend="fake", connection=self.conn_id, job_id=job_id,
-                                 job_name=job_name, location=job["location"], infra="fake")
+                return self._handle(job_id)
         return None
 
+    def find_all(self, prefix: str) -> list[JobHandle]:
+        self._reachable()
+        return [self._handle(job_id) for job_id, job in self.jobs.items()
+                if job["name"].startswith(prefix) and job["conn"] == self.conn_id]
+
     def cancel(self, handle: JobHandle) -> None:
-        self.jobs[handle.job_id]["status"] = JobStatus(JobState.CANCELLED)
+        self._reachable()
+        job = self.jobs[handle.job_id]
+        if not job["status"].state.terminal:
+            job["status"] = JobStatus(JobState.CANCELLED)
 
     polls = 0
 

@@ -34,11 +34,12 @@ class JobState(str, Enum):
     PREEMPTED = "preempted"  # spot reclaimed, or preempted by a higher priority job
     INFRA_FAILED = "infra_failed"  # node failure, boot failure, eviction, node lost
     CANCELLED = "cancelled"
-    LOST = "lost"  # the backend no longer knows the job, or cannot be reached for long
+    LOST = "lost"  # the backend positively no longer knows the job, or was silent for long
+    UNKNOWN = "unknown"  # the backend could not be asked: the job may well still run
 
     @property
     def terminal(self) -> bool:
-        return self not in (JobState.PENDING, JobState.RUNNING)
+        return self not in (JobState.PENDING, JobState.RUNNING, JobState.UNKNOWN)
 
     @property
     def infra_failure(self) -> bool:
@@ -240,6 +241,16 @@ class Backend(LoggingMixin, ABC):
         """The job submitted earlier under ``job_name``, if the backend still knows it."""
 
     @abstractmethod
+    def find_all(self, prefix: str) -> list[JobHandle]:
+        """Every job of this connection whose name starts with ``prefix`` that the backend
+        still knows (running or finished), each with its original ``submitted_at``.
+
+        One request (or one per location) however many jobs: every new try of a task lists
+        the jobs of the tries before it this way (``identity.classify``). Raises
+        BackendUnreachable when the backend cannot be asked: "could not ask" is never "none".
+        """
+
+    @abstractmethod
     def cancel(self, handle: JobHandle) -> None:
         """Stop the job and release everything it holds (its secrets too). Safe to call twice.
         The job then reads ``CANCELLED`` (not ``LOST``: that is an infrastructure failure)."""
@@ -261,10 +272,12 @@ class Backend(LoggingMixin, ABC):
     async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """Status of many jobs on this connection in one request; keyed by ``handle.job_id``.
 
-        A job the backend no longer knows is ``LOST``. A success has exit code 0; a terminal
-        status carries when the job ended as the backend recorded it (the same on every poll).
-        Raises BackendUnreachable when the backend cannot be asked at all (the caller counts
-        consecutive failures)."""
+        ``LOST`` only on the backend's positive word: the query succeeded and the job is in
+        neither its answer nor its records of finished jobs. A job the query could not speak
+        for is ``UNKNOWN``. A success has exit code 0; a terminal status carries when the job
+        ended as the backend recorded it (the same on every poll). Raises BackendUnreachable
+        when the backend cannot be asked at all (the caller measures how long it stays
+        silent)."""
 
     def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         """Sync wrapper of :meth:`astatus` for the worker side."""

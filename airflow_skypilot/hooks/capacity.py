@@ -2,7 +2,9 @@
 
 Each connection is probed in its own daemon thread with a deadline. A backend that cannot be
 reached, or does not answer in time, is reported and skipped; it never fails the probe alone
-(a hung login node must not hold the whole placement, nor the process's exit).
+(a hung login node must not hold the whole placement, nor the process's exit). A connection
+that can never work (not defined, a type no backend serves) is reported apart, as a
+configuration error: waiting for it would wait for ever.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ from typing import Any, TypeVar
 
 from airflow.sdk import BaseHook
 
-from airflow_skypilot.backends.base import Backend, CapacityRow, Offer
+from airflow_skypilot.backends.base import (
+    Backend,
+    CapacityRow,
+    JobHandle,
+    JobState,
+    JobStatus,
+    Offer,
+)
 from airflow_skypilot.backends.registry import backend_for_connection
+from airflow_skypilot.exceptions import ConfigurationError
 from airflow_skypilot.spec.task import Task
 
 T = TypeVar("T")
@@ -28,8 +38,18 @@ class ProbeResult:
     """Offers from every connection that answered; errors from those that did not."""
 
     offers: list[Offer] = field(default_factory=list)
-    errors: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # could not ask: skipped this time
+    config_errors: dict[str, str] = field(default_factory=dict)  # never works: fail the task
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class FoundJobs:
+    """Jobs under a name prefix on every connection that answered, each with its status."""
+
+    jobs: dict[str, list[tuple[JobHandle, JobStatus]]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    config_errors: dict[str, str] = field(default_factory=dict)
 
 
 class SkyPilotCapacityHook(BaseHook):
@@ -48,6 +68,8 @@ class SkyPilotCapacityHook(BaseHook):
         self.timeout = timeout
         self._factory = backend_factory or backend_for_connection
         self._backends: dict[str, Backend] = {}
+        #: connections that can never work (undefined, unsupported type): fail, do not wait
+        self._config_errors: set[str] = set()
 
     def backend(self, conn_id: str) -> Backend:
         if conn_id not in self._backends:
@@ -60,11 +82,31 @@ class SkyPilotCapacityHook(BaseHook):
         out = ProbeResult()
         for conn_id, (value, error, seconds) in results.items():
             out.seconds[conn_id] = seconds
-            if error is not None:
+            if conn_id in self._config_errors:
+                out.config_errors[conn_id] = error or ""
+            elif error is not None:
                 out.errors[conn_id] = error
                 self.log.warning("Connection %s skipped: %s", conn_id, error)
             else:
                 out.offers.extend(value)
+        return out
+
+    def find_all(self, prefix: str) -> FoundJobs:
+        """The jobs named ``prefix...`` on every connection, with their statuses: the jobs
+        earlier tries of a task left (one listing and one batched status per connection)."""
+        def listing(backend: Backend) -> list[tuple[JobHandle, JobStatus]]:
+            handles = backend.find_all(prefix)
+            statuses = backend.status(handles) if handles else {}
+            return [(h, statuses.get(h.job_id) or JobStatus(JobState.UNKNOWN)) for h in handles]
+
+        out = FoundJobs()
+        for conn_id, (value, error, _) in self._each(listing).items():
+            if conn_id in self._config_errors:
+                out.config_errors[conn_id] = error or ""
+            elif error is not None:
+                out.errors[conn_id] = error
+            else:
+                out.jobs[conn_id] = value
         return out
 
     def capacity(self) -> list[CapacityRow]:
@@ -88,6 +130,8 @@ class SkyPilotCapacityHook(BaseHook):
                 value = call(self.backend(conn_id))
                 outcome: tuple[Any, str | None, float] = (value, None, 0.0)
             except Exception as exc:  # any failure of one backend is reported, not raised
+                if isinstance(exc, ConfigurationError):
+                    self._config_errors.add(conn_id)
                 outcome = (None, _error_text(exc), 0.0)
             with lock:
                 results.setdefault(conn_id, (outcome[0], outcome[1],

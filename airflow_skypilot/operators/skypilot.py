@@ -1,14 +1,19 @@
 """``SkyPilotOperator``: place a SkyPilot task where it can start soonest, run it, survive loss.
 
-``execute`` loads the task (every problem reported before anything is submitted), adopts a job
-this try already submitted if one is alive, probes every connection concurrently, ranks the
+``execute`` loads the task (every problem reported before anything is submitted), finds the
+jobs earlier tries of this task instance left (adopting one that is still its own, stopping
+every other live one: ``identity.classify``), probes every connection concurrently, ranks the
 offers, submits, pushes the handle and the placement table to XCom, and defers. The trigger
 watches the job; ``execute_complete`` finishes, places the job again elsewhere on an
 infrastructure failure, or restarts it as ``job_recovery`` allows (the rule is
 :func:`airflow_skypilot.recovery.decide`). Not deferrable, the same steps run in a loop in the
 worker.
 
-The run's state between deferrals is a :class:`~airflow_skypilot.runstate.RunState`.
+At most one live copy: before a copy is placed again, the old one is cancelled and its end
+confirmed; where its backend is silent, a sweep (``sweeps.py``) keeps cancelling it from the
+trigger until the backend answers, and the result lists every old copy and whether it was
+confirmed dead. The run's state between deferrals is a
+:class:`~airflow_skypilot.runstate.RunState`.
 """
 
 from __future__ import annotations
@@ -24,23 +29,18 @@ from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from airflow_skypilot import placement, recovery
-from airflow_skypilot.backends.base import (
-    Backend,
-    JobHandle,
-    JobState,
-    JobStatus,
-)
-from airflow_skypilot.backends.common import jobscript
+from airflow_skypilot import identity, placement, polling, recovery, sweeps
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.registry import backend_for_handle
-from airflow_skypilot.exceptions import BackendError, SubmissionError
+from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.links import SkyPilotJobLink
-from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Blocked, RunState
+from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, Blocked, RunState, Sweep
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.triggers.skypilot import (
-    LOG_TAIL_LINES,
+    DEFAULT_UNREACHABLE_TIMEOUT,
     SkyPilotJobTrigger,
+    SkyPilotSweepTrigger,
     SkyPilotWaitTrigger,
 )
 
@@ -58,6 +58,12 @@ def default_connections() -> list[str]:
     """``[skypilot] connections``: comma-separated conn ids."""
     raw = conf.get("skypilot", "connections", fallback="") or ""
     return [c.strip() for c in raw.split(",") if c.strip()]
+
+
+def deployment_id() -> str:
+    """``[skypilot] deployment_id``: part of every job's identity, so two Airflow deployments
+    sharing a cluster account never adopt or stop each other's jobs."""
+    return conf.get("skypilot", "deployment_id", fallback="") or ""
 
 
 def default_deferrable() -> bool:
@@ -87,7 +93,14 @@ class SkyPilotOperator(BaseOperator):
     :param probe_timeout: seconds each connection gets to answer a capacity probe.
     :param reprobe_interval: seconds between probes while nothing fits anywhere.
     :param stream_logs: copy the job's output into the task log as it runs.
-    :param max_unreachable: failed polls in a row before the job is declared lost.
+    :param unreachable_timeout: seconds the job's backend may stay silent (cannot be asked, or
+        cannot say) before the job counts as lost and is placed again; default
+        ``[skypilot] unreachable_timeout``. Shorter silences are waited out: "could not ask" is
+        never "gone".
+    :param confirm_timeout: seconds to wait for an old copy's end to be confirmed before the
+        job is placed again (a copy that stays unconfirmed is swept from the trigger).
+    :param block_cooldown: seconds a failed place stays blocked; default
+        ``[skypilot] block_cooldown``.
     """
 
     template_fields: Sequence[str] = ("task", "connections", "envs", "secrets", "policy")
@@ -112,7 +125,9 @@ class SkyPilotOperator(BaseOperator):
         probe_timeout: float | None = None,
         reprobe_interval: float = 60.0,
         stream_logs: bool = True,
-        max_unreachable: int = 6,
+        unreachable_timeout: float | None = None,
+        confirm_timeout: float = 30.0,
+        block_cooldown: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -131,13 +146,15 @@ class SkyPilotOperator(BaseOperator):
         self.probe_timeout = probe_timeout
         self.reprobe_interval = reprobe_interval
         self.stream_logs = stream_logs
-        self.max_unreachable = max_unreachable
+        self.unreachable_timeout = unreachable_timeout
+        self.confirm_timeout = confirm_timeout
+        self.block_cooldown = block_cooldown
         self._handle: JobHandle | None = None
         # A literal policy can be checked now, at DAG parse time; a Jinja one after rendering.
         if isinstance(policy, str) and "{{" not in policy and policy not in placement.POLICIES:
             raise ValueError(f"policy must be one of {placement.POLICIES}, got {policy!r}")
 
-    # --- helpers -----------------------------------------------------------------------------
+    # --- settings ----------------------------------------------------------------------------
     def _conn_ids(self) -> list[str]:
         conns = self.connections
         if isinstance(conns, str):
@@ -147,6 +164,19 @@ class SkyPilotOperator(BaseOperator):
             raise AirflowFailException(
                 "no connections: pass connections=[...] or set [skypilot] connections")
         return conns
+
+    @property
+    def _silence(self) -> float:
+        if self.unreachable_timeout is not None:
+            return float(self.unreachable_timeout)
+        return conf.getfloat("skypilot", "unreachable_timeout",
+                             fallback=DEFAULT_UNREACHABLE_TIMEOUT)
+
+    @property
+    def _cooldown(self) -> float:
+        if self.block_cooldown is not None:
+            return float(self.block_cooldown)
+        return conf.getfloat("skypilot", "block_cooldown", fallback=600.0)
 
     def load(self, context: Context | None = None) -> Task:
         """The task with overrides applied, from the rendered template fields.
@@ -176,25 +206,39 @@ class SkyPilotOperator(BaseOperator):
             self.log.warning("%s", warning)
         return task
 
-    @staticmethod
-    def _ids(context: Context) -> tuple[str, str, str, int, int]:
+    def _new_run(self, context: Context) -> RunState:
+        """A fresh run state for this try: its task instance's identity and job-name prefix."""
         ti = context["ti"]
-        return (ti.dag_id, ti.task_id, ti.run_id, int(ti.try_number or 1),
-                int(getattr(ti, "map_index", -1) if getattr(ti, "map_index", -1) is not None
-                    else -1))
+        map_index = getattr(ti, "map_index", -1)
+        key = identity.TaskKey(ti.dag_id, ti.task_id, ti.run_id,
+                               -1 if map_index is None else int(map_index), deployment_id())
+        dag_run = context.get("dag_run")
+        return RunState(prefix=key.prefix, task_env_id=key.skypilot_task_id,
+                        clear=int(getattr(dag_run, "clear_number", 0) or 0),
+                        try_number=int(ti.try_number or 1))
 
-    def _run_key(self, context: Context) -> tuple[str, str]:
-        dag_id, task_id, run_id, try_number, map_index = self._ids(context)
-        task_key = task_id if map_index < 0 else f"{task_id}-{map_index}"
-        return (jobscript.job_name(dag_id, task_key, run_id, try_number, 0).rsplit("-a", 1)[0],
-                jobscript.task_id_for(dag_id, task_key, run_id))
+    def _hook(self) -> SkyPilotCapacityHook:
+        timeout = self.probe_timeout or conf.getfloat("skypilot", "probe_timeout", fallback=60.0)
+        if not hasattr(self, "_capacity_hook"):
+            self._capacity_hook = SkyPilotCapacityHook(self._conn_ids(), timeout=timeout)
+        return self._capacity_hook
+
+    def _push(self, context: Context, key: str, value: Any) -> None:
+        try:
+            context["ti"].xcom_push(key=key, value=value)
+        except Exception as exc:  # XCom is for the UI; never fail a job over it
+            self.log.warning("Could not push XCom %s: %s", key, exc)
 
     # --- execute -----------------------------------------------------------------------------
     def execute(self, context: Context) -> Any:
         task = self.load(context)
-        prefix, task_env_id = self._run_key(context)
-        run = RunState(prefix=prefix, task_env_id=task_env_id)
-        handle = self._adopt(run)
+        run = self._new_run(context)
+        handle, status = self._reconcile(context, run)
+        if status is not None and status.state.terminal:  # an earlier try's job had succeeded
+            result = self._job_ended(context, lambda: task, run, handle, status, "")
+            if result is not None:
+                return result
+            handle = None
         if handle is None:
             handle = self._place_and_submit(context, task, run)
         return self._run(context, task, run, handle)
@@ -220,48 +264,69 @@ class SkyPilotOperator(BaseOperator):
             if self.deferrable:
                 self._defer_to_watch(context, handle, run)
             status, tail = self._poll_in_worker(handle, run)
-            result = self._job_ended(context, task, run, handle, status, tail)
+            result = self._job_ended(context, lambda: task, run, handle, status, tail)
             if result is not None:
                 return result
             handle = self._place_and_submit(context, task, run)
 
-    def _adopt(self, run: RunState) -> JobHandle | None:
-        """The job this try submitted before (the worker restarted, or execute ran twice).
+    def _reconcile(self, context: Context, run: RunState
+                   ) -> tuple[JobHandle | None, JobStatus | None]:
+        """The jobs earlier tries of this task instance left: adopt one, stop the live rest.
 
-        It is adopted whatever its state: a running job is watched, a finished one is judged
-        as if the trigger had just seen it end (success, failover or restart by the rules), so
-        a replay follows the same attempt names and never submits twice.
+        A connection that cannot be listed now gets a sweep (its live jobs of this task are
+        stopped as soon as it answers). Returns the adopted job and its status, if any.
         """
-        name = run.job_name
-        hook = self._hook()
-        for conn_id in hook.connections:
-            try:
-                handle = hook.backend(conn_id).find(name)
-            except Exception as exc:  # an unreachable cluster cannot hold up the task
-                self.log.warning("Could not check %s for an earlier job %s: %s", conn_id, name,
-                                 exc)
-                continue
-            if handle is not None:
-                self.log.info("Adopting job %s on %s (%s): this try submitted it before",
-                              handle.job_id, conn_id, name)
-                handle.adopted = True
-                self._record(run, handle)
-                return handle
-        return None
+        found = self._hook().find_all(run.prefix)
+        self._fail_on_config_errors(found.config_errors)
+        for conn_id, error in found.errors.items():
+            self.log.warning("Could not list the jobs of earlier tries on %s (%s): any still "
+                             "running there is stopped as soon as it answers", conn_id, error)
+            run.sweeps.append(Sweep(connection=conn_id, prefix=run.prefix,
+                                    reason=f"could not be listed at the start of try "
+                                           f"{run.try_number}: {error}"))
+        pairs = [pair for jobs in found.jobs.values() for pair in jobs]
+        started = getattr(context.get("dag_run"), "start_date", None)
+        earlier = identity.classify(pairs, prefix=run.prefix, clear=run.clear,
+                                    run_started_at=started.timestamp() if started else None)
+        for handle, why in earlier.ignore:
+            self.log.info("Job %s (%s) on %s is left alone: %s", handle.job_id, handle.job_name,
+                          handle.connection, why)
+        for handle, why in earlier.stop:
+            self.log.warning("Stopping job %s (%s) on %s: %s", handle.job_id, handle.job_name,
+                             handle.connection, why)
+            self._stop_copy(run, handle, why)
+        mine = [identity.parse_job_name(h.job_name) for h, _ in pairs]
+        used = [p.attempt for p in mine if p and p.clear == run.clear
+                and p.try_number == run.try_number]
+        if earlier.adopt is None:
+            run.attempt = max(used) + 1 if used else 0
+            return None, None
+        handle = earlier.adopt
+        handle.adopted = True
+        parts = identity.parse_job_name(handle.job_name)
+        run.attempt = max([parts.attempt if parts else 0, *used])
+        self.log.info("Adopting job %s (%s) on %s, %s: an earlier run of this task submitted it",
+                      handle.job_id, handle.job_name, handle.connection,
+                      earlier.adopt_status.state.value)
+        self._record(run, handle)
+        return handle, earlier.adopt_status
 
-    def _hook(self) -> SkyPilotCapacityHook:
-        timeout = self.probe_timeout or conf.getfloat("skypilot", "probe_timeout", fallback=60.0)
-        if not hasattr(self, "_capacity_hook"):
-            self._capacity_hook = SkyPilotCapacityHook(self._conn_ids(), timeout=timeout)
-        return self._capacity_hook
+    def _fail_on_config_errors(self, errors: Mapping[str, str]) -> None:
+        if errors:
+            raise AirflowFailException("misconfigured connections (fix them or leave them out "
+                                       "of connections=):\n" + "\n".join(
+                                           f"  {c}: {e}" for c, e in errors.items()))
 
     def _place_and_submit(self, context: Context, task: Task, run: RunState) -> JobHandle | None:
         """Probe, rank, submit; on a refused submission, block that place and take the next.
 
-        None when nothing can take the job now (places blocked, unreachable or over budget).
+        A submission that may have happened (the backend went silent during it) is swept: the
+        job, if it exists, is stopped as soon as its backend answers. None when nothing can
+        take the job now (places blocked, unreachable or over budget).
         """
         hook = self._hook()
         result = hook.probe(task)
+        self._fail_on_config_errors(result.config_errors)
         for conn_id, error in result.errors.items():
             self.log.warning("Connection %s skipped for this placement: %s", conn_id, error)
         for _ in range(MAX_SUBMISSIONS):
@@ -279,16 +344,29 @@ class SkyPilotOperator(BaseOperator):
                         "this task cannot run on any connected capacity:\n" + plan.table())
                 return None
             offer = plan.chosen
-            env = {"SKYPILOT_TASK_ID": run.task_env_id}
+            env = {"SKYPILOT_TASK_ID": run.task_env_id,
+                   "SKYPILOT_ATTEMPT": str(identity.attempt_number(run.try_number, run.attempt))}
+            until = time.time() + self._cooldown
             try:
                 handle = hook.backend(offer.connection).submit(task, offer, run.job_name, env)
             except SubmissionError as exc:
                 if not exc.retry_elsewhere:
                     raise AirflowException(f"submission to {offer.place_key} failed: {exc}") \
                         from exc
-                self.log.warning("Submission to %s failed, trying the next place: %s",
+                self.log.warning("Submission to %s refused, trying the next place: %s",
                                  offer.place_key, exc)
-                run.blocked.append(Blocked(offer.place_key, f"submission failed: {exc}"))
+                run.blocked.append(Blocked(offer.place_key, f"submission refused: {exc}",
+                                           until=until))
+                continue
+            except Exception as exc:  # cut short: the job may exist all the same
+                self.log.warning("Submission of %s to %s cut short, trying the next place; if "
+                                 "the job was created it is stopped as soon as %s answers: %s",
+                                 run.job_name, offer.place_key, offer.connection, exc)
+                run.sweeps.append(Sweep(connection=offer.connection, job_name=run.job_name,
+                                        reason=f"submission cut short: {exc}"))
+                run.blocked.append(Blocked(offer.place_key, f"submission cut short: {exc}",
+                                           until=until))
+                run.attempt += 1  # the next copy gets a name of its own
                 continue
             run.prefer = None
             self._record(run, handle)
@@ -302,17 +380,11 @@ class SkyPilotOperator(BaseOperator):
         self._handle = handle
         run.record(handle)
 
-    def _push(self, context: Context, key: str, value: Any) -> None:
-        try:
-            context["ti"].xcom_push(key=key, value=value)
-        except Exception as exc:  # XCom is for the UI; never fail a job over it
-            self.log.warning("Could not push XCom %s: %s", key, exc)
-
     def _defer_to_watch(self, context: Context, handle: JobHandle, run: RunState) -> None:
         state = run.to_dict()
         self.defer(
             trigger=SkyPilotJobTrigger(handle.to_dict(), poll_interval=self.poll_interval,
-                                       max_unreachable=self.max_unreachable,
+                                       unreachable_timeout=self._silence,
                                        log_offset=run.log_offset, stream_logs=self.stream_logs,
                                        cancel_on_kill=self.cancel_on_kill, state=state),
             method_name="execute_complete", kwargs={"state": state},
@@ -346,96 +418,111 @@ class SkyPilotOperator(BaseOperator):
             self.defer(trigger=SkyPilotWaitTrigger(self.reprobe_interval, state=state),
                        method_name="execute_complete", kwargs={"state": state},
                        timeout=self._remaining(context))
+        self._sweep_in_worker(run, keep=())
         time.sleep(self.reprobe_interval)
 
     def _poll_in_worker(self, handle: JobHandle, run: RunState) -> tuple[JobStatus, str]:
         """The non-deferrable watch: poll until the job ends; its status and log tail."""
-        backend = backend_for_handle(handle)
-        failures = 0
-        while True:
-            try:
-                status = backend.status([handle]).get(handle.job_id) or JobStatus(
-                    JobState.LOST, reason="not in the backend's answer")
-                failures = 0
-            except BackendError as exc:
-                failures += 1
-                self.log.warning("Polling %s failed (%d/%d): %s", handle.connection, failures,
-                                 self.max_unreachable, exc)
-                if failures < self.max_unreachable:
-                    time.sleep(self.poll_interval)
-                    continue
-                status = JobStatus(JobState.LOST, reason=f"unreachable: {exc}")
-            if self.stream_logs:
-                run.log_offset = self._stream(backend, handle, run.log_offset)
-            if status.state.terminal:
-                return status, self._tail(backend, handle, run.log_offset)
-            time.sleep(self.poll_interval)
+        status, tail, run.log_offset = polling.until_done(
+            backend_for_handle(handle), handle, poll_interval=self.poll_interval,
+            silence=self._silence, offset=run.log_offset, stream_logs=self.stream_logs,
+            log=self.log, between=lambda: self._sweep_in_worker(run, keep=(handle.job_name,)))
+        return status, tail
 
-    def _stream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
-        try:
-            text, offset = backend.read_log(handle, offset)
-        except Exception as exc:
-            self.log.debug("Could not read the log of %s: %s", handle.key, exc)
-            return offset
-        for line in text.splitlines():
-            self.log.info("[%s] %s", handle.job_id, line)
-        return offset
+    # --- old copies --------------------------------------------------------------------------
+    def _stop_copy(self, run: RunState, handle: JobHandle, why: str,
+                   attempt: Attempt | None = None) -> None:
+        sweeps.stop_copy(run, handle, why, confirm_timeout=self.confirm_timeout, log=self.log,
+                         attempt=attempt)
 
-    @staticmethod
-    def _tail(backend: Backend, handle: JobHandle, offset: int) -> str:
-        try:
-            text, _ = backend.read_log(handle, max(0, offset - 32768))
-        except Exception as exc:
-            return f"(log unavailable: {exc})"
-        return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+    def _sweep_in_worker(self, run: RunState, keep: tuple[str, ...]) -> None:
+        """One try at every pending sweep (the non-deferrable path's trigger work)."""
+        sweeps.sweep_pending(run, self._hook().backend, keep, self.log)
 
     # --- resume ------------------------------------------------------------------------------
     def execute_complete(self, context: Context, event: dict[str, Any] | None,
                          state: dict[str, Any] | None = None) -> Any:
-        # The defer kwargs carry the state; `airflow dags test` drops them, so the trigger
-        # hands the same state back in its event.
+        # The trigger hands the state back in its event, with what it confirmed meanwhile;
+        # the defer kwargs hold the state as it was at deferral (`airflow dags test` drops
+        # them), so the event's copy wins.
         event = event or {}
-        run = RunState.from_dict(state or event.get("state"))
-        task = self.load(context)
+        run = RunState.from_dict(event.get("state") or state)
+        if event.get("status") == "swept":  # done: the job had succeeded, old copies swept
+            return self._finish(context, run, run.attempts[-1], None)
         if event.get("status") == "reprobe":  # the wait for capacity is over: probe again
+            task = self.load(context)
             return self._run(context, task, run, self._place_and_submit(context, task, run))
         if not event or event.get("status") == "error":
             message = event.get("message", "no event")
+            if event.get("handle"):  # do not leave a job running that nobody watches
+                handle = JobHandle.from_dict(event["handle"])
+                self._stop_copy(run, handle, f"its trigger failed: {message}")
             raise AirflowException(f"watching the SkyPilot job failed: {message}")
         handle = JobHandle.from_dict(event["handle"])
         self._handle = handle
         status = JobStatus.from_dict(event["job_status"])
         run.log_offset = event.get("log_offset", run.log_offset)
-        result = self._job_ended(context, task, run, handle, status, event.get("log_tail") or "")
+        loaded: list[Task] = []
+
+        def load() -> Task:
+            if not loaded:
+                loaded.append(self.load(context))
+            return loaded[0]
+
+        result = self._job_ended(context, load, run, handle, status, event.get("log_tail") or "")
         if result is not None:
             return result
-        return self._run(context, task, run, self._place_and_submit(context, task, run))
+        return self._run(context, load(), run, self._place_and_submit(context, load(), run))
 
-    def _job_ended(self, context: Context, task: Task, run: RunState, handle: JobHandle,
+    def _job_ended(self, context: Context, load: Any, run: RunState, handle: JobHandle,
                    status: JobStatus, tail: str) -> dict[str, Any] | None:
         """Act on the failover rule: the result on success, None to place the job again;
-        raises when the task fails."""
+        raises when the task fails. An old copy that may still run is stopped first."""
         ended = run.close(handle, status)
         self.log.info("Job %s on %s ended: %s%s", handle.job_id, handle.connection,
                       status.state.value, f" ({status.reason})" if status.reason else "")
-        verdict = recovery.decide(run, ended, task.job_recovery, self.max_failovers, tail=tail)
-        self._cleanup(handle, cancel=verdict.cancel)
+        if status.state.infra_failure:  # it may still run: stopped before anything else
+            self._stop_copy(run, handle, f"{ended.state}: {ended.reason or 'its place failed'}",
+                            attempt=ended)
+        # the task (re-read on resume) is needed only to go on; a success needs nothing of it
+        job_recovery = {} if status.state == JobState.SUCCEEDED else load().job_recovery
+        verdict = recovery.decide(run, ended, job_recovery, self.max_failovers, tail=tail)
+        self._cleanup(handle)
         if verdict.action == recovery.SUCCEED:
-            result = run.result(ended)
-            self._push(context, XCOM_HANDLE, handle.to_dict())
-            return result
+            return self._finish(context, run, ended, handle)
         if verdict.action == recovery.FAIL:
-            raise AirflowException(verdict.message)
+            raise AirflowException(verdict.message + run.sweeps_text())
         self.log.warning("%s", verdict.message)
-        recovery.record(run, verdict)
+        recovery.record(run, verdict, cooldown=self._cooldown)
         return None
 
-    def _cleanup(self, handle: JobHandle, cancel: bool = False) -> None:
+    def _finish(self, context: Context, run: RunState, final: Attempt,
+                handle: JobHandle | None) -> dict[str, Any]:
+        """The task's result; first, old copies not yet confirmed dead get one more chance
+        (a last deferral, or a loop in the worker, up to ``unreachable_timeout``)."""
+        if run.pending_sweeps and handle is not None:
+            self._sweep_in_worker(run, keep=())
+        if run.pending_sweeps and handle is not None:
+            if self.deferrable:
+                state = run.to_dict()
+                self.defer(trigger=SkyPilotSweepTrigger(self._silence, interval=max(
+                    self.poll_interval, 5.0), state=state), method_name="execute_complete",
+                    kwargs={"state": state}, timeout=self._remaining(context))
+            deadline = time.time() + self._silence
+            while run.pending_sweeps and time.time() < deadline:
+                time.sleep(max(self.poll_interval, 5.0))
+                self._sweep_in_worker(run, keep=())
+        if run.pending_sweeps:
+            self.log.error("The job succeeded, but old copies could not be confirmed dead; "
+                           "stop them by hand:%s", run.sweeps_text())
+        result = run.result(final)
+        if handle is not None:
+            self._push(context, XCOM_HANDLE, handle.to_dict())
+        return result
+
+    def _cleanup(self, handle: JobHandle) -> None:
         try:
-            backend = backend_for_handle(handle)
-            if cancel:
-                backend.cancel(handle)  # a lost job may still run somewhere: stop it
-            backend.cleanup(handle)
+            backend_for_handle(handle).cleanup(handle)
         except Exception as exc:
             self.log.warning("Cleanup of %s job %s on %s failed: %s", handle.backend,
                              handle.job_id, handle.connection, exc)
@@ -468,7 +555,14 @@ class SkyPilotOperator(BaseOperator):
         self._handle = handle
         self.log.warning("The deferral ended without the job's end (%s): cancelling %s job %s "
                          "on %s", why, handle.backend, handle.job_id, handle.connection)
-        self._cleanup(handle, cancel=True)
+        try:
+            backend = backend_for_handle(handle)
+            backend.cancel(handle)
+            backend.cleanup(handle)
+        except Exception as exc:
+            self.log.warning("Could not cancel %s job %s on %s: %s; a retry of the task "
+                             "stops it when it lists its earlier jobs", handle.backend,
+                             handle.job_id, handle.connection, exc)
 
     def on_kill(self) -> None:
         """Cancel the backend job when the task is killed while running in the worker."""

@@ -8,17 +8,23 @@ its reason (the sensor did not submit the job, so it does not place it again).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
+from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.operators.skypilot import default_deferrable
 from airflow_skypilot.runstate import Attempt
-from airflow_skypilot.triggers.skypilot import LOG_TAIL_LINES, SkyPilotJobTrigger
+from airflow_skypilot.triggers.skypilot import (
+    DEFAULT_UNREACHABLE_TIMEOUT,
+    LOG_TAIL_LINES,
+    SkyPilotJobTrigger,
+)
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -31,20 +37,31 @@ class SkyPilotJobSensor(BaseSensorOperator):
         ``"{{ ti.xcom_pull(task_ids='submit') }}"``; templated.
     :param deferrable: wait in the triggerer (default on, like the operator).
     :param stream_logs: copy the job's output into the task log.
-    :param max_unreachable: failed polls in a row before the job is declared lost.
+    :param unreachable_timeout: seconds the job's backend may stay silent before the job
+        counts as lost (default ``[skypilot] unreachable_timeout``). In ``reschedule`` mode
+        each poke is a new process and silence is not carried over: the sensor's own
+        ``timeout`` bounds the wait.
     """
 
     template_fields: Sequence[str] = ("handle",)
 
     def __init__(self, *, handle: Mapping[str, Any] | str, deferrable: bool | None = None,
-                 stream_logs: bool = True, max_unreachable: int = 6, **kwargs: Any) -> None:
+                 stream_logs: bool = True, unreachable_timeout: float | None = None,
+                 **kwargs: Any) -> None:
         kwargs.setdefault("poke_interval", 10.0)
         super().__init__(**kwargs)
         self.handle = handle
         self.deferrable = default_deferrable() if deferrable is None else deferrable
         self.stream_logs = stream_logs
-        self.max_unreachable = max_unreachable
-        self._failures = 0
+        self.unreachable_timeout = unreachable_timeout
+        self._silent_since: float | None = None
+
+    @property
+    def _silence(self) -> float:
+        if self.unreachable_timeout is not None:
+            return float(self.unreachable_timeout)
+        return conf.getfloat("skypilot", "unreachable_timeout",
+                             fallback=DEFAULT_UNREACHABLE_TIMEOUT)
 
     def _handle(self) -> JobHandle:
         data = self.handle
@@ -64,7 +81,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
             return super().execute(context)
         handle = self._handle()
         self.defer(trigger=SkyPilotJobTrigger(handle.to_dict(), poll_interval=self.poke_interval,
-                                              max_unreachable=self.max_unreachable,
+                                              unreachable_timeout=self._silence,
                                               stream_logs=self.stream_logs),
                    method_name="execute_complete",
                    timeout=None if self.timeout is None else self.timeout)
@@ -73,15 +90,23 @@ class SkyPilotJobSensor(BaseSensorOperator):
         handle = self._handle()
         backend = backend_for_handle(handle)
         try:
-            status = backend.status([handle]).get(handle.job_id)
-            self._failures = 0
+            status = backend.status([handle]).get(handle.job_id) or JobStatus(
+                JobState.UNKNOWN, reason="not in the backend's answer")
         except Exception as exc:
-            self._failures += 1
-            if self._failures < self.max_unreachable:
-                self.log.warning("Polling %s failed: %s", handle.connection, exc)
+            status = JobStatus(JobState.UNKNOWN, reason=f"{type(exc).__name__}: {exc}")
+        if status.state == JobState.UNKNOWN:  # could not ask: not gone, unless silent for long
+            now = time.monotonic()
+            self._silent_since = self._silent_since or now
+            self.log.warning("No answer about job %s on %s for %.0fs: %s", handle.job_id,
+                             handle.connection, now - self._silent_since, status.reason)
+            if now - self._silent_since < self._silence:
                 return False
-            status = JobStatus(JobState.LOST, reason=f"unreachable: {exc}")
-        if status is None or not status.state.terminal:
+            status = JobStatus(JobState.LOST, reason=(
+                f"no answer about the job from {handle.connection} for "
+                f"{now - self._silent_since:.0f}s (unreachable_timeout): {status.reason}"))
+        else:
+            self._silent_since = None
+        if not status.state.terminal:
             return False
         try:
             text, _ = backend.read_log(handle, 0)

@@ -3,8 +3,12 @@
 The trigger is read-only: it never submits. However many jobs are watched on one connection,
 one :class:`SharedPoller` per (event loop, backend, connection) asks that backend once per poll
 interval about all of them (one ``squeue``, one pod list, one ``describe_instances``) and hands
-each trigger its job's status. A backend that cannot be reached is retried; a job is declared
-lost only after ``max_unreachable`` failed polls in a row. Every error becomes an event.
+each trigger its job's status. A backend that cannot be asked is asked again: "could not ask"
+is never "gone", and a job is declared lost for silence only after ``unreachable_timeout``
+seconds without an answer about it. Every error becomes an event.
+
+While they wait, the triggers also keep confirming old copies of the task dead (the run
+state's pending sweeps, see ``sweeps.py``), and report what they confirmed in their event.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from airflow_skypilot import sweeps
 from airflow_skypilot.backends.base import (
     Backend,
     JobHandle,
@@ -28,6 +33,8 @@ from airflow_skypilot.backends.registry import backend_class, backend_for_handle
 from airflow_skypilot.runstate import RunState
 
 LOG_TAIL_LINES = 40
+#: seconds a job's backend may stay silent before the job counts as lost
+DEFAULT_UNREACHABLE_TIMEOUT = 300.0
 
 
 def _state_dict(state: RunState | dict[str, Any] | None) -> dict[str, Any] | None:
@@ -127,8 +134,9 @@ class SharedPoller:
             except Exception:  # output is a convenience; the status is what matters
                 logs = {}
         for sub in subs:
+            # a backend that does not speak for a job has not said it is gone
             status = statuses.get(sub.handle.job_id) or JobStatus(
-                JobState.LOST, reason="not in the backend's answer")
+                JobState.UNKNOWN, reason="not in the backend's answer")
             text, offset = logs.get(sub.handle.job_id, ("", sub.offset))
             sub.offset = offset
             sub.queue.put_nowait(PollResult(status, text, offset))
@@ -152,27 +160,69 @@ def pollers_in_this_loop() -> dict[tuple[str, str], SharedPoller]:
     return _POLLERS.get(asyncio.get_running_loop(), {})
 
 
-class SkyPilotJobTrigger(BaseTrigger):
+class _SweepsMixin:
+    """Keep confirming the run state's old copies dead while the trigger waits.
+
+    The sweeps live in ``self.state`` (the run state's dict), which comes back in the event:
+    what was confirmed here is known to the operator when it resumes. A triggerer restart
+    forgets confirmations not yet reported; sweeping again is harmless (cancel is idempotent).
+    """
+
+    state: dict[str, Any] | None
+    sweep_interval: float = 10.0
+
+    def _pending(self) -> list[dict[str, Any]]:
+        return [w for w in (self.state or {}).get("sweeps") or [] if not w.get("done_at")]
+
+    async def _asweep_once(self, keep: tuple[str, ...] = ()) -> None:
+        from airflow_skypilot.backends.registry import backend_for_connection
+        from airflow_skypilot.runstate import Sweep
+
+        for data in self._pending():
+            sweep = Sweep.from_dict(data)
+            try:
+                backend = await asyncio.to_thread(
+                    lambda w=sweep: backend_for_handle(JobHandle.from_dict(w.handle))
+                    if w.handle else backend_for_connection(w.connection))
+                done = await asyncio.to_thread(sweeps.step, sweep, backend, keep)
+            except Exception as exc:  # silent still: try again next round
+                self.log.info("Old copy on %s not confirmed yet (%s): %s", sweep.connection,
+                              sweep.what, exc)
+                continue
+            if done:
+                data.update(done_at=sweep.done_at, outcome=sweep.outcome)
+                self.log.warning("Old copy confirmed dead: %s", sweep.describe())
+
+    async def _asweep_forever(self, keep: tuple[str, ...] = ()) -> None:
+        while self._pending():
+            await self._asweep_once(keep)
+            await asyncio.sleep(self.sweep_interval)
+
+
+class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
     """Fire when a job reaches a terminal state (or cannot be watched any more).
 
     :param handle: the job's :class:`JobHandle` as a dict.
     :param poll_interval: seconds between polls of the job's connection.
-    :param max_unreachable: failed polls in a row before the job is declared lost.
+    :param unreachable_timeout: seconds without an answer about the job (its backend cannot
+        be asked, or cannot say) before it counts as lost. Shorter silences are waited out.
     :param log_offset: byte offset of the job log already shown; new output is logged.
     :param stream_logs: copy the job's output into the task log while it runs.
     :param cancel_on_kill: cancel the job when a user kills the deferred task (Airflow >= 3.3).
     :param state: the operator's :class:`~airflow_skypilot.runstate.RunState` (or its dict),
         handed back in the event as a dict (``airflow dags test`` resumes with the event alone,
-        so state cannot rely on the defer kwargs). The trigger does not read it.
+        so state cannot rely on the defer kwargs). The trigger reads only its pending sweeps.
     """
 
     def __init__(self, handle: dict[str, Any], poll_interval: float = 10.0,
-                 max_unreachable: int = 6, log_offset: int = 0, stream_logs: bool = True,
-                 cancel_on_kill: bool = True, state: RunState | dict[str, Any] | None = None):
+                 unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT, log_offset: int = 0,
+                 stream_logs: bool = True, cancel_on_kill: bool = True,
+                 state: RunState | dict[str, Any] | None = None):
         super().__init__()
         self.handle = handle
         self.poll_interval = poll_interval
-        self.max_unreachable = max_unreachable
+        self.sweep_interval = max(poll_interval, 5.0)
+        self.unreachable_timeout = unreachable_timeout
         self.log_offset = log_offset
         self.stream_logs = stream_logs
         self.cancel_on_kill = cancel_on_kill
@@ -184,7 +234,7 @@ class SkyPilotJobTrigger(BaseTrigger):
             {
                 "handle": self.handle,
                 "poll_interval": self.poll_interval,
-                "max_unreachable": self.max_unreachable,
+                "unreachable_timeout": self.unreachable_timeout,
                 "log_offset": self.log_offset,
                 "stream_logs": self.stream_logs,
                 "cancel_on_kill": self.cancel_on_kill,
@@ -203,23 +253,29 @@ class SkyPilotJobTrigger(BaseTrigger):
                                 "message": f"cannot watch the job: {type(exc).__name__}: {exc}"})
             return
         queue = poller.subscribe(handle, self.poll_interval, self.stream_logs, self.log_offset)
+        sweeper = asyncio.create_task(self._asweep_forever((handle.job_name,))) \
+            if self._pending() else None
         offset = self.log_offset
-        failures = 0
+        silent_since: float | None = None
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, PollError):
-                    failures += 1
-                    self.log.warning("Polling %s failed (%d/%d): %s", handle.connection,
-                                     failures, self.max_unreachable, item.message)
-                    if failures >= self.max_unreachable:
+                unknown = isinstance(item, PollError) or item.status.state == JobState.UNKNOWN
+                if unknown:
+                    now = time.monotonic()
+                    silent_since = now if silent_since is None else silent_since
+                    why = item.message if isinstance(item, PollError) else item.status.reason
+                    self.log.warning("No answer about job %s on %s for %.0fs (lost after %gs): %s",
+                                     handle.job_id, handle.connection, now - silent_since,
+                                     self.unreachable_timeout, why)
+                    if now - silent_since >= self.unreachable_timeout:
                         status = JobStatus(JobState.LOST, reason=(
-                            f"{handle.connection} unreachable for {failures} polls in a row: "
-                            f"{item.message}"))
+                            f"no answer about the job from {handle.connection} for "
+                            f"{now - silent_since:.0f}s (unreachable_timeout): {why}"))
                         yield TriggerEvent(self._event(handle, status, "", offset))
                         return
                     continue
-                failures = 0
+                silent_since = None
                 for line in item.log.splitlines():
                     self.log.info("[%s] %s", handle.job_id, line)
                 offset = item.log_offset
@@ -234,6 +290,8 @@ class SkyPilotJobTrigger(BaseTrigger):
                                 "message": f"{type(exc).__name__}: {exc}"})
         finally:
             poller.unsubscribe(queue)
+            if sweeper is not None:
+                sweeper.cancel()
 
     async def _astream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
         try:
@@ -268,12 +326,12 @@ class SkyPilotJobTrigger(BaseTrigger):
         await asyncio.to_thread(backend.cancel, handle)
 
 
-class SkyPilotWaitTrigger(BaseTrigger):
+class SkyPilotWaitTrigger(_SweepsMixin, BaseTrigger):
     """Sleep, then resume the operator to probe again (nothing fits anywhere right now).
 
     :param seconds: how long to wait.
     :param state: the operator's :class:`~airflow_skypilot.runstate.RunState` (or its dict),
-        handed back in the ``reprobe`` event.
+        handed back in the ``reprobe`` event; its pending sweeps are worked on meanwhile.
     """
 
     def __init__(self, seconds: float, state: RunState | dict[str, Any] | None = None):
@@ -286,5 +344,38 @@ class SkyPilotWaitTrigger(BaseTrigger):
                 {"seconds": self.seconds, "state": self.state})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        await asyncio.sleep(self.seconds)
+        sweeper = asyncio.create_task(self._asweep_forever()) if self._pending() else None
+        try:
+            await asyncio.sleep(self.seconds)
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
         yield TriggerEvent({"status": "reprobe", "state": self.state})
+
+
+class SkyPilotSweepTrigger(_SweepsMixin, BaseTrigger):
+    """The task's job is done, but an old copy could not be confirmed dead yet: keep trying
+    for up to ``timeout`` seconds, then hand back what was confirmed (``swept`` event).
+
+    :param timeout: seconds to keep trying.
+    :param interval: seconds between tries.
+    :param state: the operator's run state (its dict); its pending sweeps are the work.
+    """
+
+    def __init__(self, timeout: float, interval: float = 10.0,
+                 state: RunState | dict[str, Any] | None = None):
+        super().__init__()
+        self.timeout = timeout
+        self.sweep_interval = interval
+        self.state = _state_dict(state)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("airflow_skypilot.triggers.skypilot.SkyPilotSweepTrigger",
+                {"timeout": self.timeout, "interval": self.sweep_interval, "state": self.state})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            await asyncio.wait_for(self._asweep_forever(), self.timeout)
+        except asyncio.TimeoutError:
+            pass
+        yield TriggerEvent({"status": "swept", "state": self.state})

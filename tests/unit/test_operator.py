@@ -78,9 +78,10 @@ def test_execute_places_submits_pushes_and_defers():
     handle = deferred.trigger.handle
     assert handle["connection"] == "c1"  # free and $0/h beats $1/h
     assert handle["job_name"].startswith("sky-dag-train-") and handle["job_name"].endswith(
-        "-t1-a0")
+        "-c0-t1-a0")
     job = FakeBackend.jobs[handle["job_id"]]
-    assert job["env"]["SKYPILOT_TASK_ID"] == "sky-airflow_dag_train_manual__1"
+    assert job["env"]["SKYPILOT_TASK_ID"].startswith("sky-airflow_dag_train_manual__1_")
+    assert job["env"]["SKYPILOT_ATTEMPT"] == "1000"
     assert ti.xcom[XCOM_HANDLE]["job_id"] == handle["job_id"]
     assert ti.xcom[XCOM_PLACEMENT]["chosen"]["connection"] == "c1"
 
@@ -230,11 +231,31 @@ def test_execute_twice_for_the_same_try_adopts_the_first_job():
     assert len(FakeBackend.jobs) == 1
 
 
-def test_a_new_try_submits_a_new_job():
+def test_a_new_try_adopts_the_live_job_of_the_try_before():
+    """The worker died after submitting; Airflow retried the task: one job, not two."""
     first, _ = _start(_op(), TI(try_number=1))
     second, _ = _start(_op(), TI(try_number=2))
-    assert first.trigger.handle["job_id"] != second.trigger.handle["job_id"]
-    assert second.trigger.handle["job_name"].endswith("-t2-a0")
+    assert second.trigger.handle["job_id"] == first.trigger.handle["job_id"]
+    assert second.trigger.handle["adopted"] and len(FakeBackend.jobs) == 1
+    assert second.kwargs["state"]["attempts"][0]["adopted"]
+
+
+def test_a_new_try_after_the_earlier_job_failed_submits_under_its_own_name():
+    first, ti = _start(_op(), TI(try_number=1))
+    _end(first.trigger.handle["job_id"], JobState.FAILED, exit_code=1)
+    second, _ = _start(_op(), TI(try_number=2))
+    assert second.trigger.handle["job_id"] != first.trigger.handle["job_id"]
+    assert second.trigger.handle["job_name"].endswith("-c0-t2-a0")
+    assert FakeBackend.jobs["2"]["env"]["SKYPILOT_ATTEMPT"] == "2000"
+
+
+def test_a_succeeded_job_of_an_earlier_try_is_the_result():
+    """The job finished while no worker watched it: adopt its success, submit nothing."""
+    first, _ = _start(_op(), TI(try_number=1))
+    _end(first.trigger.handle["job_id"], JobState.SUCCEEDED, exit_code=0)
+    result = _op().execute({"ti": TI(try_number=2)})
+    assert result["state"] == "succeeded" and result["job_id"] == first.trigger.handle["job_id"]
+    assert len(FakeBackend.jobs) == 1
 
 
 def test_refused_submission_moves_to_the_next_place(monkeypatch):
@@ -376,20 +397,25 @@ def test_non_deferrable_fails_over_in_the_worker(monkeypatch):
     from airflow_skypilot.operators import skypilot as module
 
     real_poll = FakeBackend.astatus
-    ends = iter([(JobState.INFRA_FAILED, "node failure"), (JobState.SUCCEEDED, "")])
+    ends = {"1": (JobState.INFRA_FAILED, "node failure"), "2": (JobState.SUCCEEDED, "")}
 
     async def astatus(self, handles):
-        state, reason = next(ends)
-        _end(handles[0].job_id, state, reason=reason)
+        for handle in handles:
+            if not FakeBackend.jobs[handle.job_id]["status"].state.terminal:
+                state, reason = ends[handle.job_id]
+                _end(handle.job_id, state, reason=reason)
         return await real_poll(self, handles)
 
     monkeypatch.setattr(FakeBackend, "astatus", astatus)
     monkeypatch.setattr(module, "time", SimpleNamespace(time=__import__("time").time,
                                                         sleep=lambda s: None))
     result = _op(deferrable=False, poll_interval=0).execute({"ti": TI()})
-    assert [(a["connection"], a["state"]) for a in result["attempts"]] == [
-        ("c1", "infra_failed"), ("c2", "succeeded")]
-    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED  # the lost copy stopped
+    assert [(a["connection"], a["state"], a["confirmed_dead"]) for a in result["attempts"]] \
+        == [("c1", "infra_failed", True), ("c2", "succeeded", None)]
+    name = FakeBackend.jobs["1"]["name"]
+    assert result["old_copies"] == [{
+        "connection": "c1", "what": f"job 1 ({name})", "reason": "infra_failed: node failure",
+        "confirmed_dead": True, "outcome": "infra_failed"}]
 
 
 def test_template_fields_are_kept_as_given_and_read_at_execute(tmp_path):

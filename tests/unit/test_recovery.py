@@ -36,15 +36,16 @@ def test_success():
 
 @pytest.mark.parametrize("state", [JobState.INFRA_FAILED, JobState.PREEMPTED, JobState.LOST])
 def test_infra_failure_blocks_the_place_and_cancels_the_old_copy(state):
-    run = RunState(prefix="x")
+    run = RunState(prefix="x-")
     verdict = _decide(run, _ended(run, state, reason="node failure"))
     assert verdict.action == AGAIN and verdict.cancel and verdict.counts_as == "failover"
     assert verdict.block.place == "c1/p" and verdict.block.at == 5.0
     assert "moving elsewhere (EAGER_NEXT_REGION)" in verdict.message
-    recovery.record(run, verdict)
+    recovery.record(run, verdict, cooldown=600)
     assert (run.failovers, run.attempt, run.prefer) == (1, 1, None)
-    assert [b.place for b in run.blocked] == ["c1/p"]
-    assert run.job_name == "x-a1"
+    assert [(b.place, b.until) for b in run.blocked] == [("c1/p", 605.0)]
+    assert run.blocked[0].active(now=604.0) and not run.blocked[0].active(now=605.0)
+    assert run.job_name == "x-c0-t1-a1"
 
 
 def test_failover_strategy_prefers_the_same_place_once():

@@ -50,7 +50,8 @@ def test_the_dict_keeps_the_keys_earlier_readers_use():
     first = data["attempts"][0]
     assert first["place"] == "c1/p" and first["infra_failure"] is True
     assert first["gpus"] == 8 and first["state"] == "preempted"
-    assert data["blocked"][0] == {"place": "c1/p", "reason": "spot", "at": 4700.0}
+    assert data["blocked"][0] == {"place": "c1/p", "reason": "spot", "at": 4700.0,
+                                  "until": None}
 
 
 def test_older_and_odd_shapes_load_with_defaults():
@@ -72,11 +73,11 @@ def test_close_records_an_attempt_it_never_saw():
     assert run.attempts == [ended] and ended.ended_at == 50.0 and ended.state == "succeeded"
 
 
-def test_job_name_follows_the_attempt_number():
-    run = RunState(prefix="sky-d-t-abc-t2")
-    assert run.job_name == "sky-d-t-abc-t2-a0"
+def test_job_name_follows_the_clear_try_and_attempt():
+    run = RunState(prefix="sky-d-t-abc-", clear=1, try_number=2)
+    assert run.job_name == "sky-d-t-abc-c1-t2-a0"
     run.attempt = 3
-    assert run.job_name == "sky-d-t-abc-t2-a3"
+    assert run.job_name == "sky-d-t-abc-c1-t2-a3"
 
 
 def test_result_is_the_readme_shape_built_from_the_attempts():
@@ -86,7 +87,8 @@ def test_result_is_the_readme_shape_built_from_the_attempts():
                                 ended_at=8600.0))
     result = run.result(final, now=9000.0)
     assert list(result) == ["state", "connection", "location", "infra", "backend", "job_id",
-                            "job_name", "task_id", "attempts", "gpu_hours", "cost"]
+                            "job_name", "task_id", "attempts", "old_copies", "gpu_hours",
+                            "cost"]
     assert (result["connection"], result["location"], result["job_id"]) == ("c2", "q", "2")
     assert result["task_id"] == "sky-airflow_dag_train_r"
     assert [tuple(a) for a in result["attempts"]] == [RESULT_ATTEMPT_FIELDS] * 2

@@ -49,8 +49,8 @@ def _event(handle: JobHandle, status: JobStatus, tail: str = "Traceback: boom") 
 
 # --- deferrable (the default) ------------------------------------------------------------------
 def test_defers_to_the_job_trigger_with_its_settings(handle):
-    sensor = _sensor(handle.to_dict(), poke_interval=3, max_unreachable=4, stream_logs=False,
-                     timeout=600)
+    sensor = _sensor(handle.to_dict(), poke_interval=3, unreachable_timeout=40,
+                     stream_logs=False, timeout=600)
     assert sensor.deferrable is True
     with pytest.raises(TaskDeferred) as info:
         sensor.execute({})
@@ -59,7 +59,8 @@ def test_defers_to_the_job_trigger_with_its_settings(handle):
     assert deferred.method_name == "execute_complete" and deferred.timeout == 600
     trigger = deferred.trigger
     assert JobHandle.from_dict(trigger.handle) == handle
-    assert (trigger.poll_interval, trigger.max_unreachable, trigger.stream_logs) == (3, 4, False)
+    assert (trigger.poll_interval, trigger.unreachable_timeout, trigger.stream_logs) == \
+        (3, 40, False)
     assert trigger.state is None  # the sensor places nothing: no run state to carry
 
 
@@ -127,19 +128,33 @@ def test_poke_mode_user_failure_raises_with_the_log_tail(handle):
     assert "step 58" not in message and "step 61" in message  # the last 40 lines
 
 
-def test_poke_mode_unreachable_n_times_in_a_row_fails(handle):
+def test_poke_mode_silence_longer_than_the_limit_fails(handle, monkeypatch):
+    import airflow_skypilot.sensors.skypilot as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
     FakeBackend.down = {"c1"}
-    sensor = _sensor(handle.to_dict(), deferrable=False, max_unreachable=3)
-    assert [sensor.poke({}) for _ in range(2)] == [False, False]
-    with pytest.raises(AirflowException, match="infrastructure failure: unreachable: .*down"):
+    sensor = _sensor(handle.to_dict(), deferrable=False, unreachable_timeout=30)
+    assert sensor.poke({}) is False  # could not ask: not gone
+    clock[0] += 29
+    assert sensor.poke({}) is False
+    clock[0] += 1
+    with pytest.raises(AirflowException, match="infrastructure failure: no answer about the "
+                                               "job from c1 for 30s .*down"):
         sensor.poke({})
 
 
-def test_poke_mode_a_poll_that_answers_resets_the_count(handle):
-    sensor = _sensor(handle.to_dict(), deferrable=False, max_unreachable=2)
+def test_poke_mode_an_answer_ends_the_silence(handle, monkeypatch):
+    import airflow_skypilot.sensors.skypilot as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    sensor = _sensor(handle.to_dict(), deferrable=False, unreachable_timeout=30)
     FakeBackend.down = {"c1"}
     assert sensor.poke({}) is False
+    clock[0] += 20
     FakeBackend.down = set()
     assert sensor.poke({}) is False  # answered: running
     FakeBackend.down = {"c1"}
-    assert sensor.poke({}) is False  # the first failure again, not the second
+    clock[0] += 20
+    assert sensor.poke({}) is False  # silent since the answer: 0 s, not 40 s

@@ -9,7 +9,11 @@ import pytest
 from airflow_skypilot.backends import registry
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.triggers import skypilot as trig
-from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger, SkyPilotWaitTrigger
+from airflow_skypilot.triggers.skypilot import (
+    SkyPilotJobTrigger,
+    SkyPilotSweepTrigger,
+    SkyPilotWaitTrigger,
+)
 from tests.fakes import FakeBackend
 
 
@@ -31,7 +35,7 @@ def _job(job_id: str, state=JobState.RUNNING, log: str = "") -> JobHandle:
 
 def test_serialize_round_trips():
     t = SkyPilotJobTrigger({"backend": "fake", "job_id": "1"}, poll_interval=3,
-                           max_unreachable=2, log_offset=7, stream_logs=False,
+                           unreachable_timeout=20, log_offset=7, stream_logs=False,
                            cancel_on_kill=False, state={"attempt": 1})
     path, kwargs = t.serialize()
     assert path == "airflow_skypilot.triggers.skypilot.SkyPilotJobTrigger"
@@ -39,6 +43,8 @@ def test_serialize_round_trips():
     assert again.serialize() == (path, kwargs)
     w = SkyPilotWaitTrigger(5, state={"x": 1})
     assert SkyPilotWaitTrigger(**w.serialize()[1]).serialize() == w.serialize()
+    sweep = SkyPilotSweepTrigger(60, interval=2, state={"sweeps": []})
+    assert SkyPilotSweepTrigger(**sweep.serialize()[1]).serialize() == sweep.serialize()
 
 
 async def _first_event(trigger):
@@ -89,17 +95,19 @@ async def test_transient_errors_are_tolerated_then_lost():
         FakeBackend.down = set()
         FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
 
-    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.05, max_unreachable=5)
+    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.05, unreachable_timeout=5)
     event, _ = await asyncio.gather(_first_event(t), recover())
     assert event["job_status"]["state"] == "succeeded"
 
     handle = _job("2")
     FakeBackend.down = {"c1"}
-    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, max_unreachable=3)
+    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, unreachable_timeout=0.2)
+    started = asyncio.get_running_loop().time()
     event = await asyncio.wait_for(_first_event(t), 5)
     status = JobStatus.from_dict(event["job_status"])
     assert status.state == JobState.LOST
-    assert "unreachable for 3 polls in a row" in status.reason
+    assert asyncio.get_running_loop().time() - started >= 0.2, "lost only after the silence"
+    assert "no answer about the job from c1 for 0s (unreachable_timeout)" in status.reason
 
 
 async def test_bad_handle_is_an_error_event_not_a_crash():
@@ -161,7 +169,7 @@ async def test_a_connection_that_cannot_be_read_is_a_poll_error_not_a_crash(monk
         raise RuntimeError("The conn_id `c1` isn't defined")
 
     monkeypatch.setattr(FakeBackend, "aprepare", missing)
-    t = SkyPilotJobTrigger(_job("1").to_dict(), poll_interval=0.01, max_unreachable=2)
+    t = SkyPilotJobTrigger(_job("1").to_dict(), poll_interval=0.01, unreachable_timeout=0.05)
     event = await asyncio.wait_for(_first_event(t), 5)
     status = JobStatus.from_dict(event["job_status"])
     assert status.state == JobState.LOST and "isn't defined" in status.reason

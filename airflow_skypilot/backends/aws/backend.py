@@ -42,6 +42,7 @@ from airflow_skypilot.backends.aws.handles import (
     launched_handle,
     region_of,
     stored_handle,
+    stored_job_names,
 )
 from airflow_skypilot.backends.aws.quotas import Quotas
 from airflow_skypilot.backends.aws.settings import BACKEND, AwsSettings
@@ -190,6 +191,21 @@ class AwsBackend(Backend):
                     self.conn_id, self.settings, job_name, region,
                     ec2.newest_reservation(found[job_name]))
         return None
+
+    def find_all(self, prefix: str) -> list[JobHandle]:
+        found: dict[str, JobHandle] = {}
+        for region in self.settings.regions:
+            jobs = ec2.by_job(ec2.describe_jobs(self._clients, region, [prefix + "*"]))
+            for name, insts in jobs.items():
+                if name.startswith(prefix):
+                    found[name] = handle_from_instances(self.conn_id, self.settings, name,
+                                                        region, ec2.newest_reservation(insts))
+        for name in stored_job_names(self._clients, self.settings, prefix):
+            if name.startswith(prefix):  # the stored handle knows more than the tags
+                stored = stored_handle(self._clients, self.settings, name)
+                if stored is not None:
+                    found[name] = stored
+        return sorted(found.values(), key=lambda h: h.job_name)
 
     def submit(self, task: Task, offer: Offer, job_name: str,
                env: Mapping[str, str]) -> JobHandle:

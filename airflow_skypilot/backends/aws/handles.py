@@ -96,3 +96,20 @@ def stored_handle(clients: AwsClients, settings: AwsSettings, job_name: str) -> 
     handle = JobHandle.from_dict(json.loads(body))
     handle.adopted = True
     return handle
+
+
+def stored_job_names(clients: AwsClients, settings: AwsSettings, prefix: str) -> list[str]:
+    """The names of the jobs whose S3 folder starts with ``prefix`` (one paginated listing)."""
+    s = settings
+    if not s.s3_bucket:
+        return []
+    names: list[str] = []
+    try:
+        pages = clients.client("s3", s.s3_region).get_paginator("list_objects_v2").paginate(
+            Bucket=s.s3_bucket, Prefix=s.job_prefix(prefix).rstrip("/"), Delimiter="/")
+        for page in pages:
+            for common in page.get("CommonPrefixes") or []:
+                names.append(common["Prefix"][len(s.s3_prefix):].rstrip("/"))
+    except Exception as exc:
+        raise clients.error(exc, f"listing s3://{s.s3_bucket}/{s.job_prefix(prefix)}") from exc
+    return names

@@ -140,6 +140,10 @@ class KubernetesBackend(Backend):
         job = submit.get_job(self.client, self.settings.namespace, job_name)
         return self._handle(job, adopted=True) if job is not None else None
 
+    def find_all(self, prefix: str) -> list[JobHandle]:
+        return [self._handle(job, adopted=True)
+                for job in submit.list_jobs(self.client, self.settings.namespace, prefix)]
+
     def submit(self, task: Task, offer: Offer, job_name: str,
                env: Mapping[str, str]) -> JobHandle:
         s = self.settings

@@ -56,6 +56,15 @@ def get_job(client: KubeClient, namespace: str, job_name: str) -> dict[str, Any]
         raise
 
 
+def list_jobs(client: KubeClient, namespace: str, prefix: str) -> list[dict[str, Any]]:
+    """Our Jobs in ``namespace`` whose name starts with ``prefix`` (one list request)."""
+    _, batch = client.apis()
+    listed = client.call(batch.list_namespaced_job, namespace, label_selector=LABEL_JOB)
+    return [job for job in listed.get("items") or []
+            if str((job.get("metadata") or {}).get("name", "")).startswith(prefix)
+            and ((job.get("metadata") or {}).get("labels") or {}).get(LABEL_JOB)]
+
+
 def handle_of(job: Mapping[str, Any], *, backend: str, conn_id: str,
               settings: KubernetesSettings, adopted: bool) -> JobHandle:
     """The handle of a Job we created (its annotations say the rest)."""

@@ -112,6 +112,10 @@ class SlurmBackend(Backend):
     def find(self, job_name: str) -> JobHandle | None:
         return self._lookup(job_name)[0]
 
+    def find_all(self, prefix: str) -> list[JobHandle]:
+        _, out, _ = self.remote.run(jobs.find_all_script(self.settings, prefix))
+        return jobs.parse_find_all(out, self.settings, self.conn_id, prefix)
+
     def submit(self, task: Task, offer: Offer, job_name: str,
                env: Mapping[str, str]) -> JobHandle:
         existing, home = self._lookup(job_name)

@@ -33,7 +33,7 @@ from airflow_skypilot.backends.slurm.shell import (
     parse_sections,
     remote_dir_expr,
 )
-from airflow_skypilot.exceptions import SubmissionError
+from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
 from airflow_skypilot.spec.task import Task
 
 
@@ -63,6 +63,64 @@ def lookup_script(settings: SlurmSettings, job_name: str) -> str:
     ])
 
 
+def find_all_script(settings: SlurmSettings, prefix: str) -> str:
+    """``$HOME``, every job dir named ``prefix*`` (name, job id, handle fields on one line) and
+    the user's queued jobs; ``@@squeue_rc`` says whether squeue answered."""
+    jobs = remote_dir_expr(settings.remote_work_dir) + "/jobs/"
+    return "\n".join([
+        'printf "@@home\\n%s\\n" "$HOME"',
+        "echo @@dirs",
+        f"for d in {jobs}{shlex.quote(prefix)}*/; do",
+        '  [ -d "$d" ] || continue',
+        '  printf "%s\\t%s\\t%s\\n" "$(basename "$d")" "$(cat "$d/job_id" 2>/dev/null)" '
+        '"$(tr "\\n" "\\t" < "$d/handle" 2>/dev/null)"',
+        "done",
+        "echo @@queued",
+        "squeue -h -u \"$USER\" -o '%i|%P|%j'; rc=$?",
+        'printf "@@squeue_rc\\n%s\\n" "$rc"',
+    ])
+
+
+def parse_find_all(out: str, settings: SlurmSettings, conn_id: str,
+                   prefix: str) -> list[JobHandle]:
+    """:func:`find_all_script`'s output -> the handles (raises if squeue did not answer: a
+    queued job may be among the unanswered, and "could not ask" is not "none")."""
+    sec = parse_sections(out)
+    rc = (sec.get("squeue_rc") or ["?"])[0].strip()
+    if rc != "0":
+        raise BackendUnreachable(f"{conn_id}: squeue failed (exit {rc}) while listing jobs "
+                                 f"{prefix}*")
+    home = (sec.get("home") or [""])[0]
+    found: dict[str, JobHandle] = {}
+    for line in sec.get("dirs", []):
+        name, _, rest = line.partition("\t")
+        job_id, _, meta_text = rest.partition("\t")
+        if not name.startswith(prefix) or not job_id.strip():
+            continue  # a dir whose sbatch never ran: no job
+        meta = dict(kv.split("=", 1) for kv in meta_text.split("\t") if "=" in kv)
+        found[name] = _from_meta(settings, conn_id, job_id.strip(), name, meta, "", home)
+    for line in sec.get("queued", []):
+        job_id, _, rest = line.partition("|")
+        partition, _, name = rest.partition("|")
+        if name.startswith(prefix) and name not in found:
+            found[name] = _from_meta(settings, conn_id, job_id.strip(), name, {}, partition,
+                                     home)
+    return sorted(found.values(), key=lambda h: h.job_name)
+
+
+def _from_meta(settings: SlurmSettings, conn_id: str, job_id: str, job_name: str,
+               meta: dict[str, str], partition: str, home: str) -> JobHandle:
+    partition = meta.get("partition", partition)
+    return _handle(
+        conn_id, job_id, job_name, remote_job_dir(settings, job_name, home),
+        location=partition, infra=settings.infra(partition),
+        num_nodes=parse_int(meta.get("num_nodes", "1"), 1),
+        accelerator=meta.get("accelerator") or None,
+        gpus_per_node=float(meta.get("gpus_per_node", "0") or 0),
+        price_per_hour=float(meta.get("price_per_hour", "0") or 0),
+        submitted_at=float(meta.get("submitted_at", time.time())), adopted=True)
+
+
 def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
                  job_name: str) -> tuple[JobHandle | None, str]:
     """:func:`lookup_script`'s output -> (the adopted job's handle or None, ``$HOME``)."""
@@ -75,16 +133,7 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
     if not job_id:
         return None, home
     meta = dict(kv.split("=", 1) for kv in sec.get("meta", []) if "=" in kv)
-    partition = meta.get("partition", partition)
-    return _handle(
-        conn_id, job_id.strip(), job_name, remote_job_dir(settings, job_name, home),
-        location=partition, infra=settings.infra(partition),
-        num_nodes=parse_int(meta.get("num_nodes", "1"), 1),
-        accelerator=meta.get("accelerator") or None,
-        gpus_per_node=float(meta.get("gpus_per_node", "0") or 0),
-        price_per_hour=float(meta.get("price_per_hour", "0") or 0),
-        submitted_at=float(meta.get("submitted_at", time.time())), adopted=True,
-    ), home
+    return _from_meta(settings, conn_id, job_id.strip(), job_name, meta, partition, home), home
 
 
 # --- the job's files -------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""Confirming that old copies of a task are dead: the "at most one live copy" rule at work.
+
+A :class:`~airflow_skypilot.runstate.Sweep` names a copy that may still run. :func:`step` makes
+one try: ask the backend, cancel what is alive, and report whether the backend now confirms
+that nothing of it runs. It never guesses: a backend that cannot be asked raises, and the sweep
+stays for the next try (the operator tries at once, the trigger on every poll, a last trigger
+after the task's end). Sync on purpose: the worker calls it directly, the triggerer in a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from airflow_skypilot.backends.base import Backend, JobHandle
+from airflow_skypilot.backends.registry import backend_for_handle
+from airflow_skypilot.runstate import Attempt, RunState, Sweep
+
+
+def _settle(backend: Backend, handles: list[JobHandle]) -> tuple[list[JobHandle], list[str]]:
+    """Cancel what is alive among ``handles``; the handles still alive after one more look,
+    and how the others ended."""
+    if not handles:
+        return [], []
+    statuses = backend.status(handles)
+    alive = [h for h in handles
+             if h.job_id in statuses and not statuses[h.job_id].state.terminal]
+    ended = [statuses[h.job_id].state.value for h in handles
+             if h.job_id in statuses and statuses[h.job_id].state.terminal]
+    if not alive:
+        return [], ended
+    for handle in alive:
+        backend.cancel(handle)
+    again = backend.status(alive)
+    still = [h for h in alive if h.job_id in again and not again[h.job_id].state.terminal]
+    ended += [again[h.job_id].state.value for h in alive
+              if h not in still and h.job_id in again]
+    return still, ended
+
+
+def step(sweep: Sweep, backend: Backend, keep: Iterable[str] = (),
+         now: float | None = None) -> bool:
+    """One try at confirming ``sweep``'s copy dead; True (and ``sweep.done_at`` set) once the
+    backend says nothing of it is alive. ``keep``: job names never to cancel (the copy being
+    watched). Raises BackendError when the backend cannot be asked."""
+    keep = set(keep)
+    if sweep.handle:
+        handles = [JobHandle.from_dict(sweep.handle)]
+    elif sweep.job_name:
+        found = backend.find(sweep.job_name)
+        handles = [found] if found is not None else []
+    else:
+        handles = [h for h in backend.find_all(sweep.prefix) if h.job_name not in keep]
+    still, ended = _settle(backend, handles)
+    if still:
+        return False
+    sweep.done_at = time.time() if now is None else now
+    sweep.outcome = ", ".join(sorted(set(ended))) or "nothing alive there"
+    return True
+
+
+def stop_copy(run: RunState, handle: JobHandle, why: str, *, confirm_timeout: float,
+              log: logging.Logger, attempt: Attempt | None = None) -> Sweep:
+    """Cancel a copy and wait (up to ``confirm_timeout`` seconds) for its backend to confirm
+    it dead. The sweep is recorded in ``run`` either way: done, or pending for the trigger."""
+    sweep = Sweep(connection=handle.connection, handle=handle.to_dict(), reason=why)
+    run.sweeps.append(sweep)
+    deadline = time.monotonic() + confirm_timeout
+    error = ""
+    while True:
+        try:
+            if step(sweep, backend_for_handle(handle)):
+                break
+        except Exception as exc:  # silent: keep trying until the deadline
+            error = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+    if attempt is not None:
+        attempt.confirmed_dead = sweep.done_at is not None
+    if sweep.done_at is not None:
+        log.info("Old copy confirmed dead: %s", sweep.describe())
+    else:
+        log.error("Old copy NOT confirmed dead (%s); it is cancelled as soon as %s answers: %s",
+                  error or "still running", handle.connection, sweep.describe())
+    return sweep
+
+
+def sweep_pending(run: RunState, backend_of: Callable[[str], Backend], keep: Iterable[str],
+                  log: logging.Logger) -> None:
+    """One try at every pending sweep of ``run`` (``backend_of``: connection id -> backend)."""
+    for sweep in run.pending_sweeps:
+        try:
+            backend = backend_for_handle(JobHandle.from_dict(sweep.handle)) if sweep.handle \
+                else backend_of(sweep.connection)
+            if step(sweep, backend, keep):
+                log.warning("Old copy confirmed dead: %s", sweep.describe())
+        except Exception as exc:
+            log.info("Old copy on %s not confirmed yet: %s", sweep.connection, exc)

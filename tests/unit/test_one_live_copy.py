@@ -1,0 +1,301 @@
+"""At most one live copy of a task: the operator and triggers over the in-memory backend.
+
+Each test drives one fault: a backend that cannot be asked, a submission cut short, a silent
+old copy, an earlier clear or a deleted run's job, a misconfigured connection. The real clusters
+go through the same faults in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import datetime, timezone
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+
+from airflow_skypilot.backends import registry
+from airflow_skypilot.backends.base import JobState, JobStatus
+from airflow_skypilot.exceptions import BackendUnreachable
+from airflow_skypilot.operators import SkyPilotOperator
+from airflow_skypilot.runstate import RunState, Sweep
+from airflow_skypilot.triggers.skypilot import (
+    SkyPilotJobTrigger,
+    SkyPilotSweepTrigger,
+    SkyPilotWaitTrigger,
+)
+from tests.fakes import FakeBackend, offer
+
+
+class TI:
+    def __init__(self, try_number=1, map_index=-1, task_id="train"):
+        self.dag_id, self.task_id, self.run_id = "dag", task_id, "manual__1"
+        self.try_number, self.map_index, self.start_date = try_number, map_index, None
+        self.xcom: dict = {}
+
+    def xcom_push(self, key, value):
+        self.xcom[key] = json.loads(json.dumps(value))
+
+
+def _ctx(try_number=1, clear=0, started=None, **kw):
+    dag_run = SimpleNamespace(clear_number=clear, start_date=started)
+    return {"ti": TI(try_number, **kw), "dag_run": dag_run}
+
+
+@pytest.fixture(autouse=True)
+def _fake(monkeypatch):
+    registry.register_backend(FakeBackend)
+    for conn in ("c1", "c2"):
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn.upper()}", json.dumps({"conn_type": "fake"}))
+    monkeypatch.setenv("AIRFLOW_CONN_PG", json.dumps({"conn_type": "postgres"}))
+    FakeBackend.reset()
+    FakeBackend.offers = {"c1": [offer("c1", "p")], "c2": [offer("c2", "q", price=1.0)]}
+    yield
+    FakeBackend.reset()
+
+
+def _op(**kw):
+    kw.setdefault("deferrable", True)
+    kw.setdefault("confirm_timeout", 0.2)
+    return SkyPilotOperator(task_id="train", task={"resources": {"accelerators": "A100:1"},
+                                                   "run": "train"},
+                            connections=kw.pop("connections", ["c1", "c2"]), **kw)
+
+
+def _defer(op, ctx):
+    with pytest.raises(TaskDeferred) as info:
+        op.execute(ctx)
+    return info.value
+
+
+def _alive():
+    return sorted(j["name"] for j in FakeBackend.jobs.values()
+                  if not j["status"].state.terminal)
+
+
+def _set(job_id, state, reason=""):
+    FakeBackend.jobs[job_id]["status"] = JobStatus(state, reason=reason, started_at=10.0,
+                                                   ended_at=20.0)
+
+
+async def _events(trigger):
+    async for event in trigger.run():
+        return event.payload
+
+
+# --- earlier tries, clears and runs --------------------------------------------------------------
+
+def test_a_clear_stops_the_earlier_copy_and_submits_afresh():
+    first = _defer(_op(), _ctx(try_number=1, clear=0)).trigger.handle
+    second = _defer(_op(), _ctx(try_number=2, clear=1)).trigger.handle
+    assert second["job_id"] != first["job_id"] and "-c1-t2-a0" in second["job_name"]
+    assert FakeBackend.jobs[first["job_id"]]["status"].state == JobState.CANCELLED
+    assert _alive() == [second["job_name"]]
+
+
+def test_a_job_of_a_deleted_run_with_the_same_id_is_stopped_not_adopted():
+    old = _defer(_op(), _ctx()).trigger.handle
+    FakeBackend.jobs[old["job_id"]]["submitted_at"] = time.time() - 3600
+    recreated = datetime.now(timezone.utc)  # the run of the same id started just now
+    new = _defer(_op(), _ctx(started=recreated)).trigger.handle
+    assert new["job_id"] != old["job_id"] and not new["adopted"]
+    assert _alive() == [new["job_name"]]
+
+
+def test_map_index_and_task_id_never_share_jobs():
+    mapped = _defer(_op(), _ctx(map_index=1)).trigger.handle
+    named = _defer(SkyPilotOperator(task_id="train-1", task={"run": "x"}, connections=["c1"],
+                                    deferrable=True), _ctx(task_id="train-1")).trigger.handle
+    assert mapped["job_id"] != named["job_id"] and len(_alive()) == 2
+
+
+def test_a_connection_that_cannot_be_listed_at_the_start_is_swept_later():
+    """The earlier try's job is on c2, which is down when the retry starts: the retry places a
+    new copy on c1 and its trigger stops the old one as soon as c2 answers."""
+    FakeBackend.offers = {"c2": [offer("c2", "q")]}
+    old = _defer(_op(), _ctx(try_number=1)).trigger.handle
+    FakeBackend.offers = {"c1": [offer("c1", "p")], "c2": [offer("c2", "q")]}
+    FakeBackend.down = {"c2"}
+    deferred = _defer(_op(), _ctx(try_number=2))
+    new = deferred.trigger.handle
+    assert new["connection"] == "c1"
+    run = RunState.from_dict(deferred.trigger.state)
+    assert [(w.connection, w.prefix) for w in run.pending_sweeps] == [("c2", run.prefix)]
+    FakeBackend.down = set()
+    _set(new["job_id"], JobState.RUNNING)
+    trigger = deferred.trigger
+    trigger.sweep_interval = trigger.poll_interval = 0.01
+
+    async def watch():
+        task = asyncio.create_task(_events(trigger))
+        for _ in range(200):
+            if FakeBackend.jobs[old["job_id"]]["status"].state.terminal:
+                break
+            await asyncio.sleep(0.01)
+        _set(new["job_id"], JobState.SUCCEEDED)
+        return await task
+
+    event = asyncio.run(watch())
+    assert FakeBackend.jobs[old["job_id"]]["status"].state == JobState.CANCELLED
+    assert FakeBackend.jobs[new["job_id"]]["status"].state == JobState.SUCCEEDED
+    done = RunState.from_dict(event["state"]).sweeps
+    assert done[0].done_at and done[0].outcome == "cancelled"
+
+
+# --- failover -----------------------------------------------------------------------------------
+
+def test_a_silent_old_copy_is_kept_on_the_list_until_its_backend_answers():
+    deferred = _defer(_op(), _ctx())
+    old = deferred.trigger.handle
+    FakeBackend.down = {"c1"}  # the login node went silent; the job may well still run
+    event = {"status": "done", "handle": old, "log_tail": "", "log_offset": 0,
+             "state": deferred.trigger.state,
+             "job_status": JobStatus(JobState.LOST, reason="no answer for 300s").to_dict()}
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    new = info.value.trigger.handle
+    assert new["connection"] == "c2"
+    run = RunState.from_dict(info.value.trigger.state)
+    assert run.attempts[0].confirmed_dead is False
+    assert [w.handle["job_id"] for w in run.pending_sweeps] == [old["job_id"]]
+    assert FakeBackend.jobs[old["job_id"]]["status"].state == JobState.PENDING  # still there
+    # c1 answers again while the new copy runs: the trigger cancels the old one
+    FakeBackend.down = set()
+    trigger = info.value.trigger
+    trigger.sweep_interval = trigger.poll_interval = 0.01
+
+    async def watch():
+        task = asyncio.create_task(_events(trigger))
+        for _ in range(200):
+            if FakeBackend.jobs[old["job_id"]]["status"].state.terminal:
+                break
+            await asyncio.sleep(0.01)
+        _set(new["job_id"], JobState.SUCCEEDED)
+        return await task
+
+    event = asyncio.run(watch())
+    assert FakeBackend.jobs[old["job_id"]]["status"].state == JobState.CANCELLED
+    result = _op().execute_complete(_ctx(), event)
+    assert result["old_copies"][0]["confirmed_dead"] is True
+    assert result["old_copies"][0]["outcome"] == "cancelled"
+
+
+def test_success_waits_for_an_unconfirmed_old_copy_then_reports_it():
+    deferred = _defer(_op(), _ctx())
+    old = deferred.trigger.handle
+    FakeBackend.down = {"c1"}
+    event = {"status": "done", "handle": old, "log_tail": "", "log_offset": 0,
+             "state": deferred.trigger.state,
+             "job_status": JobStatus(JobState.LOST, reason="silent").to_dict()}
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    new = info.value.trigger.handle
+    _set(new["job_id"], JobState.SUCCEEDED)
+    done = {"status": "done", "handle": new, "log_tail": "", "log_offset": 0,
+            "state": info.value.trigger.state,
+            "job_status": FakeBackend.jobs[new["job_id"]]["status"].to_dict()}
+    with pytest.raises(TaskDeferred) as last:
+        _op(unreachable_timeout=0.05).execute_complete(_ctx(), done)
+    sweep = last.value.trigger
+    assert isinstance(sweep, SkyPilotSweepTrigger) and sweep.timeout == 0.05
+    swept = asyncio.run(_events(sweep))  # c1 stays silent: gives up after the timeout
+    assert swept["status"] == "swept"
+    result = _op().execute_complete(_ctx(), swept)
+    assert result["state"] == "succeeded" and result["job_id"] == new["job_id"]
+    assert result["old_copies"][0]["confirmed_dead"] is False
+
+
+def test_a_submission_cut_short_tries_the_next_place_and_sweeps_the_maybe_job(monkeypatch):
+    real = FakeBackend.submit
+
+    def submit(self, task, offer_, job_name, env):
+        handle = real(self, task, offer_, job_name, env)
+        if self.conn_id == "c1":  # created, but the answer never came back
+            raise BackendUnreachable("ssh: connection reset while sbatch ran")
+        return handle
+
+    monkeypatch.setattr(FakeBackend, "submit", submit)
+    deferred = _defer(_op(), _ctx())
+    assert deferred.trigger.handle["connection"] == "c2"
+    assert deferred.trigger.handle["job_name"].endswith("-a1"), "a name of its own"
+    run = RunState.from_dict(deferred.trigger.state)
+    cut = run.pending_sweeps[0]
+    assert cut.connection == "c1" and cut.job_name.endswith("-a0")
+    assert run.blocked[0].place == "c1/p" and run.blocked[0].until is not None
+    # the trigger finds the maybe-job and stops it
+    from airflow_skypilot import sweeps
+
+    assert sweeps.step(cut, FakeBackend("c1"))
+    assert _alive() == [deferred.trigger.handle["job_name"]]
+
+
+def test_blocks_lapse_after_the_cooldown():
+    deferred = _defer(_op(block_cooldown=0), _ctx())
+    old = deferred.trigger.handle
+    _set(old["job_id"], JobState.INFRA_FAILED, "node failure")
+    FakeBackend.offers = {"c1": [offer("c1", "p")]}  # the only place: blocked for 0 s
+    event = {"status": "done", "handle": old, "log_tail": "", "log_offset": 0,
+             "state": deferred.trigger.state,
+             "job_status": FakeBackend.jobs[old["job_id"]]["status"].to_dict()}
+    with pytest.raises(TaskDeferred) as info:
+        _op(block_cooldown=0).execute_complete(_ctx(), event)
+    assert info.value.trigger.handle["connection"] == "c1"
+
+
+def test_an_error_event_stops_the_job_before_failing():
+    deferred = _defer(_op(), _ctx())
+    handle = deferred.trigger.handle
+    event = {"status": "error", "handle": handle, "state": deferred.trigger.state,
+             "message": "trigger crashed"}
+    with pytest.raises(Exception, match="trigger crashed"):
+        _op().execute_complete(_ctx(), event)
+    assert FakeBackend.jobs[handle["job_id"]]["status"].state == JobState.CANCELLED
+
+
+# --- configuration errors ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("conn", "text"), [
+    ("pg", "'pg' has type 'postgres', which no backend serves"),
+    ("not_defined_anywhere", "'not_defined_anywhere' is not defined"),
+])
+def test_a_misconfigured_connection_fails_at_once_naming_it(conn, text):
+    with pytest.raises(AirflowFailException) as err:
+        _op(connections=["c1", conn]).execute(_ctx())
+    assert text in str(err.value) and "supported types" in str(err.value)
+    assert FakeBackend.jobs == {}, "nothing submitted"
+
+
+def test_a_wait_trigger_sweeps_too():
+    run = RunState(prefix="p-")
+    FakeBackend.jobs["9"] = {"name": "p-c0-t1-a0", "conn": "c1", "env": {}, "location": "p",
+                             "status": JobStatus(JobState.RUNNING), "submitted_at": 1.0}
+    run.sweeps.append(Sweep(connection="c1", prefix="p-", reason="test"))
+    trigger = SkyPilotWaitTrigger(0.2, state=run)
+    trigger.sweep_interval = 0.01
+    event = asyncio.run(_events(trigger))
+    assert event["status"] == "reprobe"
+    assert FakeBackend.jobs["9"]["status"].state == JobState.CANCELLED
+    assert RunState.from_dict(event["state"]).sweeps[0].done_at
+
+
+def test_a_job_trigger_never_sweeps_the_job_it_watches():
+    run = RunState(prefix="p-")
+    run.sweeps.append(Sweep(connection="c1", prefix="p-", reason="test"))
+    FakeBackend.jobs["1"] = {"name": "p-c0-t2-a0", "conn": "c1", "env": {}, "location": "p",
+                             "status": JobStatus(JobState.RUNNING), "submitted_at": 1.0}
+    handle = FakeBackend("c1").find("p-c0-t2-a0")
+    trigger = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.01, state=run)
+    trigger.sweep_interval = 0.01
+
+    async def watch():
+        task = asyncio.create_task(_events(trigger))
+        await asyncio.sleep(0.2)
+        assert FakeBackend.jobs["1"]["status"].state == JobState.RUNNING
+        _set("1", JobState.SUCCEEDED)
+        return await task
+
+    event = asyncio.run(watch())
+    assert event["job_status"]["state"] == "succeeded"
+    assert RunState.from_dict(event["state"]).sweeps[0].done_at
