@@ -11,7 +11,6 @@ import os
 import string
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path as FsPath
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -25,7 +24,7 @@ from airflow_skypilot.spec.model import (
     ResourcesSpec,
     TaskSpec,
 )
-from airflow_skypilot.spec.source import Source, dotted, load_yaml
+from airflow_skypilot.spec.source import MAX_YAML_BYTES, Source, dotted, load_yaml, too_large
 
 #: Top-level keys SkyPilot accepts that a batch job here does not use; they load with a warning.
 IGNORED_KEYS = {
@@ -202,7 +201,7 @@ def load_task(
     if isinstance(task, Mapping):
         src = Source(data=dict(task), file=file or "<dict>")
     else:
-        text, name = _read(task)
+        text, name = read_task_text(task)
         file = file or name
         if name != "<inline>":
             base_dir = os.path.dirname(os.path.abspath(name))
@@ -217,20 +216,32 @@ def load_task(
     return _build(src, envs or {}, secrets or {}, base_dir, require_secrets)
 
 
-def _read(task: str | os.PathLike[str]) -> tuple[str, str]:
+def read_task_text(task: str | os.PathLike[str]) -> tuple[str, str]:
     """(text, file name). A string that names an existing file, or ends in .yaml/.yml, is a
     path; anything else is YAML text."""
     text = os.fspath(task)
     looks_like_path = "\n" not in text and (
         text.endswith((".yaml", ".yml")) or os.path.isfile(text))
-    if looks_like_path:
-        try:
-            return FsPath(text).read_text(encoding="utf-8"), text
-        except OSError as exc:
-            raise TaskValidationError(
-                [Problem(path="", file=text, message=f"cannot read task file: {exc.strerror}")]
-            ) from None
-    return text, "<inline>"
+    if not looks_like_path:
+        return text, "<inline>"
+    try:
+        with open(text, "rb") as fh:
+            raw = fh.read(MAX_YAML_BYTES + 1)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise TaskValidationError(
+            [Problem(path="", file=repr(text)[1:-1], message=f"cannot read task file: {why}")]
+        ) from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise TaskValidationError([too_large(text)])
+    try:
+        return raw.decode("utf-8"), text
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise TaskValidationError([Problem(
+            path="", file=text, line=line,
+            message=f"not UTF-8 text: byte {exc.start} is 0x{raw[exc.start]:02x} (a task YAML "
+                    "must be UTF-8)")]) from None
 
 
 def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any],
