@@ -15,10 +15,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from airflow_skypilot.spec import checks
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
 from airflow_skypilot.spec.model import (
-    _ENV_NAME,
     ResourceFields,
     ResourceOverride,
     ResourcesSpec,
@@ -279,10 +279,12 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         envs[str(key)] = _override_value(value)
     problems.extend(_missing(src, "envs", envs))
 
-    for key in env_over:
-        if not _ENV_NAME.match(str(key)):
-            problems.append(src.problem(("envs",), f"override {key!r} is not a valid "
-                                                   "environment variable name"))
+    bad_names, name_warnings = checks.names(src, spec.envs or {}, env_over, spec.secrets or {},
+                                            sec_over)
+    problems.extend(bad_names)
+    warnings.extend(name_warnings)
+    problems.extend(checks.slurm_options(src, spec.config or {}))
+    warnings.extend(checks.pod_config(src, spec.config or {}))
     secrets: dict[str, str | None] = dict(spec.secrets or {})
     for key, value in sec_over.items():
         secrets[str(key)] = _override_value(value)
