@@ -17,6 +17,7 @@ from airflow.sdk import BaseHook
 
 from airflow_skypilot.backends.base import Backend, CapacityRow, Offer
 from airflow_skypilot.backends.registry import backend_for_connection
+from airflow_skypilot.exceptions import ConfigurationError
 from airflow_skypilot.spec.task import Task
 
 T = TypeVar("T")
@@ -30,6 +31,9 @@ class ProbeResult:
     offers: list[Offer] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: the connections among ``errors`` that are misconfigured (a ConfigurationError: an
+    #: undefined connection, a bad extra): waiting cannot help, the operator fails at once
+    misconfigured: dict[str, str] = field(default_factory=dict)
 
 
 class SkyPilotCapacityHook(BaseHook):
@@ -60,6 +64,8 @@ class SkyPilotCapacityHook(BaseHook):
         out = ProbeResult()
         for conn_id, (value, error, seconds) in results.items():
             out.seconds[conn_id] = seconds
+            if isinstance(value, ConfigurationError):
+                out.misconfigured[conn_id] = str(value)
             if error is not None:
                 out.errors[conn_id] = error
                 self.log.warning("Connection %s skipped: %s", conn_id, error)
@@ -88,7 +94,9 @@ class SkyPilotCapacityHook(BaseHook):
                 value = call(self.backend(conn_id))
                 outcome: tuple[Any, str | None, float] = (value, None, 0.0)
             except Exception as exc:  # any failure of one backend is reported, not raised
-                outcome = (None, _error_text(exc), 0.0)
+                # (a misconfiguration travels as the value, for ProbeResult.misconfigured)
+                outcome = (exc if isinstance(exc, ConfigurationError) else None,
+                           _error_text(exc), 0.0)
             with lock:
                 results.setdefault(conn_id, (outcome[0], outcome[1],
                                              time.monotonic() - start))

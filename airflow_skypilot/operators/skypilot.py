@@ -23,6 +23,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.log import mask_secret
 
 from airflow_skypilot import placement, recovery
 from airflow_skypilot.backends.base import (
@@ -38,6 +39,7 @@ from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.links import SkyPilotJobLink
 from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Blocked, RunState
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
+from airflow_skypilot.spec.secrets import secret_values
 from airflow_skypilot.triggers.skypilot import (
     LOG_TAIL_LINES,
     SkyPilotJobTrigger,
@@ -148,20 +150,46 @@ class SkyPilotOperator(BaseOperator):
                 "no connections: pass connections=[...] or set [skypilot] connections")
         return conns
 
-    def load(self, context: Context | None = None) -> Task:
-        """The task with overrides applied, from the rendered template fields.
-
-        AirflowFailException (no retry) if the task, the overrides or the policy are invalid.
-        """
-        if self.policy not in placement.POLICIES:
-            raise AirflowFailException(
-                f"policy must be one of {placement.POLICIES}, got {self.policy!r}")
+    def _task_source(self) -> Any:
+        """The rendered ``task``: a relative YAML path made absolute (from the DAG's folder)."""
         spec: Any = os.fspath(self.task) if isinstance(self.task, os.PathLike) else self.task
         if isinstance(spec, str) and "\n" not in spec and spec.endswith((".yaml", ".yml")):
             if not os.path.isabs(spec):
                 dag = getattr(self, "dag", None)
                 base = os.path.dirname(getattr(dag, "fileloc", "") or "") or os.getcwd()
                 spec = os.path.join(base, spec)
+        return spec
+
+    def _mask_secrets(self, values: Any = None) -> None:
+        """Register every secret value with Airflow's masker: the ``secrets`` overrides and
+        the YAML's own ``secrets``, or ``values`` when given (the loaded task's)."""
+        found = list(values) if values is not None else \
+            secret_values(self._task_source(), self.secrets)
+        for value in found:
+            # no name: given one, the masker only masks values of names that look secret
+            mask_secret(value)
+
+    def _do_render_template_fields(self, parent: Any, template_fields: Any, context: Context,
+                                   jinja_env: Any, seen_oids: set[int]) -> None:
+        """Render, then mask the secret values at once: the rendered fields (the YAML text)
+        are stored, and logged on errors, right after rendering. Airflow calls this for mapped
+        tasks too (on the unmapped copy)."""
+        super()._do_render_template_fields(parent, template_fields, context, jinja_env,
+                                           seen_oids)
+        if parent is self:
+            self._mask_secrets()
+
+    def load(self, context: Context | None = None) -> Task:
+        """The task with overrides applied, from the rendered template fields.
+
+        AirflowFailException (no retry) if the task, the overrides or the policy are invalid.
+        Every secret value is registered with Airflow's masker before anything can log it.
+        """
+        self._mask_secrets()
+        if self.policy not in placement.POLICIES:
+            raise AirflowFailException(
+                f"policy must be one of {placement.POLICIES}, got {self.policy!r}")
+        spec = self._task_source()
         envs = {} if self.envs is None else self.envs
         secrets = {} if self.secrets is None else self.secrets
         for name, value in (("envs", envs), ("secrets", secrets)):
@@ -172,6 +200,7 @@ class SkyPilotOperator(BaseOperator):
             task = load_task(spec, envs=envs, secrets=secrets, require_secrets=True)
         except TaskValidationError as exc:
             raise AirflowFailException(f"invalid SkyPilot task:\n{exc}") from None
+        self._mask_secrets(task.secrets.values())
         for warning in task.warnings:
             self.log.warning("%s", warning)
         return task
@@ -262,6 +291,10 @@ class SkyPilotOperator(BaseOperator):
         """
         hook = self._hook()
         result = hook.probe(task)
+        if result.misconfigured:
+            raise AirflowFailException("misconfigured connection(s), nothing was submitted:\n"
+                                       + "\n".join(f"  {conn_id}: {why}" for conn_id, why
+                                                    in result.misconfigured.items()))
         for conn_id, error in result.errors.items():
             self.log.warning("Connection %s skipped for this placement: %s", conn_id, error)
         for _ in range(MAX_SUBMISSIONS):
