@@ -259,6 +259,14 @@ def test_a_connection_may_allow_privileged_pod_configs():
         KubernetesSettings.from_extra("c", {"allow_privileged_pod_config": "yes please"})
 
 
+def test_a_pod_config_node_selector_narrows_but_cannot_swap_the_connections():
+    task = _task(pod_config={"spec": {"nodeSelector": {"pool": "team-b", "zone": "z1"}}})
+    job, _ = _objects(_backend(node_selector={"pool": "team-a"}), task,
+                      _offer(task, node_selector={"skypilot.co/accelerator": "a100"}))
+    assert job["spec"]["template"]["spec"]["nodeSelector"] == {
+        "pool": "team-a", "zone": "z1", "skypilot.co/accelerator": "a100"}
+
+
 def test_a_baseline_pod_config_still_fits():
     task = _task(pod_config={"metadata": {"labels": {"team": "a"}}, "spec": {
         "imagePullSecrets": [{"name": "regcred"}], "runtimeClassName": "nvidia",

@@ -263,6 +263,8 @@ def job_manifest(job_name: str, namespace: str, num_nodes: int, shape: PodShape,
     if shape.pod_config:
         merge_pod_config(spec["template"], shape.pod_config)
         spec["template"]["metadata"]["labels"].update(labels)  # ours win: they find the pods
+        if shape.node_selector:  # a pod_config may narrow the nodes, not swap the connection's
+            spec["template"]["spec"]["nodeSelector"].update(shape.node_selector)
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": job_name, "namespace": namespace, "labels": labels,
                          "annotations": dict(annotations)},
