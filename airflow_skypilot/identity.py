@@ -94,6 +94,18 @@ def attempt_number(try_number: int, attempt: int) -> int:
     return try_number * 1000 + attempt
 
 
+def next_attempt(found: Iterable[JobHandle], clear: int, try_number: int,
+                 adopted: JobHandle | None) -> int:
+    """The attempt number to go on with: the adopted job's, else the first one no job of this
+    clear and try has used (a name is submitted at most once: a used one would be adopted)."""
+    used = [p.attempt for p in map(parse_job_name, (h.job_name for h in found))
+            if p and p.clear == clear and p.try_number == try_number]
+    if adopted is not None:
+        parts = parse_job_name(adopted.job_name)
+        return max([parts.attempt if parts else 0, *used])
+    return max(used) + 1 if used else 0
+
+
 @dataclass
 class Earlier:
     """What to do with the jobs earlier tries left: adopt at most one, stop the live rest."""

@@ -151,6 +151,16 @@ class SkyPilotCapacityHook(BaseHook):
         return {c: results[c] for c in self.connections}
 
 
+def fail_on_config_errors(errors: dict[str, str]) -> None:
+    """Misconfigured connections fail the task (no retry): waiting cannot help them."""
+    if errors:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException("misconfigured connections (fix them or leave them out of "
+                                   "connections=):\n" + "\n".join(
+                                       f"  {c}: {e}" for c, e in errors.items()))
+
+
 def _error_text(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""

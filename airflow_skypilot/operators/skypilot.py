@@ -28,15 +28,17 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.log import mask_secret
 
 from airflow_skypilot import identity, placement, polling, recovery, sweeps
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.exceptions import SubmissionError
-from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook, fail_on_config_errors
 from airflow_skypilot.links import SkyPilotJobLink
 from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, Blocked, RunState, Sweep
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
+from airflow_skypilot.spec.secrets import secret_values
 from airflow_skypilot.triggers.skypilot import (
     DEFAULT_UNREACHABLE_TIMEOUT,
     SkyPilotJobTrigger,
@@ -178,20 +180,46 @@ class SkyPilotOperator(BaseOperator):
             return float(self.block_cooldown)
         return conf.getfloat("skypilot", "block_cooldown", fallback=600.0)
 
-    def load(self, context: Context | None = None) -> Task:
-        """The task with overrides applied, from the rendered template fields.
-
-        AirflowFailException (no retry) if the task, the overrides or the policy are invalid.
-        """
-        if self.policy not in placement.POLICIES:
-            raise AirflowFailException(
-                f"policy must be one of {placement.POLICIES}, got {self.policy!r}")
+    def _task_source(self) -> Any:
+        """The rendered ``task``: a relative YAML path made absolute (from the DAG's folder)."""
         spec: Any = os.fspath(self.task) if isinstance(self.task, os.PathLike) else self.task
         if isinstance(spec, str) and "\n" not in spec and spec.endswith((".yaml", ".yml")):
             if not os.path.isabs(spec):
                 dag = getattr(self, "dag", None)
                 base = os.path.dirname(getattr(dag, "fileloc", "") or "") or os.getcwd()
                 spec = os.path.join(base, spec)
+        return spec
+
+    def _mask_secrets(self, values: Any = None) -> None:
+        """Register every secret value with Airflow's masker: the ``secrets`` overrides and
+        the YAML's own ``secrets``, or ``values`` when given (the loaded task's)."""
+        found = list(values) if values is not None else \
+            secret_values(self._task_source(), self.secrets)
+        for value in found:
+            # no name: given one, the masker only masks values of names that look secret
+            mask_secret(value)
+
+    def _do_render_template_fields(self, parent: Any, template_fields: Any, context: Context,
+                                   jinja_env: Any, seen_oids: set[int]) -> None:
+        """Render, then mask the secret values at once: the rendered fields (the YAML text)
+        are stored, and logged on errors, right after rendering. Airflow calls this for mapped
+        tasks too (on the unmapped copy)."""
+        super()._do_render_template_fields(parent, template_fields, context, jinja_env,
+                                           seen_oids)
+        if parent is self:
+            self._mask_secrets()
+
+    def load(self, context: Context | None = None) -> Task:
+        """The task with overrides applied, from the rendered template fields.
+
+        AirflowFailException (no retry) if the task, the overrides or the policy are invalid.
+        Every secret value is registered with Airflow's masker before anything can log it.
+        """
+        self._mask_secrets()
+        if self.policy not in placement.POLICIES:
+            raise AirflowFailException(
+                f"policy must be one of {placement.POLICIES}, got {self.policy!r}")
+        spec = self._task_source()
         envs = {} if self.envs is None else self.envs
         secrets = {} if self.secrets is None else self.secrets
         for name, value in (("envs", envs), ("secrets", secrets)):
@@ -202,6 +230,7 @@ class SkyPilotOperator(BaseOperator):
             task = load_task(spec, envs=envs, secrets=secrets, require_secrets=True)
         except TaskValidationError as exc:
             raise AirflowFailException(f"invalid SkyPilot task:\n{exc}") from None
+        self._mask_secrets(task.secrets.values())
         for warning in task.warnings:
             self.log.warning("%s", warning)
         return task
@@ -277,7 +306,7 @@ class SkyPilotOperator(BaseOperator):
         stopped as soon as it answers). Returns the adopted job and its status, if any.
         """
         found = self._hook().find_all(run.prefix)
-        self._fail_on_config_errors(found.config_errors)
+        fail_on_config_errors(found.config_errors)
         for conn_id, error in found.errors.items():
             self.log.warning("Could not list the jobs of earlier tries on %s (%s): any still "
                              "running there is stopped as soon as it answers", conn_id, error)
@@ -295,27 +324,17 @@ class SkyPilotOperator(BaseOperator):
             self.log.warning("Stopping job %s (%s) on %s: %s", handle.job_id, handle.job_name,
                              handle.connection, why)
             self._stop_copy(run, handle, why)
-        mine = [identity.parse_job_name(h.job_name) for h, _ in pairs]
-        used = [p.attempt for p in mine if p and p.clear == run.clear
-                and p.try_number == run.try_number]
+        run.attempt = identity.next_attempt([h for h, _ in pairs], run.clear, run.try_number,
+                                            earlier.adopt)
         if earlier.adopt is None:
-            run.attempt = max(used) + 1 if used else 0
             return None, None
         handle = earlier.adopt
         handle.adopted = True
-        parts = identity.parse_job_name(handle.job_name)
-        run.attempt = max([parts.attempt if parts else 0, *used])
         self.log.info("Adopting job %s (%s) on %s, %s: an earlier run of this task submitted it",
                       handle.job_id, handle.job_name, handle.connection,
                       earlier.adopt_status.state.value)
         self._record(run, handle)
         return handle, earlier.adopt_status
-
-    def _fail_on_config_errors(self, errors: Mapping[str, str]) -> None:
-        if errors:
-            raise AirflowFailException("misconfigured connections (fix them or leave them out "
-                                       "of connections=):\n" + "\n".join(
-                                           f"  {c}: {e}" for c, e in errors.items()))
 
     def _place_and_submit(self, context: Context, task: Task, run: RunState) -> JobHandle | None:
         """Probe, rank, submit; on a refused submission, block that place and take the next.
@@ -326,7 +345,7 @@ class SkyPilotOperator(BaseOperator):
         """
         hook = self._hook()
         result = hook.probe(task)
-        self._fail_on_config_errors(result.config_errors)
+        fail_on_config_errors(result.config_errors)
         for conn_id, error in result.errors.items():
             self.log.warning("Connection %s skipped for this placement: %s", conn_id, error)
         for _ in range(MAX_SUBMISSIONS):

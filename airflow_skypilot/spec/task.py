@@ -11,21 +11,20 @@ import os
 import string
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path as FsPath
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from airflow_skypilot.spec import checks
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
 from airflow_skypilot.spec.model import (
-    _ENV_NAME,
     ResourceFields,
     ResourceOverride,
     ResourcesSpec,
     TaskSpec,
 )
-from airflow_skypilot.spec.source import Source, dotted, load_yaml
+from airflow_skypilot.spec.source import MAX_YAML_BYTES, Source, dotted, load_yaml, too_large
 
 #: Top-level keys SkyPilot accepts that a batch job here does not use; they load with a warning.
 IGNORED_KEYS = {
@@ -202,7 +201,7 @@ def load_task(
     if isinstance(task, Mapping):
         src = Source(data=dict(task), file=file or "<dict>")
     else:
-        text, name = _read(task)
+        text, name = read_task_text(task)
         file = file or name
         if name != "<inline>":
             base_dir = os.path.dirname(os.path.abspath(name))
@@ -217,20 +216,32 @@ def load_task(
     return _build(src, envs or {}, secrets or {}, base_dir, require_secrets)
 
 
-def _read(task: str | os.PathLike[str]) -> tuple[str, str]:
+def read_task_text(task: str | os.PathLike[str]) -> tuple[str, str]:
     """(text, file name). A string that names an existing file, or ends in .yaml/.yml, is a
     path; anything else is YAML text."""
     text = os.fspath(task)
     looks_like_path = "\n" not in text and (
         text.endswith((".yaml", ".yml")) or os.path.isfile(text))
-    if looks_like_path:
-        try:
-            return FsPath(text).read_text(encoding="utf-8"), text
-        except OSError as exc:
-            raise TaskValidationError(
-                [Problem(path="", file=text, message=f"cannot read task file: {exc.strerror}")]
-            ) from None
-    return text, "<inline>"
+    if not looks_like_path:
+        return text, "<inline>"
+    try:
+        with open(text, "rb") as fh:
+            raw = fh.read(MAX_YAML_BYTES + 1)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise TaskValidationError(
+            [Problem(path="", file=repr(text)[1:-1], message=f"cannot read task file: {why}")]
+        ) from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise TaskValidationError([too_large(text)])
+    try:
+        return raw.decode("utf-8"), text
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise TaskValidationError([Problem(
+            path="", file=text, line=line,
+            message=f"not UTF-8 text: byte {exc.start} is 0x{raw[exc.start]:02x} (a task YAML "
+                    "must be UTF-8)")]) from None
 
 
 def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any],
@@ -268,10 +279,12 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         envs[str(key)] = _override_value(value)
     problems.extend(_missing(src, "envs", envs))
 
-    for key in env_over:
-        if not _ENV_NAME.match(str(key)):
-            problems.append(src.problem(("envs",), f"override {key!r} is not a valid "
-                                                   "environment variable name"))
+    bad_names, name_warnings = checks.names(src, spec.envs or {}, env_over, spec.secrets or {},
+                                            sec_over)
+    problems.extend(bad_names)
+    warnings.extend(name_warnings)
+    problems.extend(checks.slurm_options(src, spec.config or {}))
+    warnings.extend(checks.pod_config(src, spec.config or {}))
     secrets: dict[str, str | None] = dict(spec.secrets or {})
     for key, value in sec_over.items():
         secrets[str(key)] = _override_value(value)

@@ -297,3 +297,19 @@ def test_cli_show_gpus_and_plan(slurm, capsys, tmp_path):
         assert [r["connection"] for r in rows if "error" in r] == ["slurm_beta"]
     finally:
         slurm.start_sshd("beta")
+
+
+def test_task_sbatch_options_reach_sbatch_one_line_each_and_nothing_runs_from_them(slurm):
+    """A value full of shell syntax stays one quoted ``#SBATCH`` word: sbatch sees exactly it,
+    and no shell ever runs a piece of it (roadmap step 7, item 6)."""
+    beta = SlurmBackend("slurm_beta")
+    marker = "/tmp/airflow-skypilot-pwned-sbatch"
+    comment = f"it's $(touch {marker}) `touch {marker}` #x ; a  b"
+    task = _task("sleep 2", config={"slurm": {"sbatch_options": {
+        "comment": comment, "exclusive": True}}})
+    handle = _submit(beta, task, "sky-test-sbatch")
+    seen = slurm.run("beta", "squeue", "-h", "-j", handle.job_id, "-o", "%k").stdout
+    status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    assert status.state == JobState.SUCCEEDED, _log(beta, handle)
+    assert seen.rstrip("\n") == comment
+    assert slurm.run("beta", "test", "!", "-e", marker, check=False).returncode == 0

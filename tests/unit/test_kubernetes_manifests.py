@@ -30,6 +30,7 @@ from airflow_skypilot.backends.kubernetes import (
 from airflow_skypilot.backends.kubernetes import manifests as m
 from airflow_skypilot.backends.kubernetes.cluster import ClusterView, NodeView, cluster_view
 from airflow_skypilot.backends.kubernetes.logs import join_logs, log_plan, slice_log
+from airflow_skypilot.exceptions import ConfigurationError
 from airflow_skypilot.spec import load_task
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()  # newest bundled: 1.37 today
@@ -796,5 +797,5 @@ def test_settings_from_connection_extras():
     default = KubernetesSettings.from_extra("conn", {})
     assert (default.namespace, default.context, default.image) == ("default", "conn",
                                                                    "python:3.11-slim")
-    with pytest.raises(ValueError, match="node_selector"):
+    with pytest.raises(ConfigurationError, match="node_selector"):
         KubernetesSettings.from_extra("conn", {"node_selector": "[1"})

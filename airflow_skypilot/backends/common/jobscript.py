@@ -15,6 +15,7 @@ import re
 import shlex
 from collections.abc import Mapping
 
+from airflow_skypilot.spec.checks import INTERNAL_PREFIX, RESERVED_ENV_NAMES
 from airflow_skypilot.spec.task import Task
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -40,9 +41,13 @@ def skypilot_env(task: Task, *, task_id: str, num_gpus_per_node: int, cluster_in
     """The env every node's run gets, before the per-node rank and node IPs.
 
     Order of precedence (later wins): the task's envs, the caller's extras, SkyPilot's own
-    variables. Secrets are kept apart (see :func:`exports` and the backends).
+    variables. The task's envs named like SkyPilot's variables are dropped (the loader warned):
+    the node scripts set some of them after ``env.sh`` is read, and a task's value must not
+    replace them either. Secrets are kept apart (see :func:`exports` and the backends); the
+    loader refuses secrets of those names.
     """
-    env: dict[str, str] = dict(task.envs)
+    env: dict[str, str] = {k: v for k, v in task.envs.items()
+                           if k not in RESERVED_ENV_NAMES and not k.startswith(INTERNAL_PREFIX)}
     env.update(extra or {})
     if task.secrets:  # names only: node.sh masks these variables' values in the job's output
         env["AIRFLOW_SKYPILOT_SECRET_NAMES"] = " ".join(sorted(task.secrets))

@@ -46,6 +46,7 @@ from airflow_skypilot.backends.kubernetes.names import (
     service_name,
 )
 from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
+from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.spec.task import Task
 
 FILES_MOUNT = "/etc/airflow-skypilot"
@@ -262,6 +263,8 @@ def job_manifest(job_name: str, namespace: str, num_nodes: int, shape: PodShape,
     if shape.pod_config:
         merge_pod_config(spec["template"], shape.pod_config)
         spec["template"]["metadata"]["labels"].update(labels)  # ours win: they find the pods
+        if shape.node_selector:  # a pod_config may narrow the nodes, not swap the connection's
+            spec["template"]["spec"]["nodeSelector"].update(shape.node_selector)
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": job_name, "namespace": namespace, "labels": labels,
                          "annotations": dict(annotations)},
@@ -308,6 +311,8 @@ def job_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: st
             env: Mapping[str, str]) -> dict[str, Any]:
     """The Job for ``task`` at ``offer`` (created suspended; its dependents come next)."""
     s = settings
+    if refusal := s.pod_config_refusal(task):  # the offer did not fit: never here but by hand
+        raise SubmissionError(refusal, retry_elsewhere=True)
     req = offer.request
     gpus, cpus, mem = shape_of(req)
     node_selector = dict(s.node_selector)

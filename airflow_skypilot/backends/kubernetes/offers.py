@@ -119,6 +119,8 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
 
     if unsupported:
         return no(unsupported)
+    if refusal := s.pod_config_refusal(task):
+        return no(refusal)
     if bundle_error:
         return no(f"workdir/file_mounts: {bundle_error}")
     offer.price_per_hour = hourly_price(task.num_nodes, gpus, s.price_per_gpu_hour,

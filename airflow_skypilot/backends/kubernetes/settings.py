@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_skypilot.backends.kubernetes.bundle import DEFAULT_BUNDLE_LIMIT
+from airflow_skypilot.exceptions import ConfigurationError
+from airflow_skypilot.spec import podsecurity
+from airflow_skypilot.spec.source import dotted
 
 
 @dataclass
@@ -29,6 +32,10 @@ class KubernetesSettings:
     a job's node may be NotReady before the job counts as lost to the infrastructure;
     ``pending_timeout`` (default: none, wait) how long a pod may stay unschedulable before
     the job is placed elsewhere (the capacity seen at placement is gone).
+    ``allow_privileged_pod_config`` (default false) lets tasks' ``config.kubernetes.pod_config``
+    use what :mod:`airflow_skypilot.spec.podsecurity` refuses (host namespaces, hostPath,
+    privileged containers, another service account...): only for clusters whose admins trust
+    every DAG (and every DAG run's ``conf``) that may use the connection.
     """
 
     context: str
@@ -47,6 +54,7 @@ class KubernetesSettings:
     cluster_domain: str = "cluster.local"
     bundle_limit: int = DEFAULT_BUNDLE_LIMIT
     request_timeout: float = 30.0
+    allow_privileged_pod_config: bool = False
 
     @classmethod
     def from_extra(cls, conn_id: str, extra: Mapping[str, Any]) -> KubernetesSettings:
@@ -62,18 +70,27 @@ class KubernetesSettings:
                 try:
                     value = json.loads(value)
                 except ValueError:
-                    raise ValueError(f"connection {conn_id}: extra {name!r} is not valid "
-                                     f"JSON") from None
+                    raise ConfigurationError(f"connection {conn_id!r}: extra {name!r} is not "
+                                             "valid JSON") from None
             if value is None:
                 return kind()
             if not isinstance(value, kind):
-                raise ValueError(f"connection {conn_id}: extra {name!r} must be a "
-                                 f"{kind.__name__}")
+                raise ConfigurationError(f"connection {conn_id!r}: extra {name!r} must be a "
+                                         f"{kind.__name__}")
             return value
 
         def num(name: str, default: float) -> float:
             value = get(name)
-            return default if value is None else float(value)
+            try:
+                return default if value is None else float(value)
+            except (TypeError, ValueError):
+                raise ConfigurationError(f"connection {conn_id!r}: extra {name!r} must be a "
+                                         f"number; got {value!r}") from None
+
+        allow = get(podsecurity.ALLOW_EXTRA)
+        if allow is not None and str(allow).lower() not in ("true", "false"):
+            raise ConfigurationError(f"connection {conn_id!r}: extra "
+                                     f"{podsecurity.ALLOW_EXTRA!r} must be true or false")
 
         ttl = get("ttl_seconds_after_finished")
         return cls(
@@ -95,7 +112,22 @@ class KubernetesSettings:
             cluster_domain=str(get("cluster_domain") or "cluster.local"),
             bundle_limit=int(num("bundle_limit", DEFAULT_BUNDLE_LIMIT)),
             request_timeout=num("request_timeout", 30.0),
+            allow_privileged_pod_config=str(allow).lower() == "true",
         )
+
+    def pod_config_refusal(self, task: Any) -> str:
+        """Why this connection refuses the task's ``config.kubernetes.pod_config`` ("" when
+        it does not): the fields :func:`~airflow_skypilot.spec.podsecurity.refused` lists,
+        unless the connection allows them."""
+        raw = ((task.config.get("kubernetes") or {}).get("pod_config") or {})
+        if self.allow_privileged_pod_config or not isinstance(raw, Mapping):
+            return ""
+        found = podsecurity.refused(raw)
+        if not found:
+            return ""
+        parts = [f"config.kubernetes.pod_config.{dotted(path)}: {why}" for path, why in found]
+        return ("; ".join(parts) + f" (refused unless the connection sets "
+                                   f"'{podsecurity.ALLOW_EXTRA}': true)")
 
     @property
     def location(self) -> str:

@@ -29,9 +29,9 @@ from airflow_skypilot.backends.slurm import status as jobstatus
 from airflow_skypilot.backends.slurm import submit as jobs
 from airflow_skypilot.backends.slurm.cluster import ClusterState, parse_cluster, probe_script
 from airflow_skypilot.backends.slurm.remote import SSHRunner, aload_asyncssh
-from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings
+from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings, task_conflicts
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
-from airflow_skypilot.spec.task import Task
+from airflow_skypilot.spec.task import ResourceRequest, Task
 
 _ONLY_LOCAL_FILES = "only local files can be copied to a Slurm cluster"
 
@@ -87,6 +87,10 @@ class SlurmBackend(Backend):
             await self._remote.aclose()
 
     # --- placement ---------------------------------------------------------------------------
+    def unsupported(self, task: Task, req: ResourceRequest) -> str:
+        """The declared features, and the task's sbatch options this connection owns."""
+        return super().unsupported(task, req) or task_conflicts(task, self.settings)
+
     def cluster_state(self, task: Task | None = None) -> ClusterState:
         """Probe the cluster (with Slurm's start estimate for ``task``'s shapes, if given)."""
         s = self.settings

@@ -4,6 +4,12 @@ A Slurm cluster is an Airflow connection (type ``slurm``, or a plain ``ssh``) to
 Its extras name the cluster (as in ``infra: slurm/<cluster>/<partition>``), restrict partitions,
 and add accounting and scheduling options to every ``sbatch`` (the real one and the
 ``--test-only`` probe alike, so the estimate is for the job that will be submitted).
+
+Each option becomes an ``#SBATCH`` line of the job script: an extra with a control character
+(a newline would start a shell line) is a :class:`ConfigurationError` naming the connection and
+the extra, raised when the connection is read, before anything is submitted. What the
+connection sets, a task's ``config.slurm.sbatch_options`` may not set again
+(:meth:`SlurmSettings.owned_options`, :func:`task_conflicts`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from airflow_skypilot.exceptions import ConfigurationError
+from airflow_skypilot.spec import sbatch
 from airflow_skypilot.spec.task import Task
 
 #: the backend's name in handles, offers and infra strings
@@ -45,9 +53,19 @@ class SlurmSettings:
                 return [v.strip() for v in value.split(",") if v.strip()]
             return [str(v) for v in value]
 
+        _check_extras(conn_id, extra)
         options = extra.get("sbatch_options") or []
         if isinstance(options, str):
-            options = shlex.split(options)
+            try:
+                options = shlex.split(options)
+            except ValueError as exc:
+                raise ConfigurationError(f"connection {conn_id!r}: extra 'sbatch_options' "
+                                         f"cannot be read: {exc}") from None
+        try:
+            sbatch.parse_tokens(options)
+        except sbatch.OptionError as exc:
+            raise ConfigurationError(f"connection {conn_id!r}: extra 'sbatch_options': "
+                                     f"{exc}") from None
         return cls(
             cluster=str(extra.get("cluster") or conn_id),
             partitions=strings(extra.get("partitions")),
@@ -80,17 +98,67 @@ class SlurmSettings:
                 out.append(f"{flag}={value}")
         return out + list(self.sbatch_options)
 
+    def owned_options(self) -> dict[str, str]:
+        """The sbatch options a task may not set at this connection, with why: the ones the
+        backend always owns, and every option the connection itself gives."""
+        owned = dict(sbatch.BACKEND_OWNED)
+        if self.constraint:
+            owned["constraint"] = "the connection sets it (extra 'constraint')"
+        if self.time_limit:
+            owned["time"] = "the connection sets it (extra 'time_limit')"
+        for opt in sbatch.parse_tokens(self.sbatch_options):
+            owned.setdefault(sbatch.canonical(opt.name),
+                             "the connection sets it (extra 'sbatch_options')")
+        return owned
+
     def infra(self, partition: str | None = None) -> str:
         """``slurm/<cluster>``, or ``slurm/<cluster>/<partition>`` when a partition is given."""
         base = f"{BACKEND}/{self.cluster}"
         return base if partition is None else f"{base}/{partition}"
 
 
+#: the extras that become sbatch arguments or remote paths: no control characters there
+_TEXT_EXTRAS = ("cluster", "partitions", "account", "qos", "constraint", "reservation",
+                "sbatch_options", "time_limit", "remote_work_dir")
+
+
+def _check_extras(conn_id: str, extra: Mapping[str, Any]) -> None:
+    for name in _TEXT_EXTRAS:
+        value = extra.get(name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            if item is None:
+                continue
+            if isinstance(item, (dict, list, tuple)):
+                raise ConfigurationError(f"connection {conn_id!r}: extra {name!r} must be text "
+                                         f"(or a list of text); got {item!r}")
+            if match := sbatch.CONTROL.search(str(item)):
+                raise ConfigurationError(
+                    f"connection {conn_id!r}: extra {name!r} contains the control character "
+                    f"{match.group()!r}: refused (each sbatch option is one '#SBATCH' line)")
+
+
+def _task_options(task: Task) -> list[sbatch.Option]:
+    return sbatch.task_options((task.config.get("slurm") or {}).get("sbatch_options"))
+
+
 def task_sbatch_options(task: Task) -> list[str]:
-    """``config.slurm.sbatch_options`` (SkyPilot's per-task override) as directives."""
+    """``config.slurm.sbatch_options`` (SkyPilot's per-task override) as directives: the
+    mapping form as ``--key=value`` (``--key`` for true), the list form as given."""
     opts = (task.config.get("slurm") or {}).get("sbatch_options")
+    _task_options(task)  # checked when the task was loaded; a changed task is checked again
     if isinstance(opts, dict):
-        return [f"--{k}={v}" if v is not True else f"--{k}" for k, v in opts.items()]
+        return sbatch.render(sbatch.task_options(opts))
     if isinstance(opts, list):
         return [str(o) for o in opts]
     return []
+
+
+def task_conflicts(task: Task, settings: SlurmSettings) -> str:
+    """Why this connection refuses the task's sbatch options ("" when it does not)."""
+    try:
+        options = _task_options(task)
+    except sbatch.OptionError as exc:
+        return f"config.slurm.sbatch_options: {exc}"
+    hits = sbatch.refused(options, settings.owned_options())
+    return "; ".join(f"config.slurm.sbatch_options: {message}" for _, message in hits)

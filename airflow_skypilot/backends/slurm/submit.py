@@ -34,6 +34,7 @@ from airflow_skypilot.backends.slurm.shell import (
     remote_dir_expr,
 )
 from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
+from airflow_skypilot.spec.sbatch import CONTROL
 from airflow_skypilot.spec.task import Task
 
 
@@ -143,8 +144,12 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
     req = offer.request
     gpus = int(req.accelerator_count) if req.accelerator else 0
     gres_type = offer.details.get("gres_type", "")
-    directives = [f"--partition={offer.location}", f"--nodes={task.num_nodes}",
-                  "--ntasks-per-node=1", "--no-requeue", "--open-mode=append"]
+    # The task's options first, then the connection's, then the backend's own: sbatch keeps
+    # the last of repeated options, so neither a task nor a connection can override what comes
+    # after it (both are also refused before this: spec.sbatch, SlurmBackend.unsupported).
+    directives = task_sbatch_options(task) + settings.common_sbatch_args()
+    directives += [f"--partition={offer.location}", f"--nodes={task.num_nodes}",
+                   "--ntasks-per-node=1", "--no-requeue", "--open-mode=append"]
     if gpus:
         directives.append(f"--gres=gpu:{gres_type}:{gpus}" if gres_type
                           else f"--gres=gpu:{gpus}")
@@ -156,8 +161,10 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         directives.append(f"--mem={int(mem * 1024)}M")
     elif req.memory and req.memory.endswith("x"):  # SkyPilot's GB per CPU
         directives.append(f"--mem-per-cpu={int(float(req.memory[:-1]) * 1024)}M")
-    directives += settings.common_sbatch_args()
-    directives += task_sbatch_options(task)
+    for directive in directives:
+        if match := CONTROL.search(directive):
+            raise SubmissionError(f"sbatch option {directive!r} contains the control character "
+                                  f"{match.group()!r}: refused", retry_elsewhere=False)
     label = " --label" if task.num_nodes > 1 else ""
     jd = shlex.quote(job_dir)
     lines = ["#!/bin/bash"] + [f"#SBATCH {shlex.quote(d)}" for d in directives] + [
