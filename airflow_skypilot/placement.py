@@ -13,6 +13,13 @@ one; when no candidate can start now, the earliest candidate in the list waits w
 start soonest. With ``cheapest``, the list order comes before the price.
 
 Every offer gets a row in the explanation table with why it won or lost.
+
+A placement is not a one-time guess: while a job waits in a queue, :func:`reconsider` looks at
+its place again (as just re-probed) beside fresh offers elsewhere and says whether to move it.
+Start estimates are guesses (Slurm's come from time limits, which real jobs rarely use up), so a
+move needs a clear margin, never goes back and forth without bound, and never to a place the
+policy would not pick (a costlier place only to start now, under ``fastest``; never under
+``cheapest``; never against the user's ``ordered`` list).
 """
 
 from __future__ import annotations
@@ -20,13 +27,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from airflow_skypilot.backends.base import Offer
 from airflow_skypilot.runstate import Blocked  # a failed place is run state; kept importable here
 
 POLICIES = ("fastest", "cheapest")
+#: moves of one job, at most (each one cancels a waiting copy and queues a new one)
+MAX_MOVES = 3
+#: a move to a place that cannot start the job now must gain this share of the current wait...
+MOVE_GAIN_SHARE = 0.5
+#: ...and at least this many seconds
+MOVE_GAIN_MIN_S = 120.0
 
 
 @dataclass
@@ -289,3 +302,52 @@ def _no_fit_summary(rows: list[Row]) -> str:
     for r in rows:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
     return ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+
+
+def reconsider(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = False,
+               blocked: Iterable[Blocked] = (), waited_s: float = 0.0, moves: int = 0,
+               max_moves: int = MAX_MOVES, now: float | None = None) -> Offer | None:
+    """Should a job waiting in a queue move? The offer to move to, or None to stay.
+
+    ``current`` is the waiting job's own place as just re-probed (its estimated start counts
+    its position in that queue); ``offers`` are fresh offers elsewhere (the current place among
+    them is ignored). Pure: the caller acts on the answer; the reason is the returned offer's
+    ``details["move_reason"]``.
+
+    Rules: never after ``max_moves`` moves, and never when the current place can start the job
+    now. A place that can start it now wins over a queue (under ``cheapest`` only if it costs no
+    more; under ``fastest`` a costlier one too, within the request's ``max_hourly_cost``). A
+    queue elsewhere wins only with a clear margin: it must save at least ``MOVE_GAIN_SHARE`` of
+    the current wait and ``MOVE_GAIN_MIN_S`` seconds, since start estimates are guesses. With
+    ``ordered`` candidates a move never goes to a later candidate than the current one.
+    ``waited_s`` (how long the job has waited) only shows in the reason.
+    """
+    if moves >= max_moves or current.free_now:
+        return None
+    here = current.place_key
+    others = [o for o in offers if o.place_key != here
+              and not (ordered and o.request.index > current.request.index)
+              and not (policy == "cheapest" and o.price_per_hour > current.price_per_hour)]
+    if not others:
+        return None
+    best = rank(others, policy, ordered=ordered, blocked=blocked, now=now).chosen
+    if best is None:
+        return None
+    wait_here = current.wait_seconds
+    waited = f"waited {_duration(waited_s)}; " if waited_s else ""
+    if best.free_now:
+        why = (f"{waited}{best.connection}/{best.location} can start it now; here "
+               f"{'no start estimate' if wait_here is None else 'est. in ' + _duration(wait_here)}")
+    else:
+        wait_there = best.wait_seconds
+        if wait_here is None or wait_there is None:
+            return None  # two guesses without numbers: no clear margin
+        gain = wait_here - wait_there
+        if gain < max(MOVE_GAIN_MIN_S, MOVE_GAIN_SHARE * wait_here):
+            return None
+        why = (f"{waited}{best.connection}/{best.location} est. in {_duration(wait_there)} "
+               f"vs here in {_duration(wait_here)}")
+    if best.price_per_hour > current.price_per_hour:
+        why += f"; {_price_text(best.price_per_hour)} vs {_price_text(current.price_per_hour)}"
+    moved = replace(best, details={**best.details, "move_reason": why})
+    return moved

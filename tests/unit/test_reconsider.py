@@ -1,0 +1,87 @@
+"""placement.reconsider: when a job waiting in a queue moves, and when it stays (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_skypilot.placement import MAX_MOVES, Blocked, reconsider
+from tests.fakes import offer
+
+
+def _here(est_in=3600, price=0.0, index=0):
+    return offer("alpha", "batch", nodes_free=0, gpus_free=0, est_in=est_in, price=price,
+                 index=index)
+
+
+def test_a_place_that_can_start_it_now_wins_over_the_queue():
+    free = offer("beta", "main")
+    moved = reconsider(_here(), [_here(), free], "fastest", waited_s=90)
+    assert moved is not None and moved.place_key == "beta/main"
+    assert moved.details["move_reason"] == \
+        "waited 1m; beta/main can start it now; here est. in 1h00m"
+
+
+def test_it_stays_when_its_own_place_can_start_it_now():
+    assert reconsider(offer("alpha", "batch"), [offer("beta", "main")], "fastest") is None
+
+
+@pytest.mark.parametrize(("here", "there", "moves"), [
+    (3600, 600, True),     # saves 50 of 60 min
+    (3600, 1900, False),   # saves 28 of 60 min: less than half
+    (200, 20, True),       # saves 180 s: over half the wait and over the 120 s floor
+    (150, 40, False),      # saves 110 s: over half, but below the 120 s floor
+])
+def test_a_queue_elsewhere_needs_a_clear_margin(here, there, moves):
+    other = offer("beta", "main", nodes_free=0, est_in=there)
+    moved = reconsider(_here(est_in=here), [other], "fastest")
+    assert (moved is not None) is moves
+
+
+def test_unknown_estimates_give_no_margin_but_free_now_still_wins():
+    unknown_here = _here(est_in=None)
+    assert reconsider(unknown_here, [offer("beta", "main", nodes_free=0, est_in=60)],
+                      "fastest") is None
+    assert reconsider(unknown_here, [offer("beta", "main")], "fastest").place_key == \
+        "beta/main"
+    assert reconsider(_here(), [offer("beta", "main", nodes_free=0, est_in=None)],
+                      "fastest") is None
+
+
+def test_moves_are_bounded():
+    free = offer("beta", "main")
+    assert reconsider(_here(), [free], "fastest", moves=MAX_MOVES - 1) is not None
+    assert reconsider(_here(), [free], "fastest", moves=MAX_MOVES) is None
+
+
+def test_cheapest_never_moves_to_a_costlier_place_fastest_may_to_start_now():
+    paid = offer("aws", "us-east-1a", price=3.0)
+    assert reconsider(_here(), [paid], "cheapest") is None
+    moved = reconsider(_here(), [paid], "fastest")
+    assert moved is not None and moved.details["move_reason"].endswith("$3/h vs $0/h")
+
+
+def test_the_request_price_cap_holds_for_moves():
+    capped = offer("aws", "us-east-1a", price=30.0, max_cost=10.0)
+    assert reconsider(_here(), [capped], "fastest") is None
+
+
+def test_ordered_never_moves_to_a_later_candidate():
+    later = offer("beta", "main", index=1)
+    assert reconsider(_here(index=0), [later], "fastest", ordered=True) is None
+    earlier = offer("beta", "main", index=0)
+    assert reconsider(_here(index=1), [earlier], "fastest", ordered=True) is not None
+
+
+def test_blocked_places_and_the_current_place_are_not_destinations():
+    free = offer("beta", "main")
+    assert reconsider(_here(), [free], "fastest",
+                      blocked=[Blocked("beta/main", "node failure")]) is None
+    same_place_other_candidate = offer("alpha", "batch", index=1)
+    assert reconsider(_here(), [same_place_other_candidate], "fastest") is None
+
+
+def test_no_ping_pong_between_two_queues_with_similar_estimates():
+    a = offer("alpha", "batch", nodes_free=0, est_in=1800)
+    b = offer("beta", "main", nodes_free=0, est_in=1500)
+    assert reconsider(a, [b], "fastest") is None
+    assert reconsider(b, [a], "fastest") is None
