@@ -39,9 +39,11 @@ def tail(backend: Backend, handle: JobHandle, offset: int) -> str:
 
 def until_done(backend: Backend, handle: JobHandle, *, poll_interval: float, silence: float,
                offset: int, stream_logs: bool, log: logging.Logger,
-               between: Callable[[], None] = lambda: None) -> tuple[JobStatus, str, int]:
+               between: Callable[[JobStatus], None] = lambda status: None
+               ) -> tuple[JobStatus, str, int]:
     """Poll until the job ends: its status, log tail and log offset. ``between`` runs after
-    every poll of a live job (the operator's pending sweeps)."""
+    every poll of a live job, with its status (the operator's sweeps and looks at a waiting
+    job; it may raise to stop watching)."""
     silent_since: float | None = None
     while True:
         try:
@@ -65,5 +67,5 @@ def until_done(backend: Backend, handle: JobHandle, *, poll_interval: float, sil
             offset = stream(backend, handle, offset, log)
         if status.state.terminal:
             return status, tail(backend, handle, offset), offset
-        between()
+        between(status)
         time.sleep(poll_interval)

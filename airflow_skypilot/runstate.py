@@ -129,7 +129,7 @@ class Attempt:
     backend: str = ""
     job_id: str = ""
     job_name: str = ""
-    state: str = "pending"  # a JobState value
+    state: str = "pending"  # a JobState value, or "moved" (a waiting copy moved elsewhere)
     reason: str = ""
     exit_code: int | None = None
     submitted_at: float | None = None
@@ -210,6 +210,7 @@ class RunState:
     attempts: list[Attempt] = field(default_factory=list)
     blocked: list[Blocked] = field(default_factory=list)
     failovers: int = 0  # placements again after infrastructure failures
+    moves: int = 0  # waiting copies moved to a place that could start them sooner
     restarts: int = 0  # restarts counted against max_restarts_on_errors
     code_restarts: int = 0  # restarts for recover_on_exit_codes
     prefer: str | None = None  # the place to try first on the next placement
@@ -218,6 +219,7 @@ class RunState:
     waiting_since: float | None = None  # first time nothing could take the job
     last_plan: str = ""  # the summary of the last placement that chose nothing
     sweeps: list[Sweep] = field(default_factory=list)  # copies still to confirm dead
+    places: list[str] = field(default_factory=list)  # where the task fit at the last placement
 
     @property
     def job_name(self) -> str:

@@ -58,6 +58,8 @@ class JobStatus:
     ended_at: float | None = None
     nodes: list[str] = field(default_factory=list)
     raw_state: str = ""
+    #: a pending job's own estimated start (epoch seconds), where the backend knows it
+    est_start: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -30,13 +31,13 @@ from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.sdk.log import mask_secret
 
-from airflow_skypilot import identity, placement, polling, recovery, sweeps
-from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+from airflow_skypilot import identity, placement, polling, rebalance, recovery
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, Offer
 from airflow_skypilot.backends.registry import backend_for_handle
-from airflow_skypilot.exceptions import SubmissionError
-from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook, fail_on_config_errors
+from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.links import SkyPilotJobLink
-from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, Blocked, RunState, Sweep
+from airflow_skypilot.placer import Placer
+from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, RunState
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.spec.secrets import secret_values
 from airflow_skypilot.triggers.skypilot import (
@@ -52,8 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["XCOM_HANDLE", "XCOM_PLACEMENT", "SkyPilotOperator", "default_connections",
            "default_deferrable"]
 
-#: submissions refused in a row (each place then blocked) before one placement gives up
-MAX_SUBMISSIONS = 8
 
 
 def default_connections() -> list[str]:
@@ -75,6 +74,14 @@ def default_deferrable() -> bool:
         conf.getboolean("skypilot", "deferrable", fallback=True)
 
 
+class _Move(Exception):
+    """The worker's watch of a waiting job ends: move it to ``to``."""
+
+    def __init__(self, to: Offer, reason: str):
+        super().__init__(reason)
+        self.to, self.reason = to, reason
+
+
 class SkyPilotOperator(BaseOperator):
     """Run a SkyPilot task YAML on the connected Slurm, Kubernetes or AWS capacity.
 
@@ -93,7 +100,10 @@ class SkyPilotOperator(BaseOperator):
     :param cancel_on_kill: cancel the backend job when the task is killed or marked failed, or
         when its deferral times out (``execution_timeout``) before the job ends.
     :param probe_timeout: seconds each connection gets to answer a capacity probe.
-    :param reprobe_interval: seconds between probes while nothing fits anywhere.
+    :param reprobe_interval: seconds between probes while nothing fits anywhere, and between
+        looks at a job waiting in a queue (it moves when another place starts it clearly
+        sooner: ``placement.reconsider``).
+    :param max_moves: moves of a waiting job at most (0: never move it).
     :param stream_logs: copy the job's output into the task log as it runs.
     :param unreachable_timeout: seconds the job's backend may stay silent (cannot be asked, or
         cannot say) before the job counts as lost and is placed again; default
@@ -130,6 +140,7 @@ class SkyPilotOperator(BaseOperator):
         unreachable_timeout: float | None = None,
         confirm_timeout: float = 30.0,
         block_cooldown: float | None = None,
+        max_moves: int = placement.MAX_MOVES,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -151,6 +162,7 @@ class SkyPilotOperator(BaseOperator):
         self.unreachable_timeout = unreachable_timeout
         self.confirm_timeout = confirm_timeout
         self.block_cooldown = block_cooldown
+        self.max_moves = max_moves
         self._handle: JobHandle | None = None
         # A literal policy can be checked now, at DAG parse time; a Jinja one after rendering.
         if isinstance(policy, str) and "{{" not in policy and policy not in placement.POLICIES:
@@ -291,124 +303,70 @@ class SkyPilotOperator(BaseOperator):
                               handle.job_id)
                 return handle.to_dict()
             if self.deferrable:
-                self._defer_to_watch(context, handle, run)
-            status, tail = self._poll_in_worker(handle, run)
+                self._defer_to_watch(context, handle, run, task)
+            try:
+                status, tail = self._poll_in_worker(handle, run, task)
+            except _Move as move:
+                handle = self._move(context, task, run, handle, move.to, move.reason)
+                continue
             result = self._job_ended(context, lambda: task, run, handle, status, tail)
             if result is not None:
                 return result
             handle = self._place_and_submit(context, task, run)
 
+    @cached_property
+    def _placer(self) -> Placer:
+        return Placer(self._hook(), self.policy, cooldown=self._cooldown,
+                      confirm_timeout=self.confirm_timeout, log=self.log)
+
     def _reconcile(self, context: Context, run: RunState
                    ) -> tuple[JobHandle | None, JobStatus | None]:
-        """The jobs earlier tries of this task instance left: adopt one, stop the live rest.
-
-        A connection that cannot be listed now gets a sweep (its live jobs of this task are
-        stopped as soon as it answers). Returns the adopted job and its status, if any.
-        """
-        found = self._hook().find_all(run.prefix)
-        fail_on_config_errors(found.config_errors)
-        for conn_id, error in found.errors.items():
-            self.log.warning("Could not list the jobs of earlier tries on %s (%s): any still "
-                             "running there is stopped as soon as it answers", conn_id, error)
-            run.sweeps.append(Sweep(connection=conn_id, prefix=run.prefix,
-                                    reason=f"could not be listed at the start of try "
-                                           f"{run.try_number}: {error}"))
-        pairs = [pair for jobs in found.jobs.values() for pair in jobs]
         started = getattr(context.get("dag_run"), "start_date", None)
-        earlier = identity.classify(pairs, prefix=run.prefix, clear=run.clear,
-                                    run_started_at=started.timestamp() if started else None)
-        for handle, why in earlier.ignore:
-            self.log.info("Job %s (%s) on %s is left alone: %s", handle.job_id, handle.job_name,
-                          handle.connection, why)
-        for handle, why in earlier.stop:
-            self.log.warning("Stopping job %s (%s) on %s: %s", handle.job_id, handle.job_name,
-                             handle.connection, why)
-            self._stop_copy(run, handle, why)
-        run.attempt = identity.next_attempt([h for h, _ in pairs], run.clear, run.try_number,
-                                            earlier.adopt)
-        if earlier.adopt is None:
-            return None, None
-        handle = earlier.adopt
-        handle.adopted = True
-        self.log.info("Adopting job %s (%s) on %s, %s: an earlier run of this task submitted it",
-                      handle.job_id, handle.job_name, handle.connection,
-                      earlier.adopt_status.state.value)
-        self._record(run, handle)
-        return handle, earlier.adopt_status
+        handle, status = self._placer.reconcile(run, started.timestamp() if started else None)
+        self._handle = handle or self._handle
+        return handle, status
 
     def _place_and_submit(self, context: Context, task: Task, run: RunState) -> JobHandle | None:
-        """Probe, rank, submit; on a refused submission, block that place and take the next.
+        try:
+            handle = self._placer.place(task, run)
+        finally:
+            if self._placer.last_plan is not None:
+                self._push(context, XCOM_PLACEMENT, self._placer.last_plan.to_json())
+        self._handle = handle or self._handle
+        return handle
 
-        A submission that may have happened (the backend went silent during it) is swept: the
-        job, if it exists, is stopped as soon as its backend answers. None when nothing can
-        take the job now (places blocked, unreachable or over budget).
-        """
-        hook = self._hook()
-        result = hook.probe(task)
-        fail_on_config_errors(result.config_errors)
-        for conn_id, error in result.errors.items():
-            self.log.warning("Connection %s skipped for this placement: %s", conn_id, error)
-        for _ in range(MAX_SUBMISSIONS):
-            plan = placement.rank(result.offers, self.policy, ordered=task.ordered,
-                                  blocked=run.blocked, unreachable=result.errors,
-                                  prefer=run.prefer)
-            self.log.info("Placement (policy %s):\n%s\n%s", self.policy, plan.table(),
-                          plan.summary)
-            self._push(context, XCOM_PLACEMENT, plan.to_json())
-            if plan.chosen is None:
-                run.last_plan = plan.summary
-                if not any(r.verdict in ("blocked", "unreachable", "over budget")
-                           for r in plan.rows) and plan.rows and not result.errors:
-                    raise AirflowFailException(
-                        "this task cannot run on any connected capacity:\n" + plan.table())
-                return None
-            offer = plan.chosen
-            env = {"SKYPILOT_TASK_ID": run.task_env_id,
-                   "SKYPILOT_ATTEMPT": str(identity.attempt_number(run.try_number, run.attempt))}
-            until = time.time() + self._cooldown
-            try:
-                handle = hook.backend(offer.connection).submit(task, offer, run.job_name, env)
-            except SubmissionError as exc:
-                if not exc.retry_elsewhere:
-                    raise AirflowException(f"submission to {offer.place_key} failed: {exc}") \
-                        from exc
-                self.log.warning("Submission to %s refused, trying the next place: %s",
-                                 offer.place_key, exc)
-                run.blocked.append(Blocked(offer.place_key, f"submission refused: {exc}",
-                                           until=until))
-                continue
-            except Exception as exc:  # cut short: the job may exist all the same
-                self.log.warning("Submission of %s to %s cut short, trying the next place; if "
-                                 "the job was created it is stopped as soon as %s answers: %s",
-                                 run.job_name, offer.place_key, offer.connection, exc)
-                run.sweeps.append(Sweep(connection=offer.connection, job_name=run.job_name,
-                                        reason=f"submission cut short: {exc}"))
-                run.blocked.append(Blocked(offer.place_key, f"submission cut short: {exc}",
-                                           until=until))
-                run.attempt += 1  # the next copy gets a name of its own
-                continue
-            run.prefer = None
-            self._record(run, handle)
-            self.log.info("%s %s job %s on %s (%s) as %s", "Adopted" if handle.adopted else
-                          "Submitted", handle.backend, handle.job_id, handle.connection,
-                          handle.location, handle.job_name)
-            return handle
-        raise AirflowException(f"no place accepted the job after {MAX_SUBMISSIONS} submissions")
-
-    def _record(self, run: RunState, handle: JobHandle) -> None:
-        self._handle = handle
-        run.record(handle)
-
-    def _defer_to_watch(self, context: Context, handle: JobHandle, run: RunState) -> None:
+    def _defer_to_watch(self, context: Context, handle: JobHandle, run: RunState,
+                        task: Task) -> None:
         state = run.to_dict()
         self.defer(
             trigger=SkyPilotJobTrigger(handle.to_dict(), poll_interval=self.poll_interval,
                                        unreachable_timeout=self._silence,
                                        log_offset=run.log_offset, stream_logs=self.stream_logs,
-                                       cancel_on_kill=self.cancel_on_kill, state=state),
+                                       cancel_on_kill=self.cancel_on_kill, state=state,
+                                       reconsider=self._reconsider_spec(handle, run, task)),
             method_name="execute_complete", kwargs={"state": state},
             timeout=self._remaining(context),
         )
+
+    def _reconsider_spec(self, handle: JobHandle, run: RunState,
+                         task: Task) -> dict[str, Any] | None:
+        """How the trigger looks again at the job while it waits (None: it never moves)."""
+        if run.moves >= self.max_moves or not run.places:
+            return None
+        return rebalance.ReconsiderSpec(
+            connections=self._conn_ids(), task=task.capacity_view(), policy=self.policy,
+            places=run.places, interval=self.reprobe_interval, moves=run.moves,
+            max_moves=self.max_moves, blocked=[b.to_dict() for b in run.blocked],
+            probe_timeout=self._hook().timeout, waiting_since=handle.submitted_at).to_dict()
+
+    def _move(self, context: Context, task: Task, run: RunState, handle: JobHandle, to: Offer,
+              reason: str) -> JobHandle | None:
+        """Move a waiting copy (see ``Placer.move``); a refused move places it anew."""
+        new, moved = self._placer.move(task, run, handle, to, reason)
+        if moved and new is None:
+            new = self._place_and_submit(context, task, run)
+        self._handle = new or self._handle
+        return new
 
     def _remaining(self, context: Context) -> timedelta | None:
         if self.execution_timeout is None:
@@ -437,26 +395,29 @@ class SkyPilotOperator(BaseOperator):
             self.defer(trigger=SkyPilotWaitTrigger(self.reprobe_interval, state=state),
                        method_name="execute_complete", kwargs={"state": state},
                        timeout=self._remaining(context))
-        self._sweep_in_worker(run, keep=())
+        self._placer.sweep_pending(run, keep=())
         time.sleep(self.reprobe_interval)
 
-    def _poll_in_worker(self, handle: JobHandle, run: RunState) -> tuple[JobStatus, str]:
-        """The non-deferrable watch: poll until the job ends; its status and log tail."""
+    def _poll_in_worker(self, handle: JobHandle, run: RunState,
+                        task: Task) -> tuple[JobStatus, str]:
+        """The non-deferrable watch: poll until the job ends; its status and log tail. Raises
+        :class:`_Move` when the job waits where another place would start it sooner."""
+        spec = self._reconsider_spec(handle, run, task)
+        next_look = [time.time() + self.reprobe_interval]
+
+        def between(status: JobStatus) -> None:
+            self._placer.sweep_pending(run, keep=(handle.job_name,))
+            if spec and status.state == JobState.PENDING and time.time() >= next_look[0]:
+                next_look[0] = time.time() + self.reprobe_interval
+                to = rebalance.decide(rebalance.ReconsiderSpec.from_dict(spec), handle, status)
+                if to is not None:
+                    raise _Move(to, to.details.get("move_reason", ""))
+
         status, tail, run.log_offset = polling.until_done(
             backend_for_handle(handle), handle, poll_interval=self.poll_interval,
             silence=self._silence, offset=run.log_offset, stream_logs=self.stream_logs,
-            log=self.log, between=lambda: self._sweep_in_worker(run, keep=(handle.job_name,)))
+            log=self.log, between=between)
         return status, tail
-
-    # --- old copies --------------------------------------------------------------------------
-    def _stop_copy(self, run: RunState, handle: JobHandle, why: str,
-                   attempt: Attempt | None = None) -> None:
-        sweeps.stop_copy(run, handle, why, confirm_timeout=self.confirm_timeout, log=self.log,
-                         attempt=attempt)
-
-    def _sweep_in_worker(self, run: RunState, keep: tuple[str, ...]) -> None:
-        """One try at every pending sweep (the non-deferrable path's trigger work)."""
-        sweeps.sweep_pending(run, self._hook().backend, keep, self.log)
 
     # --- resume ------------------------------------------------------------------------------
     def execute_complete(self, context: Context, event: dict[str, Any] | None,
@@ -471,11 +432,16 @@ class SkyPilotOperator(BaseOperator):
         if event.get("status") == "reprobe":  # the wait for capacity is over: probe again
             task = self.load(context)
             return self._run(context, task, run, self._place_and_submit(context, task, run))
+        if event.get("status") == "move":  # waiting where another place starts it sooner
+            task = self.load(context)
+            return self._run(context, task, run, self._move(
+                context, task, run, JobHandle.from_dict(event["handle"]),
+                Offer.from_dict(event["to"]), event.get("reason", "")))
         if not event or event.get("status") == "error":
             message = event.get("message", "no event")
             if event.get("handle"):  # do not leave a job running that nobody watches
                 handle = JobHandle.from_dict(event["handle"])
-                self._stop_copy(run, handle, f"its trigger failed: {message}")
+                self._placer.stop_copy(run, handle, f"its trigger failed: {message}")
             raise AirflowException(f"watching the SkyPilot job failed: {message}")
         handle = JobHandle.from_dict(event["handle"])
         self._handle = handle
@@ -501,8 +467,8 @@ class SkyPilotOperator(BaseOperator):
         self.log.info("Job %s on %s ended: %s%s", handle.job_id, handle.connection,
                       status.state.value, f" ({status.reason})" if status.reason else "")
         if status.state.infra_failure:  # it may still run: stopped before anything else
-            self._stop_copy(run, handle, f"{ended.state}: {ended.reason or 'its place failed'}",
-                            attempt=ended)
+            why = f"{ended.state}: {ended.reason or 'its place failed'}"
+            self._placer.stop_copy(run, handle, why, attempt=ended)
         # the task (re-read on resume) is needed only to go on; a success needs nothing of it
         job_recovery = {} if status.state == JobState.SUCCEEDED else load().job_recovery
         verdict = recovery.decide(run, ended, job_recovery, self.max_failovers, tail=tail)
@@ -520,7 +486,7 @@ class SkyPilotOperator(BaseOperator):
         """The task's result; first, old copies not yet confirmed dead get one more chance
         (a last deferral, or a loop in the worker, up to ``unreachable_timeout``)."""
         if run.pending_sweeps and handle is not None:
-            self._sweep_in_worker(run, keep=())
+            self._placer.sweep_pending(run, keep=())
         if run.pending_sweeps and handle is not None:
             if self.deferrable:
                 state = run.to_dict()
@@ -530,7 +496,7 @@ class SkyPilotOperator(BaseOperator):
             deadline = time.time() + self._silence
             while run.pending_sweeps and time.time() < deadline:
                 time.sleep(max(self.poll_interval, 5.0))
-                self._sweep_in_worker(run, keep=())
+                self._placer.sweep_pending(run, keep=())
         if run.pending_sweeps:
             self.log.error("The job succeeded, but old copies could not be confirmed dead; "
                            "stop them by hand:%s", run.sweeps_text())

@@ -115,6 +115,8 @@ class ResourceRequest:
             "ports": list(self.ports),
             "labels": dict(self.labels),
             "job_recovery": dict(self.job_recovery),
+            "max_hourly_cost": self.max_hourly_cost,
+            "priority": self.priority,
         }
 
 
@@ -168,6 +170,28 @@ class Task:
             "ordered": self.ordered,
             "candidates": [c.to_json() for c in self.candidates],
         }
+
+    def capacity_view(self) -> dict[str, Any]:
+        """What a capacity probe needs of the task, and nothing else: no envs, no secrets, no
+        scripts, no local paths (a triggerer on another machine probes with it; where the
+        task fits was settled at placement). Plain JSON: it travels in trigger kwargs."""
+        slurm = (self.config.get("slurm") or {}) if isinstance(self.config, dict) else {}
+        return {
+            "name": self.name,
+            "num_nodes": self.num_nodes,
+            "ordered": self.ordered,
+            "candidates": [{"index": c.index, **c.to_json()} for c in self.candidates],
+            "sbatch_options": slurm.get("sbatch_options"),
+        }
+
+    @classmethod
+    def from_capacity_view(cls, view: Mapping[str, Any]) -> Task:
+        """The task a probe sees from :meth:`capacity_view`."""
+        config = {"slurm": {"sbatch_options": view["sbatch_options"]}} \
+            if view.get("sbatch_options") else {}
+        return cls(name=view.get("name"), num_nodes=int(view.get("num_nodes") or 1),
+                   candidates=[request_from_json(c) for c in view.get("candidates") or []],
+                   ordered=bool(view.get("ordered")), config=config, source="<capacity view>")
 
     def resolved_workdir(self) -> str | None:
         """Absolute local workdir (relative paths are relative to the YAML file), if local."""

@@ -22,12 +22,13 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_skypilot import sweeps
+from airflow_skypilot import rebalance, sweeps
 from airflow_skypilot.backends.base import (
     Backend,
     JobHandle,
     JobState,
     JobStatus,
+    Offer,
 )
 from airflow_skypilot.backends.registry import backend_class, backend_for_handle
 from airflow_skypilot.runstate import RunState
@@ -212,12 +213,16 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
     :param state: the operator's :class:`~airflow_skypilot.runstate.RunState` (or its dict),
         handed back in the event as a dict (``airflow dags test`` resumes with the event alone,
         so state cannot rely on the defer kwargs). The trigger reads only its pending sweeps.
+    :param reconsider: a :class:`~airflow_skypilot.rebalance.ReconsiderSpec` as a dict: while
+        the job waits in a queue, look again every ``interval`` seconds and fire a ``move``
+        event when another place would start it clearly sooner (None: never).
     """
 
     def __init__(self, handle: dict[str, Any], poll_interval: float = 10.0,
                  unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT, log_offset: int = 0,
                  stream_logs: bool = True, cancel_on_kill: bool = True,
-                 state: RunState | dict[str, Any] | None = None):
+                 state: RunState | dict[str, Any] | None = None,
+                 reconsider: dict[str, Any] | None = None):
         super().__init__()
         self.handle = handle
         self.poll_interval = poll_interval
@@ -227,6 +232,7 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         self.stream_logs = stream_logs
         self.cancel_on_kill = cancel_on_kill
         self.state = _state_dict(state)
+        self.reconsider = reconsider
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -239,12 +245,15 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                 "stream_logs": self.stream_logs,
                 "cancel_on_kill": self.cancel_on_kill,
                 "state": self.state,
+                "reconsider": self.reconsider,
             },
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
             handle = JobHandle.from_dict(self.handle)
+            spec = rebalance.ReconsiderSpec.from_dict(self.reconsider) \
+                if self.reconsider else None
             # the first import of a backend module takes a moment: not on the triggerer's loop
             await asyncio.to_thread(backend_class, handle.backend)
             poller = shared_poller(handle, self.poll_interval)
@@ -257,6 +266,8 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
             if self._pending() else None
         offset = self.log_offset
         silent_since: float | None = None
+        loop = asyncio.get_running_loop()
+        next_look = loop.time() + (spec.interval if spec else 0.0)
         try:
             while True:
                 item = await queue.get()
@@ -279,6 +290,16 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                 for line in item.log.splitlines():
                     self.log.info("[%s] %s", handle.job_id, line)
                 offset = item.log_offset
+                if spec is not None and item.status.state == JobState.PENDING \
+                        and loop.time() >= next_look:
+                    next_look = loop.time() + spec.interval
+                    to = await self._areconsider(spec, handle, item.status)
+                    if to is not None:
+                        yield TriggerEvent({
+                            "status": "move", "handle": handle.to_dict(), "to": to.to_dict(),
+                            "reason": to.details.get("move_reason", ""), "log_offset": offset,
+                            "at": time.time(), "state": self.state})
+                        return
                 if item.status.state.terminal:
                     if self.stream_logs:  # output written after the final poll
                         offset = await self._astream(poller.backend, handle, offset)
@@ -292,6 +313,19 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
             poller.unsubscribe(queue)
             if sweeper is not None:
                 sweeper.cancel()
+
+    async def _areconsider(self, spec: rebalance.ReconsiderSpec, handle: JobHandle,
+                           status: JobStatus) -> Offer | None:
+        try:
+            to = await rebalance.adecide(spec, handle, status)
+        except Exception as exc:  # a look that fails is a look not taken: the job stays
+            self.log.warning("Could not reconsider job %s: %s", handle.job_id, exc)
+            return None
+        if to is not None:
+            self.log.warning("Job %s waits on %s/%s; moving it to %s: %s", handle.job_id,
+                             handle.connection, handle.location, to.place_key,
+                             to.details.get("move_reason", ""))
+        return to
 
     async def _astream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
         try:

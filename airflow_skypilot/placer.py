@@ -1,0 +1,194 @@
+"""Putting copies of a task on places: the operator's hands, apart from its Airflow glue.
+
+:class:`Placer` does everything that touches backends on the worker side: it lists the jobs
+earlier tries left and adopts or stops them (``identity.classify``), probes, ranks and submits
+(taking the next place when one refuses or goes silent mid-submission), stops an old copy and
+confirms it dead (``sweeps``), and moves a waiting copy to a place that starts it sooner. It
+changes the :class:`~airflow_skypilot.runstate.RunState` it is given and logs what it does;
+deferral, XCom and the task's result stay in the operator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from airflow_skypilot import identity, placement, sweeps
+from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, Offer
+from airflow_skypilot.backends.registry import backend_for_handle
+from airflow_skypilot.exceptions import SubmissionError
+from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook, fail_on_config_errors
+from airflow_skypilot.runstate import Attempt, Blocked, RunState, Sweep
+from airflow_skypilot.spec import Task
+
+#: submissions refused in a row (each place then blocked) before one placement gives up
+MAX_SUBMISSIONS = 8
+
+
+class Placer:
+    """Place, adopt, stop and move the copies of one task (see the module docstring).
+
+    :param hook: the capacity hook over the task's connections.
+    :param policy: ``fastest`` or ``cheapest``.
+    :param cooldown: seconds a place that refused or failed stays blocked.
+    :param confirm_timeout: seconds to wait for a stopped copy's end to be confirmed.
+    :param log: where to say what happens (the task log).
+    """
+
+    def __init__(self, hook: SkyPilotCapacityHook, policy: str, *, cooldown: float,
+                 confirm_timeout: float, log: logging.Logger):
+        self.hook = hook
+        self.policy = policy
+        self.cooldown = cooldown
+        self.confirm_timeout = confirm_timeout
+        self.log = log
+        #: the last placement made, with its explanation table (the operator shows it)
+        self.last_plan: placement.Placement | None = None
+
+    # --- earlier tries --------------------------------------------------------------------------
+    def reconcile(self, run: RunState, run_started_at: float | None
+                  ) -> tuple[JobHandle | None, JobStatus | None]:
+        """The jobs earlier tries of this task instance left: adopt one, stop the live rest.
+
+        A connection that cannot be listed now gets a sweep (its live jobs of this task are
+        stopped as soon as it answers). Returns the adopted job and its status, if any.
+        """
+        found = self.hook.find_all(run.prefix)
+        fail_on_config_errors(found.config_errors)
+        for conn_id, error in found.errors.items():
+            self.log.warning("Could not list the jobs of earlier tries on %s (%s): any still "
+                             "running there is stopped as soon as it answers", conn_id, error)
+            run.sweeps.append(Sweep(connection=conn_id, prefix=run.prefix,
+                                    reason=f"could not be listed at the start of try "
+                                           f"{run.try_number}: {error}"))
+        pairs = [pair for jobs in found.jobs.values() for pair in jobs]
+        earlier = identity.classify(pairs, prefix=run.prefix, clear=run.clear,
+                                    run_started_at=run_started_at)
+        for handle, why in earlier.ignore:
+            self.log.info("Job %s (%s) on %s is left alone: %s", handle.job_id, handle.job_name,
+                          handle.connection, why)
+        for handle, why in earlier.stop:
+            self.log.warning("Stopping job %s (%s) on %s: %s", handle.job_id, handle.job_name,
+                             handle.connection, why)
+            self.stop_copy(run, handle, why)
+        run.attempt = identity.next_attempt([h for h, _ in pairs], run.clear, run.try_number,
+                                            earlier.adopt)
+        if earlier.adopt is None:
+            return None, None
+        handle = earlier.adopt
+        handle.adopted = True
+        self.log.info("Adopting job %s (%s) on %s, %s: an earlier run of this task submitted it",
+                      handle.job_id, handle.job_name, handle.connection,
+                      earlier.adopt_status.state.value)
+        run.record(handle)
+        return handle, earlier.adopt_status
+
+    # --- placing ------------------------------------------------------------------------------
+    def place(self, task: Task, run: RunState) -> JobHandle | None:
+        """Probe, rank, submit; on a refused submission, block that place and take the next.
+
+        None when nothing can take the job now (places blocked, unreachable or over budget).
+        """
+        result = self.hook.probe(task)
+        fail_on_config_errors(result.config_errors)
+        for conn_id, error in result.errors.items():
+            self.log.warning("Connection %s skipped for this placement: %s", conn_id, error)
+        for _ in range(MAX_SUBMISSIONS):
+            plan = placement.rank(result.offers, self.policy, ordered=task.ordered,
+                                  blocked=run.blocked, unreachable=result.errors,
+                                  prefer=run.prefer)
+            self.log.info("Placement (policy %s):\n%s\n%s", self.policy, plan.table(),
+                          plan.summary)
+            self.last_plan = plan
+            if plan.chosen is None:
+                run.last_plan = plan.summary
+                if not any(r.verdict in ("blocked", "unreachable", "over budget")
+                           for r in plan.rows) and plan.rows and not result.errors:
+                    raise AirflowFailException(
+                        "this task cannot run on any connected capacity:\n" + plan.table())
+                return None
+            run.places = sorted({o.place_key for o in plan.ranked})
+            handle = self.submit_at(task, run, plan.chosen)
+            if handle is not None:
+                return handle
+        raise AirflowException(f"no place accepted the job after {MAX_SUBMISSIONS} submissions")
+
+    def submit_at(self, task: Task, run: RunState, offer: Offer) -> JobHandle | None:
+        """Submit the run's next copy at ``offer``; None when that place refused it or went
+        silent mid-submission (then blocked for the cooldown; a job that may exist all the
+        same is swept, and the next copy gets a name of its own)."""
+        env = {"SKYPILOT_TASK_ID": run.task_env_id,
+               "SKYPILOT_ATTEMPT": str(identity.attempt_number(run.try_number, run.attempt))}
+        until = time.time() + self.cooldown
+        try:
+            handle = self.hook.backend(offer.connection).submit(task, offer, run.job_name, env)
+        except SubmissionError as exc:
+            if not exc.retry_elsewhere:
+                raise AirflowException(f"submission to {offer.place_key} failed: {exc}") from exc
+            self.log.warning("Submission to %s refused, trying the next place: %s",
+                             offer.place_key, exc)
+            run.blocked.append(Blocked(offer.place_key, f"submission refused: {exc}",
+                                       until=until))
+            return None
+        except Exception as exc:  # cut short: the job may exist all the same
+            self.log.warning("Submission of %s to %s cut short, trying the next place; if the "
+                             "job was created it is stopped as soon as %s answers: %s",
+                             run.job_name, offer.place_key, offer.connection, exc)
+            run.sweeps.append(Sweep(connection=offer.connection, job_name=run.job_name,
+                                    reason=f"submission cut short: {exc}"))
+            run.blocked.append(Blocked(offer.place_key, f"submission cut short: {exc}",
+                                       until=until))
+            run.attempt += 1
+            return None
+        run.prefer = None
+        run.record(handle)
+        self.log.info("%s %s job %s on %s (%s) as %s", "Adopted" if handle.adopted else
+                      "Submitted", handle.backend, handle.job_id, handle.connection,
+                      handle.location, handle.job_name)
+        return handle
+
+    # --- old copies -----------------------------------------------------------------------------
+    def stop_copy(self, run: RunState, handle: JobHandle, why: str,
+                  attempt: Attempt | None = None) -> Sweep:
+        return sweeps.stop_copy(run, handle, why, confirm_timeout=self.confirm_timeout,
+                                log=self.log, attempt=attempt)
+
+    def sweep_pending(self, run: RunState, keep: tuple[str, ...] = ()) -> None:
+        """One try at every pending sweep (the non-deferrable path's trigger work)."""
+        sweeps.sweep_pending(run, self.hook.backend, keep, self.log)
+
+    # --- moving a waiting copy --------------------------------------------------------------
+    def move(self, task: Task, run: RunState, handle: JobHandle, to: Offer,
+             reason: str) -> tuple[JobHandle | None, bool]:
+        """Move the waiting copy ``handle`` to ``to``: only if it still waits, cancelled and
+        confirmed dead first. Returns (the copy to watch next, moved?): the same copy when it
+        started meanwhile (it stays), the new one, or None when ``to`` refused it (the caller
+        places it again from scratch)."""
+        backend = backend_for_handle(handle)
+        try:
+            status = backend.status([handle]).get(handle.job_id)
+        except Exception as exc:  # could not ask: do not move what may have started
+            self.log.warning("Not moving job %s: %s could not be asked (%s)", handle.job_id,
+                             handle.connection, exc)
+            return handle, False
+        if status is None or status.state != JobState.PENDING:
+            self.log.info("Not moving job %s: it is %s now", handle.job_id,
+                          status.state.value if status else "unknown")
+            return handle, False
+        why = f"moved to {to.place_key}: {reason}"
+        sweep = self.stop_copy(run, handle, why)
+        if sweep.done_at is None:  # may still start where it is: keep watching it there
+            self.log.warning("Not moving job %s: its cancel is not confirmed", handle.job_id)
+            return handle, False
+        ended = run.close(handle, JobStatus(JobState.CANCELLED, reason=why))
+        ended.state, ended.confirmed_dead = "moved", True
+        after = backend.status([handle]).get(handle.job_id)
+        if after is not None and after.started_at:
+            self.log.warning("Job %s had started just before it was cancelled for the move",
+                             handle.job_id)
+        run.moves += 1
+        run.attempt += 1
+        self.log.warning("Job %s %s", handle.job_id, why)
+        return self.submit_at(task, run, to), True

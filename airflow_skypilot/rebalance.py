@@ -1,0 +1,121 @@
+"""Looking again at a job that waits in a queue: should it move to a place that starts sooner?
+
+The trigger watching a pending job asks :func:`adecide` every ``interval`` seconds. It probes
+the connections again (only the places where the task fit when it was placed: the shape does
+not change), takes the job's own place as just re-probed as ``current`` (with the job's own
+start estimate where the backend gives one), and leaves the decision to the pure
+``placement.reconsider``. The trigger never submits: a move is an event, and the operator
+cancels the waiting copy, confirms it never started, and submits at the new place.
+
+Probes are shared: every waiting job of one shape on one connection, in one triggerer, reads one
+probe per ``interval`` (the cache below), as status polls are shared per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from airflow_skypilot import placement
+from airflow_skypilot.backends.base import JobHandle, JobStatus, Offer
+from airflow_skypilot.runstate import Blocked
+from airflow_skypilot.spec.task import Task
+
+
+@dataclass
+class ReconsiderSpec:
+    """What the trigger needs to reconsider a waiting job (plain JSON, no secrets)."""
+
+    connections: list[str]
+    task: dict[str, Any]  # Task.capacity_view()
+    policy: str = "fastest"
+    places: list[str] = field(default_factory=list)  # where the task fit at placement
+    interval: float = 60.0
+    moves: int = 0
+    max_moves: int = placement.MAX_MOVES
+    blocked: list[dict[str, Any]] = field(default_factory=list)
+    probe_timeout: float = 60.0
+    waiting_since: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ReconsiderSpec:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+_lock = threading.Lock()
+#: (connection, shape key) -> (probed at, offers or the error): one probe per interval
+_cache: dict[tuple[str, str], tuple[float, Any]] = {}
+
+
+def _probe(conn_id: str, task: Task, key: str, max_age: float) -> list[Offer]:
+    from airflow_skypilot.backends.registry import backend_for_connection
+
+    with _lock:
+        hit = _cache.get((conn_id, key))
+    if hit is not None and time.monotonic() - hit[0] < max_age:
+        if isinstance(hit[1], Exception):
+            raise hit[1]
+        return hit[1]
+    try:
+        offers: Any = backend_for_connection(conn_id).probe(task)
+    except Exception as exc:  # cached too: N waiting jobs do not retry a dead backend N times
+        offers = exc
+    with _lock:
+        _cache[(conn_id, key)] = (time.monotonic(), offers)
+    if isinstance(offers, Exception):
+        raise offers
+    return offers
+
+
+def _current(offers: list[Offer], handle: JobHandle, status: JobStatus) -> Offer | None:
+    """The job's own place as just re-probed, with the job's own estimate when known."""
+    here = [o for o in offers if o.place_key == f"{handle.connection}/{handle.location}"
+            and (o.accelerator or "").upper() == (handle.accelerator or "").upper()]
+    if not here:
+        here = [o for o in offers if o.place_key == f"{handle.connection}/{handle.location}"]
+    if not here:
+        return None
+    current = min(here, key=lambda o: o.request.index)
+    if status.est_start is not None:
+        # the queue position of this very job, not of a new job of its shape
+        current = replace(current, est_start=status.est_start,
+                          nodes_free=0 if current.nodes_free is not None else None)
+    return current
+
+
+async def adecide(spec: ReconsiderSpec, handle: JobHandle,
+                  status: JobStatus) -> Offer | None:
+    """The offer to move the waiting job to, or None to stay (see ``placement.reconsider``).
+    Connections that cannot be asked now are left out of this round."""
+    if spec.moves >= spec.max_moves:
+        return None
+    task = Task.from_capacity_view(spec.task)
+    key = hashlib.sha256(json.dumps(spec.task, sort_keys=True).encode()).hexdigest()[:16]
+    calls = [asyncio.wait_for(asyncio.to_thread(_probe, c, task, key, spec.interval / 2),
+                              spec.probe_timeout) for c in spec.connections]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    offers = [o for r in results if isinstance(r, list) for o in r]
+    current = _current(offers, handle, status)
+    if current is None:
+        return None
+    places = set(spec.places)
+    others = [o for o in offers if o.place_key in places]
+    return placement.reconsider(
+        current, others, spec.policy, ordered=bool(spec.task.get("ordered")),
+        blocked=[Blocked.from_dict(b) for b in spec.blocked],
+        waited_s=max(0.0, time.time() - spec.waiting_since), moves=spec.moves,
+        max_moves=spec.max_moves)
+
+
+def decide(spec: ReconsiderSpec, handle: JobHandle, status: JobStatus) -> Offer | None:
+    """:func:`adecide` from the worker (no event loop running there)."""
+    return asyncio.run(adecide(spec, handle, status))

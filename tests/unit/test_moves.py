@@ -1,0 +1,176 @@
+"""Placement is not a one-time guess: a job waiting in a queue moves when another place starts
+it clearly sooner. The trigger looks (read-only), the operator moves; over the in-memory
+backend. The real clusters go through it in tests/e2e."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+
+from airflow_skypilot import rebalance
+from airflow_skypilot.backends import registry
+from airflow_skypilot.backends.base import JobState, JobStatus
+from airflow_skypilot.operators import SkyPilotOperator
+from airflow_skypilot.runstate import RunState
+from airflow_skypilot.spec import load_task
+from airflow_skypilot.spec.task import Task
+from tests.fakes import FakeBackend, offer
+
+
+class TI:
+    def __init__(self):
+        self.dag_id, self.task_id, self.run_id = "dag", "train", "manual__1"
+        self.try_number, self.map_index, self.start_date = 1, -1, None
+        self.xcom: dict = {}
+
+    def xcom_push(self, key, value):
+        self.xcom[key] = json.loads(json.dumps(value))
+
+
+def _ctx():
+    return {"ti": TI(), "dag_run": SimpleNamespace(clear_number=0, start_date=None)}
+
+
+@pytest.fixture(autouse=True)
+def _fake(monkeypatch):
+    registry.register_backend(FakeBackend)
+    for conn in ("c1", "c2"):
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn.upper()}", json.dumps({"conn_type": "fake"}))
+    FakeBackend.reset()
+    rebalance._cache.clear()
+    # c1 can queue it (est. 1 h); c2 is full for now
+    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=3600)],
+                          "c2": [offer("c2", "q", nodes_free=0, est_in=None)]}
+    yield
+    FakeBackend.reset()
+    rebalance._cache.clear()
+
+
+def _op(**kw):
+    kw.setdefault("deferrable", True)
+    kw.setdefault("confirm_timeout", 0.2)
+    kw.setdefault("reprobe_interval", 0.05)
+    kw.setdefault("poll_interval", 0.01)
+    return SkyPilotOperator(task_id="train", task={"resources": {"accelerators": "A100:1"},
+                                                   "run": "train"},
+                            connections=["c1", "c2"], **kw)
+
+
+async def _first(trigger):
+    async for event in trigger.run():
+        return event.payload
+
+
+def _waiting_on_c1():
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute(_ctx())
+    deferred = info.value
+    assert deferred.trigger.handle["connection"] == "c1"
+    return deferred
+
+
+def test_the_trigger_looks_again_and_asks_to_move_when_another_place_frees_up():
+    deferred = _waiting_on_c1()
+    spec = deferred.trigger.reconsider
+    assert spec["places"] == ["c1/p", "c2/q"] and "secrets" not in json.dumps(spec)
+    FakeBackend.offers["c2"] = [offer("c2", "q")]  # c2 frees up while the job waits on c1
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    assert event["status"] == "move" and event["to"]["connection"] == "c2"
+    assert event["reason"].endswith("c2/q can start it now; here est. in 1h00m")
+    assert FakeBackend.jobs["1"]["status"].state == JobState.PENDING, "the trigger only asks"
+
+
+def test_the_operator_cancels_the_waiting_copy_and_submits_at_the_new_place():
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    new = info.value.trigger.handle
+    assert new["connection"] == "c2" and new["job_name"].endswith("-a1")
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+    assert FakeBackend.jobs["1"]["env"]["SKYPILOT_TASK_ID"] == \
+        FakeBackend.jobs["2"]["env"]["SKYPILOT_TASK_ID"]
+    run = RunState.from_dict(info.value.trigger.state)
+    assert run.moves == 1 and [a.state for a in run.attempts] == ["moved", "pending"]
+    assert run.attempts[0].reason.startswith("moved to c2/q: ")
+    FakeBackend.jobs["2"]["status"] = JobStatus(JobState.SUCCEEDED, exit_code=0,
+                                                started_at=10.0, ended_at=20.0)
+    done = {"status": "done", "handle": new, "log_tail": "", "log_offset": 0,
+            "state": info.value.trigger.state,
+            "job_status": FakeBackend.jobs["2"]["status"].to_dict()}
+    result = _op().execute_complete(_ctx(), done)
+    assert [(a["connection"], a["state"]) for a in result["attempts"]] == [
+        ("c1", "moved"), ("c2", "succeeded")]
+    assert result["old_copies"][0]["confirmed_dead"] is True
+
+
+def test_a_copy_that_started_meanwhile_is_not_moved():
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    FakeBackend.jobs["1"]["status"] = JobStatus(JobState.RUNNING, started_at=time.time())
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    assert info.value.trigger.handle["job_id"] == "1" and len(FakeBackend.jobs) == 1
+    assert FakeBackend.jobs["1"]["status"].state == JobState.RUNNING
+
+
+def test_no_move_without_a_clear_margin_or_with_moves_off():
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q", nodes_free=0, est_in=3000)]  # 10 min sooner
+    trigger = deferred.trigger
+
+    async def watch():
+        task = asyncio.create_task(_first(trigger))
+        await asyncio.sleep(0.3)  # several looks
+        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED, exit_code=0)
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(watch())["status"] == "done"
+    FakeBackend.jobs.clear()
+    with pytest.raises(TaskDeferred) as info:
+        _op(max_moves=0).execute(_ctx())
+    assert info.value.trigger.reconsider is None
+
+
+def test_the_worker_moves_a_waiting_job_too_when_not_deferrable(monkeypatch):
+    FakeBackend.offers["c1"] = [offer("c1", "p", nodes_free=0, est_in=3600)]
+    real = FakeBackend.astatus
+    polls = [0]
+
+    async def astatus(self, handles):
+        polls[0] += 1
+        if polls[0] == 3:  # c2 frees up while the job waits on c1
+            FakeBackend.offers["c2"] = [offer("c2", "q")]
+        for h in handles:
+            job = FakeBackend.jobs[h.job_id]
+            if job["conn"] == "c2" and not job["status"].state.terminal:
+                job["status"] = JobStatus(JobState.SUCCEEDED, exit_code=0)
+        return await real(self, handles)
+
+    monkeypatch.setattr(FakeBackend, "astatus", astatus)
+    result = _op(deferrable=False).execute(_ctx())
+    assert [(a["connection"], a["state"]) for a in result["attempts"]] == [
+        ("c1", "moved"), ("c2", "succeeded")]
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+
+
+def test_the_capacity_view_carries_no_secrets_envs_or_scripts():
+    task = load_task({"name": "t", "num_nodes": 2, "envs": {"E": "v"},
+                      "secrets": {"S": "hunter2"}, "run": "echo $S",
+                      "resources": {"accelerators": {"A100": 1, "H100": 1}, "cpus": "4+"},
+                      "config": {"slurm": {"sbatch_options": {"exclusive": True}}}})
+    view = task.capacity_view()
+    text = json.dumps(view)
+    assert "hunter2" not in text and "echo" not in text and '"E"' not in text
+    again = Task.from_capacity_view(json.loads(text))
+    assert again.num_nodes == 2 and not again.secrets and not again.envs
+    assert [(c.accelerator, c.cpus) for c in again.candidates] == \
+        [(c.accelerator, c.cpus) for c in task.candidates]
+    assert again.config == {"slurm": {"sbatch_options": {"exclusive": True}}}
