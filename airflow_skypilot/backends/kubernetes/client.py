@@ -5,7 +5,9 @@ read the connection's kubeconfig, context and in-cluster extras. :class:`KubeCli
 every call with ``_preload_content=False`` and parses the JSON itself (the generated models
 are slow and lossy), and turns errors into ours: an error status is :class:`KubeApiError`
 (callers decide what 403/404/409 mean), no answer or refused credentials is
-:class:`~airflow_skypilot.exceptions.BackendUnreachable`.
+:class:`~airflow_skypilot.exceptions.BackendUnreachable`, and so is an API server that answered
+only that it cannot answer now (429, 5xx: :class:`KubeApiUnavailable`, both at once). Every
+call waits at most the connection's ``request_timeout``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ class KubeApiError(BackendError):
         self.status = status
 
 
+class KubeApiUnavailable(KubeApiError, BackendUnreachable):
+    """The API server answered that it cannot answer now (overloaded, etcd down): "could not
+    ask", never an answer about a job."""
+
+
 def api_error(conn_id: str, status: int | None, body: Any) -> BackendError:
-    """An API error status -> KubeApiError (or BackendUnreachable: no answer, no auth)."""
+    """An API error status -> KubeApiError (or BackendUnreachable: no answer, no auth, or
+    the server cannot answer now)."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body or "")
     try:
         message = json.loads(text).get("message") or text
@@ -41,6 +49,9 @@ def api_error(conn_id: str, status: int | None, body: Any) -> BackendError:
         return BackendUnreachable(f"{conn_id}: Kubernetes API unreachable: {message}")
     if status == 401:
         return BackendUnreachable(f"{conn_id}: Kubernetes API refused the credentials: {message}")
+    if status == 429 or status >= 500:
+        return KubeApiUnavailable(status, f"{conn_id}: Kubernetes API cannot answer now: "
+                                          f"{message}")
     return KubeApiError(status, message)
 
 
