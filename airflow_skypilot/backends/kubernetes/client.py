@@ -55,6 +55,19 @@ def api_error(conn_id: str, status: int | None, body: Any) -> BackendError:
     return KubeApiError(status, message)
 
 
+def _no_read_retries(api_client: Any) -> None:
+    """urllib3 tries a request four times by default, a read timeout too: a silent API server
+    would cost four ``request_timeout``s a call. Connection errors are still retried (twice);
+    an answer that does not come is not waited for again (the next poll asks anyway)."""
+    from urllib3.util import Retry
+
+    pool = getattr(getattr(api_client, "rest_client", None), "pool_manager", None)
+    kw = getattr(pool, "connection_pool_kw", None)
+    if isinstance(kw, dict) and not isinstance(kw.get("retries"), Retry):
+        kw["retries"] = Retry(total=2, connect=2, read=0, status=0, redirect=0)
+        pool.clear()  # pools made before this keep their own retries
+
+
 def truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("true", "1", "yes", "on")
 
@@ -101,7 +114,9 @@ class KubeClient(LoggingMixin):
         """The sync ``CoreV1Api`` and ``BatchV1Api``."""
         try:
             hook = self._sync_hook()
-            return hook.core_v1_client, hook.batch_v1_client
+            core, batch = hook.core_v1_client, hook.batch_v1_client
+            _no_read_retries(core.api_client)
+            return core, batch
         except Exception as exc:  # bad kubeconfig, missing context, no in-cluster env
             self._hook = None
             raise BackendUnreachable(f"{self.conn_id}: cannot load the Kubernetes "

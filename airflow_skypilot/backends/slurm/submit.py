@@ -80,7 +80,9 @@ def lookup_script(settings: SlurmSettings, job_name: str) -> str:
         'printf "@@home\\n%s\\n" "$HOME"',
         "echo @@job_id", f"cat {jobs}/job_id 2>/dev/null",
         "echo @@meta", f"cat {jobs}/handle 2>/dev/null",
-        "echo @@queued", f"_t {_BY_NAME} -n {shlex.quote(job_name)}", rc_line("queued"),
+        # the job_id file answers alone: slurmctld is asked only when there is none
+        f"[ -s {jobs}/job_id ] || {{ echo @@queued; _t {_BY_NAME} -n {shlex.quote(job_name)}; "
+        f"{rc_line('queued')}; }}",
     ])
 
 
