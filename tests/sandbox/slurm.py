@@ -555,7 +555,7 @@ class SlurmSandbox:
         """Undo what a test did: cancel jobs, restart daemons, resume nodes, wait until idle."""
         for cluster in CLUSTERS:  # a paused daemon first: everything below asks it
             self.resume_slurmctld(cluster.name)
-            self._continue_sshd(cluster.name)
+            self.resume_sshd(cluster.name)
         if not _munge_works() or not all(
             _alive(_read_pid(self._pid_file(c.name, "slurmctld")), "slurmctld") for c in CLUSTERS
         ):
@@ -650,7 +650,17 @@ class SlurmSandbox:
         if _alive(pid, "slurmctld"):
             _kill([pid], signal.SIGCONT)  # type: ignore[list-item]
 
-    def _continue_sshd(self, cluster: str) -> None:
+    def pause_sshd(self, cluster: str) -> None:
+        """SIGSTOP the login node's sshd and every session under it: connections are
+        accepted (the kernel's backlog) and open ones stay, but nothing answers: a hung
+        login node."""
+        pid = _read_pid(self._pid_file(cluster, "sshd"))
+        if not _alive(pid, "sshd"):
+            raise SandboxError(f"sshd of {cluster} is not running")
+        _kill([pid, *_descendants([pid])], signal.SIGSTOP)  # type: ignore[list-item]
+
+    def resume_sshd(self, cluster: str) -> None:
+        """SIGCONT the login node's sshd and its sessions (no-op when they run)."""
         pid = _read_pid(self._pid_file(cluster, "sshd"))
         if _alive(pid, "sshd"):
             _kill([pid, *_descendants([pid])], signal.SIGCONT)  # type: ignore[list-item]

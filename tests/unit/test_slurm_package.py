@@ -140,6 +140,14 @@ def test_a_lookup_needs_an_answered_squeue_only_when_the_job_dir_has_no_job_id()
     with pytest.raises(BackendUnreachable):
         submit.parse_find_all(listing.replace("@@queued_rc\n0", "@@queued_rc\n1"), SETTINGS,
                               "c", "sky-x-")
+    # a home shared with cluster beta: its job dirs are beta's jobs, not alpha's
+    shared = listing.replace("partition=batch\tsubmitted", "cluster=beta\tsubmitted")
+    assert "sky-x-c0-t1-a0" not in [h.job_name for h in submit.parse_find_all(
+        shared, SETTINGS, "c", "sky-x-")]
+    theirs = recorded.replace("@@meta\n", "@@meta\ncluster=beta\n")
+    assert submit.parse_lookup(theirs, SETTINGS, "c", name) == (None, "/home/u")
+    assert submit.dir_owner(theirs, SETTINGS) == "beta"
+    assert submit.dir_owner(recorded, SETTINGS) == ""
 
 
 def test_sbatch_and_scancel_without_an_answer_are_unreachable_not_refused():
