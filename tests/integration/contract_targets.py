@@ -102,6 +102,19 @@ def closed_port() -> int:
 Fault = tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]
 
 
+def held(start: Callable[[], Any], end: Callable[[], Any]
+         ) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A fault's context manager: ``start()``, the block, then ``end()`` whatever happened."""
+    @contextlib.contextmanager
+    def hold() -> Iterator[None]:
+        start()
+        try:
+            yield
+        finally:
+            end()
+    return hold
+
+
 # --- the target protocol --------------------------------------------------------------------
 
 
@@ -227,24 +240,11 @@ class SlurmTarget(Target):
         return {**conn, "port": port}
 
     def faults(self) -> list[Fault]:
-        @contextlib.contextmanager
-        def slurmctld_paused() -> Iterator[None]:
-            self.box.pause_slurmctld(self.cluster)
-            try:
-                yield
-            finally:
-                self.box.resume_slurmctld(self.cluster)
-
-        @contextlib.contextmanager
-        def login_node_down() -> Iterator[None]:
-            self.box.stop_sshd(self.cluster)
-            try:
-                yield
-            finally:
-                self.box.start_sshd(self.cluster)
-
-        return [("slurmctld paused (SIGSTOP)", slurmctld_paused),
-                ("login node's sshd stopped", login_node_down)]
+        box, cluster = self.box, self.cluster
+        return [("slurmctld paused (SIGSTOP)", held(lambda: box.pause_slurmctld(cluster),
+                                                    lambda: box.resume_slurmctld(cluster))),
+                ("login node's sshd stopped", held(lambda: box.stop_sshd(cluster),
+                                                   lambda: box.start_sshd(cluster)))]
 
     def reset_requests(self) -> None:
         self.box.clear_commands_log(self.cluster)
@@ -311,15 +311,7 @@ class KubernetesTarget(Target):
         return {**conn, "extra": {**conn["extra"], "kube_config_path": str(path)}}
 
     def faults(self) -> list[Fault]:
-        @contextlib.contextmanager
-        def api_paused() -> Iterator[None]:
-            self.box.pause()
-            try:
-                yield
-            finally:
-                self.box.resume()
-
-        return [("API server paused (SIGSTOP)", api_paused)]
+        return [("API server paused (SIGSTOP)", held(self.box.pause, self.box.resume))]
 
     def connect(self) -> None:
         from kubernetes import client, config
@@ -398,15 +390,7 @@ class AwsTarget(Target):
         return {**conn, "extra": {**conn["extra"], "endpoint_url": f"http://127.0.0.1:{port}"}}
 
     def faults(self) -> list[Fault]:
-        @contextlib.contextmanager
-        def endpoint_paused() -> Iterator[None]:
-            self.box.pause()
-            try:
-                yield
-            finally:
-                self.box.resume()
-
-        return [("AWS endpoint paused (SIGSTOP)", endpoint_paused)]
+        return [("AWS endpoint paused (SIGSTOP)", held(self.box.pause, self.box.resume))]
 
     def connect(self) -> None:
         import boto3
