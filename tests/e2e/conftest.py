@@ -117,6 +117,15 @@ class Airflow:
             timeout: float = 600) -> DagRun:
         return self.finish(self.start(dag_id, conf, dags), dag_id, timeout)
 
+    def run_ids(self, dag_id: str) -> list[str]:
+        """The dag's runs in the metadata DB, oldest first."""
+        db = sqlite3.connect(self.home / "airflow.db")
+        try:
+            return [r[0] for r in db.execute(
+                "SELECT run_id FROM dag_run WHERE dag_id=? ORDER BY id", (dag_id,))]
+        finally:
+            db.close()
+
     def read(self, dag_id: str, returncode: int, output: str) -> DagRun:
         db = sqlite3.connect(self.home / "airflow.db")
         try:
@@ -175,6 +184,52 @@ def shared_dir() -> str:
     os.makedirs(path, exist_ok=True)
     os.chmod(path, 0o1777)
     return path
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One line the user code of ``tasks/counted.yaml`` wrote: START, TICK or END."""
+
+    kind: str
+    attempt: str
+    host: str
+    cluster: str
+    job: str
+    t: float
+
+    @property
+    def copy(self) -> tuple[str, str]:
+        """Which copy wrote it (one Slurm job): its cluster and job id."""
+        return self.cluster, self.job
+
+
+def marks(counter: str, kind: str | None = None) -> list[Mark]:
+    """The lines of a ``counted.yaml`` counter file (``kind``: only those), in order."""
+    try:
+        text = Path(counter).read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        word, *fields = line.split()
+        values = dict(f.split("=", 1) for f in fields if "=" in f)
+        if kind is None or word == kind:
+            out.append(Mark(word, values.get("attempt", ""), values.get("host", ""),
+                            values.get("cluster", ""), values.get("job", ""),
+                            float(values.get("t", "0"))))
+    return out
+
+
+def assert_ran_once(counter: str) -> Mark:
+    """The user code ran exactly once: one copy, one START, one END; that END."""
+    lines = marks(counter)
+    copies = {m.copy for m in lines}
+    starts = [m for m in lines if m.kind == "START"]
+    ends = [m for m in lines if m.kind == "END"]
+    assert len(copies) == 1 and len(starts) == 1 and len(ends) == 1, \
+        f"the user code did not run exactly once:\n{Path(counter).read_text()}"
+    assert lines[0].kind == "START" and lines[-1].kind == "END"
+    return ends[0]
 
 
 def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):
