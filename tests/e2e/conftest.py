@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,18 @@ class Airflow:
                                 stderr=subprocess.STDOUT, text=True)
         return Running(proc)
 
+    @contextmanager
+    def started(self, dag_id: str, conf: dict | None = None, dags: Path = E2E_DAGS
+                ) -> Iterator[Running]:
+        """:meth:`start`; on the way out, the run is killed if it has not ended (a test that
+        failed before :meth:`finish`)."""
+        running = self.start(dag_id, conf, dags)
+        try:
+            yield running
+        finally:
+            if running.poll() is None:
+                running.kill()
+
     def finish(self, running: Running, dag_id: str, timeout: float = 600) -> DagRun:
         if not running.wait(timeout):
             running.proc.kill()
@@ -116,15 +130,6 @@ class Airflow:
     def run(self, dag_id: str, conf: dict | None = None, dags: Path = E2E_DAGS,
             timeout: float = 600) -> DagRun:
         return self.finish(self.start(dag_id, conf, dags), dag_id, timeout)
-
-    def run_ids(self, dag_id: str) -> list[str]:
-        """The dag's runs in the metadata DB, oldest first."""
-        db = sqlite3.connect(self.home / "airflow.db")
-        try:
-            return [r[0] for r in db.execute(
-                "SELECT run_id FROM dag_run WHERE dag_id=? ORDER BY id", (dag_id,))]
-        finally:
-            db.close()
 
     def read(self, dag_id: str, returncode: int, output: str) -> DagRun:
         db = sqlite3.connect(self.home / "airflow.db")
@@ -218,6 +223,13 @@ def marks(counter: str, kind: str | None = None) -> list[Mark]:
                             values.get("cluster", ""), values.get("job", ""),
                             float(values.get("t", "0"))))
     return out
+
+
+def counted(counter: str, seconds: int, **conf: Any) -> dict[str, Any]:
+    """A run's conf for ``tasks/counted.yaml``: its counter file, how long it works, and any
+    other param of the e2e DAGs (``unreachable_timeout``...)."""
+    return {"task": "tasks/counted.yaml",
+            "envs": {"COUNTER": counter, "WORK_SECONDS": str(seconds)}, **conf}
 
 
 def assert_ran_once(counter: str) -> Mark:

@@ -4,7 +4,10 @@ dag-processor and triggerer as separate processes on one SQLite home, driven thr
 This is the path users run: the worker defers, the trigger is serialized to the database and
 re-created in the triggerer process, the job's end wakes a second worker for
 ``execute_complete``; and marking the deferred task failed in the UI makes the triggerer cancel
-the trigger, whose ``on_kill`` cancels the Slurm job.
+the trigger, whose ``on_kill`` cancels the Slurm job. And at most one live copy when parts of it
+die: a worker killed after its submission (the retry adopts the job), the triggerer killed
+while it watches (the next one goes on), a run deleted and re-created under its id (nothing of
+the old run is adopted).
 """
 
 from __future__ import annotations
@@ -28,7 +31,15 @@ import pytest
 
 from airflow_skypilot import identity
 from airflow_skypilot.identity import TaskKey
-from tests.e2e.conftest import E2E_DAGS, REPO, assert_ran_once, marks, shared_dir, wait_until
+from tests.e2e.conftest import (
+    E2E_DAGS,
+    REPO,
+    assert_ran_once,
+    counted,
+    marks,
+    shared_dir,
+    wait_until,
+)
 
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
 DAG_ID = "e2e_task"
@@ -320,11 +331,6 @@ LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUE
         "STOPPED", "SIGNALING", "STAGE_OUT"}
 
 
-def _counted(counter: str, seconds: int, **conf: Any) -> dict[str, Any]:
-    return {"task": "tasks/counted.yaml",
-            "envs": {"COUNTER": counter, "WORK_SECONDS": str(seconds)}, **conf}
-
-
 def _jobs(slurm, prefix: str) -> list[tuple[str, str, str]]:
     """(cluster, job id, state) of every job under ``prefix`` that the clusters know."""
     out = []
@@ -378,7 +384,7 @@ def test_a_worker_killed_right_after_submitting_its_retry_adopts_the_job(deploym
     # The worker dies (SIGKILL: no on_kill, nothing cancelled) the moment its job is in the
     # queue; Airflow retries the task; the new try finds the job and adopts it: one job.
     counter = f"{shared_dir()}/counter"
-    run_id = deployment.trigger(_counted(counter, 25), dag_id=RETRY_DAG_ID)
+    run_id = deployment.trigger(counted(counter, 25), dag_id=RETRY_DAG_ID)
     prefix = TaskKey(RETRY_DAG_ID, "run", run_id).prefix
     with _Watch(slurm, prefix) as watch:
         [(cluster, job, _)] = wait_until(lambda: _jobs(slurm, prefix), 180, 0.2,
@@ -406,7 +412,7 @@ def test_the_triggerer_killed_while_watching_the_job_still_completes_once(deploy
     # the new one (from the database), which watches the same job to its end. Nothing is
     # submitted again, nothing is lost.
     counter = f"{shared_dir()}/counter"
-    run_id = deployment.trigger(_counted(counter, 20))
+    run_id = deployment.trigger(counted(counter, 20))
     prefix = TaskKey(DAG_ID, "run", run_id).prefix
     deployment.wait_ti(run_id, {"deferred"}, 180)
     wait_until(lambda: "counted: attempt" in deployment.trigger_log(run_id), 90, 0.5,
@@ -444,46 +450,40 @@ def test_a_deleted_runs_jobs_are_not_adopted_by_the_run_recreated_under_its_id(d
     # the finished job of the run before either.
     run_id = f"e2e_deleted_{uuid.uuid4().hex[:8]}"
     prefix = TaskKey(DAG_ID, "run", run_id).prefix
-    skew = identity.START_SKEW_SECONDS + 1
     counters = [f"{shared_dir()}/counter{i}" for i in range(3)]
 
-    deployment.trigger(_counted(counters[0], 300, wait_for_completion=False), run_id=run_id)
+    def again(counter: str, after: float) -> tuple[dict[str, Any], str]:
+        """Delete the run and, once its start comes clearly after ``after`` (the last job's
+        submission), create it again under the same id: its one attempt (not adopted: it ran
+        its own user code, once) and its log."""
+        deployment.delete_run(run_id)
+        wait_until(lambda: time.time() > after + identity.START_SKEW_SECONDS + 1, 60, 1,
+                   what="the new run to start well after the last submission")
+        deployment.trigger(counted(counter, 3), run_id=run_id)
+        assert deployment.wait_ti(run_id, {"success", "failed"}, 180) == "success", \
+            deployment.logs()
+        [attempt] = deployment.xcom(run_id, "return_value")["attempts"]
+        assert not attempt["adopted"], attempt
+        assert_ran_once(counter)
+        return attempt, deployment.task_log(run_id)
+
+    deployment.trigger(counted(counters[0], 300, wait_for_completion=False), run_id=run_id)
     assert deployment.wait_ti(run_id, {"success", "failed"}, 180) == "success"
     old = deployment.xcom(run_id, "return_value")  # the handle: nobody watches the job
-    cluster = old["connection"].removeprefix("slurm_")
     wait_until(lambda: marks(counters[0], "TICK"), 60, what="the old job running")
-    deployment.delete_run(run_id)
-    wait_until(lambda: time.time() > old["submitted_at"] + skew, 60, 1,
-               what="the new run to start after the old job's submission")
 
-    deployment.trigger(_counted(counters[1], 3), run_id=run_id)
-    assert deployment.wait_ti(run_id, {"success", "failed"}, 180) == "success", \
-        deployment.logs()
-    second = deployment.xcom(run_id, "return_value")
-    log = deployment.task_log(run_id)
-    [attempt] = second["attempts"]
-    assert not attempt["adopted"] and attempt["job_id"] != old["job_id"], second
+    second, log = again(counters[1], old["submitted_at"])
+    assert second["job_id"] != old["job_id"]
     assert f"Stopping job {old['job_id']} ({old['job_name']}) on {old['connection']}: " \
         "submitted before this run started" in log, log[-4000:]
-    assert dict(((c, j), s) for c, j, s in _jobs(slurm, prefix))[(cluster, old["job_id"])] \
-        == "CANCELLED"
+    states = {(f"slurm_{c}", j): s for c, j, s in _jobs(slurm, prefix)}
+    assert states[(old["connection"], old["job_id"])] == "CANCELLED"
     assert not marks(counters[0], "END"), "the old copy was stopped"
-    assert_ran_once(counters[1])
     assert max(m.t for m in marks(counters[0])) < marks(counters[1])[0].t, \
         "the old copy was dead before the new one started"
-    deployment.delete_run(run_id)
-    wait_until(lambda: time.time() > attempt["submitted_at"] + skew, 60, 1,
-               what="the next run to start after the second job's submission")
 
-    deployment.trigger(_counted(counters[2], 3), run_id=run_id)
-    assert deployment.wait_ti(run_id, {"success", "failed"}, 180) == "success", \
-        deployment.logs()
-    third = deployment.xcom(run_id, "return_value")
-    log = deployment.task_log(run_id)
-    [attempt3] = third["attempts"]
-    assert not attempt3["adopted"], third
-    assert attempt3["job_id"] not in (old["job_id"], attempt["job_id"]), third
-    assert f"Job {attempt['job_id']} ({second['job_name']}) on {attempt['connection']} is left " \
+    third, log = again(counters[2], second["submitted_at"])
+    assert third["job_id"] not in (old["job_id"], second["job_id"])
+    assert f"Job {second['job_id']} ({prefix}c0-t1-a1) on {second['connection']} is left " \
         "alone: submitted before this run started" in log, log[-4000:]
-    assert_ran_once(counters[2])
     assert len({j for _, j, _ in _jobs(slurm, prefix)}) == 3

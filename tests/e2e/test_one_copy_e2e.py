@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import assert_ran_once, marks, shared_dir, wait_until
+from tests.e2e.conftest import assert_ran_once, counted, marks, shared_dir, wait_until
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.e2e]
 
@@ -22,19 +22,13 @@ def _state(slurm, cluster: str, job: str) -> str:
                      check=False).stdout.strip()
 
 
-def _counted(counter: str, seconds: int, **conf) -> dict:
-    return {"task": "tasks/counted.yaml",
-            "envs": {"COUNTER": counter, "WORK_SECONDS": str(seconds)}, **conf}
-
-
 def test_a_paused_slurmctld_is_waited_out_not_failed_over(airflow_slurm, slurm):
     # The controller of the job's cluster freezes for a minute (squeue, scancel and sbatch
     # time out), then comes back: the job never stopped, so nothing moves. The silence limit
     # is clearly longer than the pause.
     counter = f"{shared_dir()}/counter"
-    proc = airflow_slurm.start("e2e_task", _counted(counter, PAUSE + 15,
-                                                    unreachable_timeout=PAUSE_LIMIT))
-    try:
+    conf = counted(counter, PAUSE + 15, unreachable_timeout=PAUSE_LIMIT)
+    with airflow_slurm.started("e2e_task", conf) as proc:
         first = wait_until(lambda: marks(counter, "TICK"), 120, what="the job running")[0]
         slurm.pause_slurmctld(first.cluster)
         paused = time.time()
@@ -44,9 +38,6 @@ def test_a_paused_slurmctld_is_waited_out_not_failed_over(airflow_slurm, slurm):
             slurm.resume_slurmctld(first.cluster)
         resumed = time.time()
         run = airflow_slurm.finish(proc, "e2e_task", timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert run.returncode == 0, run.output[-6000:]
     result = run.result("run")
     assert [(a["connection"], a["state"], a["adopted"]) for a in result["attempts"]] == [
@@ -68,9 +59,8 @@ def test_a_silent_login_node_fails_over_and_its_copy_is_cancelled_once_it_answer
     # counts as lost and is placed on the other cluster. The first copy may still run (nobody
     # can ask), so it is cancelled as soon as its login node answers again; the result says so.
     counter = f"{shared_dir()}/counter"
-    proc = airflow_slurm.start("e2e_task", _counted(counter, 45, unreachable_timeout=20,
-                                                    confirm_timeout=5))
-    try:
+    conf = counted(counter, 45, unreachable_timeout=20, confirm_timeout=5)
+    with airflow_slurm.started("e2e_task", conf) as proc:
         first = wait_until(lambda: marks(counter, "TICK"), 120, what="the job running")[0]
         other = "beta" if first.cluster == "alpha" else "alpha"
         slurm.stop_sshd(first.cluster)
@@ -88,10 +78,6 @@ def test_a_silent_login_node_fails_over_and_its_copy_is_cancelled_once_it_answer
                    interval=0.2, what=f"job {first.job} on {first.cluster} cancelled")
         cancelled = time.time()
         run = airflow_slurm.finish(proc, "e2e_task", timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        slurm.start_sshd(first.cluster)
     assert run.returncode == 0, run.output[-6000:]
     assert back - stopped > 20, "the login node was away for longer than the silence limit"
     assert cancelled - back < 15, "cancelled as soon as the login node answered (next sweep)"

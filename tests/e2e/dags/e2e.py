@@ -1,4 +1,5 @@
-"""One operator whose task YAML and envs come from the run's conf: each e2e test picks them."""
+"""One operator whose task YAML, envs and timing arguments come from the run's conf: each e2e
+test picks them. ``e2e_retry`` is the same task watched in the worker and retried once."""
 
 from __future__ import annotations
 
@@ -38,26 +39,17 @@ def _operator(**kwargs) -> E2EOperator:
     )
 
 
-with DAG(
-    dag_id="e2e_task",
-    schedule=None,
-    start_date=datetime(2026, 1, 1),
-    catchup=False,
-    render_template_as_native_obj=True,
-    params=PARAMS,
-) as dag:
+def _dag(dag_id: str) -> DAG:
+    return DAG(dag_id=dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+               render_template_as_native_obj=True, params=PARAMS)
+
+
+with _dag("e2e_task") as dag:
     _operator()
 
 # The worker watches the job (not deferrable), and a failed try is retried at once: the
 # deployment test kills the worker right after its submission.
-with DAG(
-    dag_id="e2e_retry",
-    schedule=None,
-    start_date=datetime(2026, 1, 1),
-    catchup=False,
-    render_template_as_native_obj=True,
-    params=PARAMS,
-) as retry_dag:
+with _dag("e2e_retry") as retry_dag:
     _operator(deferrable=False, retries=1, retry_delay=timedelta(seconds=1))
 
 # A job that outlives its task's execution_timeout: the deferral times out in the scheduler and
