@@ -559,9 +559,6 @@ class SlurmSandbox:
             self.up()
             return
         for cluster in CLUSTERS:
-            if self.slurmctld_paused(cluster.name):  # a fault test that did not finish
-                _kill([self._ctld_pid(cluster.name)], signal.SIGCONT)  # type: ignore[list-item]
-        for cluster in CLUSTERS:
             self._cancel_all(cluster.name)
             for node in cluster.nodes:
                 if not self._slurmd_pid(node.name):
@@ -652,32 +649,6 @@ class SlurmSandbox:
         """Bring the login node back (no-op when it is running)."""
         if not _alive(_read_pid(self._pid_file(cluster, "sshd")), "sshd"):
             self._start_sshd(CLUSTER_BY_NAME[cluster])
-
-    def _ctld_pid(self, cluster: str) -> int | None:
-        pid = _read_pid(self._pid_file(cluster, "slurmctld"))
-        return pid if _alive(pid, "slurmctld") else None
-
-    def pause_slurmctld(self, cluster: str) -> None:
-        """Freeze the cluster's controller (SIGSTOP), as a hung or overloaded slurmctld: every
-        squeue/scancel/sbatch then waits and fails; jobs already running go on."""
-        pid = self._ctld_pid(cluster)
-        if pid is None:
-            raise SandboxError(f"slurmctld of {cluster} is not running")
-        _kill([pid], signal.SIGSTOP)
-        deadline = time.monotonic() + STOP_TIMEOUT
-        while (_proc_stat(pid) or ("", "T", 0))[1] != "T" and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL / 5)
-
-    def resume_slurmctld(self, cluster: str) -> None:
-        """Undo :meth:`pause_slurmctld` (SIGCONT) and wait until the controller answers."""
-        pid = self._ctld_pid(cluster)
-        if pid is not None:
-            _kill([pid], signal.SIGCONT)
-        self._wait_ping(cluster)
-
-    def slurmctld_paused(self, cluster: str) -> bool:
-        pid = self._ctld_pid(cluster)
-        return pid is not None and (_proc_stat(pid) or ("", "", 0))[1] == "T"
 
     # ---- helpers for tests
     def run(
