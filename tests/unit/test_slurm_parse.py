@@ -75,6 +75,8 @@ def _handle(job_id: str) -> JobHandle:
     ("PENDING", "Resources", "", JobState.PENDING, None),
     ("RUNNING", "None", "", JobState.RUNNING, None),
     ("COMPLETING", "None", "", JobState.RUNNING, None),
+    ("COMPLETING", "None", "0", JobState.SUCCEEDED, 0),  # its exit file: Slurm cleans up
+    ("COMPLETING", "None", "2", JobState.FAILED, 2),
     ("COMPLETED", "None", "0", JobState.SUCCEEDED, 0),
     ("FAILED", "NonZeroExitCode", "3", JobState.FAILED, 3),
     ("OUT_OF_MEMORY", "OutOfMemory", "", JobState.FAILED, None),

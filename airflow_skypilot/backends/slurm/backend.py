@@ -129,10 +129,12 @@ class SlurmBackend(Backend):
         return offers.capacity_rows(self.cluster_state(), self.settings, self.conn_id)
 
     # --- jobs --------------------------------------------------------------------------------
-    def _lookup(self, job_name: str) -> tuple[JobHandle | None, str]:
+    def _lookup(self, job_name: str) -> tuple[JobHandle | None, str, str]:
+        """(the job of that name, ``$HOME``, the other cluster whose job its dir holds)."""
         _, out, _ = self.remote.run(jobs.lookup_script(self.settings, job_name),
                                     self._budget(1))
-        return jobs.parse_lookup(out, self.settings, self.conn_id, job_name)
+        handle, home = jobs.parse_lookup(out, self.settings, self.conn_id, job_name)
+        return handle, home, jobs.dir_owner(out, self.settings)
 
     def find(self, job_name: str) -> JobHandle | None:
         return self._lookup(job_name)[0]
@@ -144,7 +146,10 @@ class SlurmBackend(Backend):
 
     def submit(self, task: Task, offer: Offer, job_name: str,
                env: Mapping[str, str]) -> JobHandle:
-        existing, home = self._lookup(job_name)
+        existing, home, owner = self._lookup(job_name)
+        if owner:
+            raise SubmissionError(f"{self.conn_id}: the job dir of {job_name} holds a job of "
+                                  f"cluster {owner} (a home both share)", retry_elsewhere=True)
         if existing is not None:
             self.log.info("Adopting Slurm job %s (%s) on %s: it was submitted before",
                           existing.job_id, job_name, self.conn_id)

@@ -180,6 +180,11 @@ def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start
     raw = words[0].rstrip("+")
     # a state this module does not know (a newer Slurm) says the job exists: not "gone"
     state = STATE_MAP.get(raw, JobState.UNKNOWN)
+    if raw == "COMPLETING" and exit_code is not None:
+        # the batch script wrote its exit code as its last act: what is left is Slurm's
+        # clean-up (which can take a minute when slurmctld was away), not the program
+        raw = "COMPLETED" if exit_code == 0 else "FAILED"
+        state = STATE_MAP[raw]
     if raw == "CANCELLED" and reason.lower().startswith("node"):
         state = JobState.INFRA_FAILED
     text = {

@@ -80,7 +80,9 @@ def lookup_script(settings: SlurmSettings, job_name: str) -> str:
         'printf "@@home\\n%s\\n" "$HOME"',
         "echo @@job_id", f"cat {jobs}/job_id 2>/dev/null",
         "echo @@meta", f"cat {jobs}/handle 2>/dev/null",
-        "echo @@queued", f"_t {_BY_NAME} -n {shlex.quote(job_name)}", rc_line("queued"),
+        # the job_id file answers alone: slurmctld is asked only when there is none
+        f"[ -s {jobs}/job_id ] || {{ echo @@queued; _t {_BY_NAME} -n {shlex.quote(job_name)}; "
+        f"{rc_line('queued')}; }}",
     ])
 
 
@@ -129,6 +131,8 @@ def parse_find_all(out: str, settings: SlurmSettings, conn_id: str,
         if not name.startswith(prefix) or not job_id.strip():
             continue  # a dir whose sbatch never ran: no job
         meta = dict(kv.split("=", 1) for kv in meta_text.split("\t") if "=" in kv)
+        if meta.get("cluster", settings.cluster) != settings.cluster:
+            continue  # another cluster's job in a home they share
         found[name] = _from_meta(settings, conn_id, job_id.strip(), name, meta, "", home)
     for line in sec.get("queued", []):
         job_id, partition, submitted, name = _queued(line)
@@ -158,6 +162,16 @@ def _float(text: str | None) -> float | None:
         return None
 
 
+def dir_owner(out: str, settings: SlurmSettings) -> str:
+    """The other cluster whose job a looked-up job dir holds ("" when it is this cluster's,
+    or holds no job): several clusters' login nodes may share one home."""
+    sec = parse_sections(out)
+    meta = dict(kv.split("=", 1) for kv in sec.get("meta", []) if "=" in kv)
+    cluster = meta.get("cluster", "")
+    has_job = bool((sec.get("job_id") or [""])[0].strip())
+    return cluster if has_job and cluster and cluster != settings.cluster else ""
+
+
 def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
                  job_name: str) -> tuple[JobHandle | None, str]:
     """:func:`lookup_script`'s output -> (the adopted job's handle or None, ``$HOME``). The
@@ -168,6 +182,8 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
     home = (sec.get("home") or [""])[0]
     job_id = (sec.get("job_id") or [""])[0].strip()
     meta = dict(kv.split("=", 1) for kv in sec.get("meta", []) if "=" in kv)
+    if job_id and dir_owner(out, settings):
+        return None, home  # another cluster's job in a home they share: not this one's
     partition = ""
     if not job_id:
         _squeue_answered(sec, conn_id, f"looking for job {job_name}")
@@ -259,7 +275,7 @@ def render(task: Task, offer: Offer, settings: SlurmSettings, job_name: str,
                                  rank_var="SLURM_NODEID", has_setup=bool(task.setup),
                                  has_run=bool(task.run))
     meta = {
-        "partition": offer.location, "num_nodes": task.num_nodes,
+        "cluster": settings.cluster, "partition": offer.location, "num_nodes": task.num_nodes,
         "accelerator": req.accelerator or "", "gpus_per_node": req.accelerator_count,
         "price_per_hour": offer.price_per_hour,
         "submitted_at": repr(time.time() if submitted_at is None else float(submitted_at)),
@@ -344,27 +360,33 @@ def submit_script(job_dir: str, job_name: str, settings: SlurmSettings | None = 
 def gc_script(settings: SlurmSettings, keep: str) -> str:
     """Remove the job dirs (besides ``keep``) whose log, or the dir itself when it has none,
     is older than ``log_retention_days``; never one of a job Slurm still has queued or
-    running (by id or by name), and nothing at all when squeue did not answer. Prints the
-    names removed under ``@@gc``."""
+    running (by id or by name), nor one another cluster's connection submitted (a home
+    shared by several clusters), and nothing at all when squeue did not answer. One ``find``
+    when nothing is that old (squeue is asked only when something is). Prints the names
+    removed under ``@@gc``."""
     days = settings.log_retention_days
     if days <= 0:
         return "true"
-    minutes = max(1, int(days * 24 * 60))
+    age = f"-mmin +{max(1, int(days * 24 * 60))}"
     jobs = remote_dir_expr(settings.remote_work_dir) + "/jobs"
     return "\n".join([
         "echo @@gc",
-        "active=$(_t squeue -h -u \"$USER\" -o '%i %j') && {",
-        f"  for d in {jobs}/*/; do",
-        '    d=${d%/}; [ -d "$d" ] || continue',
-        f'    [ "$d" = {shlex.quote(keep)} ] && continue',
-        '    f="$d/slurm.log"; [ -e "$f" ] || f="$d"',
-        f'    [ -n "$(find "$f" -maxdepth 0 -mmin +{minutes} 2>/dev/null)" ] || continue',
-        '    name=$(basename "$d"); jid=$(cat "$d/job_id" 2>/dev/null)',
-        '    printf "%s\\n" "$active" | awk -v i="$jid" -v n="$name" '
+        # candidates: old dirs, and the dirs of old logs (a log keeps its dir's mtime still)
+        f"old=$({{ find {jobs} -mindepth 1 -maxdepth 1 -type d {age} -print; "
+        f"find {jobs} -mindepth 2 -maxdepth 2 -name slurm.log {age} -printf '%h\\n'; }} "
+        "2>/dev/null | sort -u)",
+        '[ -n "$old" ] && active=$(_t squeue -h -u "$USER" -o \'%i %j\') && '
+        'printf "%s\\n" "$old" | while IFS= read -r d; do',
+        f'  [ "$d" = {shlex.quote(keep)} ] && continue',
+        # a home shared with other clusters: their jobs are theirs to judge (and to remove)
+        '  c=$(sed -n "s/^cluster=//p" "$d/handle" 2>/dev/null)',
+        f'  [ -n "$c" ] && [ "$c" != {shlex.quote(settings.cluster)} ] && continue',
+        f'  [ -e "$d/slurm.log" ] && [ -z "$(find "$d/slurm.log" {age} 2>/dev/null)" ] && continue',
+        '  name=$(basename "$d"); jid=$(cat "$d/job_id" 2>/dev/null)',
+        '  printf "%s\\n" "$active" | awk -v i="$jid" -v n="$name" '
         "'($1 == i && i != \"\") || $2 == n { found = 1 } END { exit !found }' && continue",
-        '    rm -rf -- "$d" && printf "%s\\n" "$name"',
-        "  done",
-        "}",
+        '  rm -rf -- "$d" && printf "%s\\n" "$name"',
+        "done",
         "true",
     ])
 
