@@ -72,8 +72,6 @@ def test_a_silent_login_node_fails_over_and_its_copy_is_cancelled_once_it_answer
         finally:
             slurm.start_sshd(first.cluster)
         back = time.time()
-        assert _state(slurm, first.cluster, first.job) == "RUNNING", \
-            "the first copy ran on while its login node was away"
         wait_until(lambda: _state(slurm, first.cluster, first.job) == "CANCELLED", 30,
                    interval=0.2, what=f"job {first.job} on {first.cluster} cancelled")
         cancelled = time.time()
@@ -96,7 +94,9 @@ def test_a_silent_login_node_fails_over_and_its_copy_is_cancelled_once_it_answer
     assert [m.copy for m in lines if m.kind == "END"] == [second.copy]
     assert [m.copy for m in lines if m.kind == "START"] == [first.copy, second.copy]
     assert int(second.attempt) > int(first.attempt), "a new copy, a higher SKYPILOT_ATTEMPT"
-    # both ran only while the first could not be reached; none of it after its cancel
+    # both ran only while the first could not be reached (it ran on: nobody could stop it),
+    # and none of the first after its cancel
+    assert any(m.copy == first.copy and m.t > stopped + 20 for m in lines)
     assert max(m.t for m in lines if m.copy == first.copy) < cancelled
     assert min(m.t for m in lines if m.copy == second.copy) > stopped + 20
 
