@@ -130,7 +130,13 @@ def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
     """
     out = Earlier()
     candidates: list[tuple[tuple[int, int], JobHandle, Any]] = []
+    seen: set[tuple[str, str, str]] = set()
     for handle, status in found:
+        # two connections to one cluster list the same job twice: it is one job
+        same = (handle.backend, handle.infra, handle.job_id)
+        if same in seen:
+            continue
+        seen.add(same)
         parts = parse_job_name(handle.job_name)
         if parts is None or parts.prefix != prefix:
             continue  # not a name of ours (another task whose prefix is a prefix of ours)

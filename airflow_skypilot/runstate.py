@@ -107,8 +107,11 @@ class Sweep:
         return f"job {self.job_name}" if self.job_name else f"jobs {self.prefix}*"
 
     def describe(self) -> str:
-        state = f"confirmed at {time.strftime('%H:%M:%S', time.gmtime(self.done_at))}: " \
-            f"{self.outcome}" if self.done_at else "NOT confirmed dead"
+        if self.done_at:
+            state = f"confirmed at {time.strftime('%H:%M:%S', time.gmtime(self.done_at))}: " \
+                f"{self.outcome}"
+        else:
+            state = "NOT confirmed dead" if self.handle or self.job_name else "not checked"
         return f"{self.connection} {self.what}: {self.reason}; {state}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -230,6 +233,12 @@ class RunState:
     def pending_sweeps(self) -> list[Sweep]:
         return [s for s in self.sweeps if s.done_at is None]
 
+    @property
+    def pending_copies(self) -> list[Sweep]:
+        """Pending sweeps of a known copy (a job, or a job name that may exist), as opposed to
+        a precaution (a connection that could not be listed for earlier tries' jobs)."""
+        return [s for s in self.pending_sweeps if s.handle or s.job_name]
+
     def record(self, handle: JobHandle) -> Attempt:
         """A job was submitted (or adopted): a new attempt, its log read from the start."""
         attempt = Attempt.from_handle(handle)
@@ -271,7 +280,9 @@ class RunState:
             "task_id": self.task_env_id,
             "attempts": [a.to_result() for a in self.attempts],
             "old_copies": [{"connection": w.connection, "what": w.what, "reason": w.reason,
-                            "confirmed_dead": w.done_at is not None, "outcome": w.outcome}
+                            "confirmed_dead": w.done_at is not None,
+                            "outcome": w.outcome or ("" if w.handle or w.job_name
+                                                     else "not checked")}
                            for w in self.sweeps],
             "gpu_hours": round(gpu_hours, 6),
             "cost": round(cost, 6),

@@ -282,10 +282,22 @@ class Backend(LoggingMixin, ABC):
         silent)."""
 
     def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
-        """Sync wrapper of :meth:`astatus` for the worker side."""
+        """Sync wrapper of :meth:`astatus` for the worker side, callable from any thread: one
+        without an event loop (the worker, a thread of ``asyncio.to_thread`` such as the
+        triggerer's sweeps) runs it on a loop of its own; a thread whose loop is running (a
+        sync call from a coroutine) waits for it on a helper thread's loop instead of failing.
+        Each call has a fresh loop: a backend that keeps loop-bound clients between calls
+        overrides this."""
         import asyncio
 
-        return asyncio.run(self.astatus(handles))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.astatus(handles))
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend-status") as pool:
+            return pool.submit(asyncio.run, self.astatus(handles)).result()
 
     @abstractmethod
     def read_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:

@@ -9,11 +9,9 @@ infrastructure failure, or restarts it as ``job_recovery`` allows (the rule is
 :func:`airflow_skypilot.recovery.decide`). Not deferrable, the same steps run in a loop in the
 worker.
 
-At most one live copy: before a copy is placed again, the old one is cancelled and its end
-confirmed; where its backend is silent, a sweep (``sweeps.py``) keeps cancelling it from the
-trigger until the backend answers, and the result lists every old copy and whether it was
-confirmed dead. The run's state between deferrals is a
-:class:`~airflow_skypilot.runstate.RunState`.
+At most one live copy: an old copy is cancelled and confirmed dead before its task is placed
+again, or swept from the trigger until its silent backend answers (``sweeps.py``). The run's
+state between deferrals is a :class:`~airflow_skypilot.runstate.RunState`.
 """
 
 from __future__ import annotations
@@ -483,23 +481,29 @@ class SkyPilotOperator(BaseOperator):
 
     def _finish(self, context: Context, run: RunState, final: Attempt,
                 handle: JobHandle | None) -> dict[str, Any]:
-        """The task's result; first, old copies not yet confirmed dead get one more chance
-        (a last deferral, or a loop in the worker, up to ``unreachable_timeout``)."""
+        """The task's result; first, known old copies not yet confirmed dead get one more
+        chance (a last deferral, or a loop in the worker, up to ``unreachable_timeout``).
+
+        A precaution (a connection that could not be listed for earlier tries' jobs) does not
+        hold the task's end: it was tried all along, and the result says it stayed unchecked.
+        """
         if run.pending_sweeps and handle is not None:
             self._placer.sweep_pending(run, keep=())
-        if run.pending_sweeps and handle is not None:
-            if self.deferrable:
+            if run.pending_copies and self.deferrable:
                 state = run.to_dict()
                 self.defer(trigger=SkyPilotSweepTrigger(self._silence, interval=max(
                     self.poll_interval, 5.0), state=state), method_name="execute_complete",
                     kwargs={"state": state}, timeout=self._remaining(context))
             deadline = time.time() + self._silence
-            while run.pending_sweeps and time.time() < deadline:
+            while run.pending_copies and time.time() < deadline:
                 time.sleep(max(self.poll_interval, 5.0))
                 self._placer.sweep_pending(run, keep=())
-        if run.pending_sweeps:
+        if run.pending_copies:
             self.log.error("The job succeeded, but old copies could not be confirmed dead; "
                            "stop them by hand:%s", run.sweeps_text())
+        elif run.pending_sweeps:
+            self.log.warning("The job succeeded; these connections could not be checked for "
+                             "copies of earlier tries:%s", run.sweeps_text())
         result = run.result(final)
         if handle is not None:
             self._push(context, XCOM_HANDLE, handle.to_dict())

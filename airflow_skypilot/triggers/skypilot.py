@@ -172,8 +172,11 @@ class _SweepsMixin:
     state: dict[str, Any] | None
     sweep_interval: float = 10.0
 
-    def _pending(self) -> list[dict[str, Any]]:
-        return [w for w in (self.state or {}).get("sweeps") or [] if not w.get("done_at")]
+    def _pending(self, copies_only: bool = False) -> list[dict[str, Any]]:
+        """Sweeps not done; ``copies_only``: of known copies, not precautions (see
+        ``RunState.pending_copies``)."""
+        return [w for w in (self.state or {}).get("sweeps") or [] if not w.get("done_at")
+                and (not copies_only or w.get("handle") or w.get("job_name"))]
 
     async def _asweep_once(self, keep: tuple[str, ...] = ()) -> None:
         from airflow_skypilot.backends.registry import backend_for_connection
@@ -194,10 +197,12 @@ class _SweepsMixin:
                 data.update(done_at=sweep.done_at, outcome=sweep.outcome)
                 self.log.warning("Old copy confirmed dead: %s", sweep.describe())
 
-    async def _asweep_forever(self, keep: tuple[str, ...] = ()) -> None:
-        while self._pending():
+    async def _asweep_forever(self, keep: tuple[str, ...] = (),
+                              copies_only: bool = False) -> None:
+        while self._pending(copies_only):
             await self._asweep_once(keep)
-            await asyncio.sleep(self.sweep_interval)
+            if self._pending(copies_only):
+                await asyncio.sleep(self.sweep_interval)
 
 
 class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
@@ -409,7 +414,7 @@ class SkyPilotSweepTrigger(_SweepsMixin, BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
-            await asyncio.wait_for(self._asweep_forever(), self.timeout)
+            await asyncio.wait_for(self._asweep_forever(copies_only=True), self.timeout)
         except asyncio.TimeoutError:
             pass
         yield TriggerEvent({"status": "swept", "state": self.state})

@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,18 @@ class Airflow:
                                 stderr=subprocess.STDOUT, text=True)
         return Running(proc)
 
+    @contextmanager
+    def started(self, dag_id: str, conf: dict | None = None, dags: Path = E2E_DAGS
+                ) -> Iterator[Running]:
+        """:meth:`start`; on the way out, the run is killed if it has not ended (a test that
+        failed before :meth:`finish`)."""
+        running = self.start(dag_id, conf, dags)
+        try:
+            yield running
+        finally:
+            if running.poll() is None:
+                running.kill()
+
     def finish(self, running: Running, dag_id: str, timeout: float = 600) -> DagRun:
         if not running.wait(timeout):
             running.proc.kill()
@@ -175,6 +189,59 @@ def shared_dir() -> str:
     os.makedirs(path, exist_ok=True)
     os.chmod(path, 0o1777)
     return path
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One line the user code of ``tasks/counted.yaml`` wrote: START, TICK or END."""
+
+    kind: str
+    attempt: str
+    host: str
+    cluster: str
+    job: str
+    t: float
+
+    @property
+    def copy(self) -> tuple[str, str]:
+        """Which copy wrote it (one Slurm job): its cluster and job id."""
+        return self.cluster, self.job
+
+
+def marks(counter: str, kind: str | None = None) -> list[Mark]:
+    """The lines of a ``counted.yaml`` counter file (``kind``: only those), in order."""
+    try:
+        text = Path(counter).read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        word, *fields = line.split()
+        values = dict(f.split("=", 1) for f in fields if "=" in f)
+        if kind is None or word == kind:
+            out.append(Mark(word, values.get("attempt", ""), values.get("host", ""),
+                            values.get("cluster", ""), values.get("job", ""),
+                            float(values.get("t", "0"))))
+    return out
+
+
+def counted(counter: str, seconds: int, **conf: Any) -> dict[str, Any]:
+    """A run's conf for ``tasks/counted.yaml``: its counter file, how long it works, and any
+    other param of the e2e DAGs (``unreachable_timeout``...)."""
+    return {"task": "tasks/counted.yaml",
+            "envs": {"COUNTER": counter, "WORK_SECONDS": str(seconds)}, **conf}
+
+
+def assert_ran_once(counter: str) -> Mark:
+    """The user code ran exactly once: one copy, one START, one END; that END."""
+    lines = marks(counter)
+    copies = {m.copy for m in lines}
+    starts = [m for m in lines if m.kind == "START"]
+    ends = [m for m in lines if m.kind == "END"]
+    assert len(copies) == 1 and len(starts) == 1 and len(ends) == 1, \
+        f"the user code did not run exactly once:\n{Path(counter).read_text()}"
+    assert lines[0].kind == "START" and lines[-1].kind == "END"
+    return ends[0]
 
 
 def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):

@@ -4,7 +4,10 @@ dag-processor and triggerer as separate processes on one SQLite home, driven thr
 This is the path users run: the worker defers, the trigger is serialized to the database and
 re-created in the triggerer process, the job's end wakes a second worker for
 ``execute_complete``; and marking the deferred task failed in the UI makes the triggerer cancel
-the trigger, whose ``on_kill`` cancels the Slurm job.
+the trigger, whose ``on_kill`` cancels the Slurm job. And at most one live copy when parts of it
+die: a worker killed after its submission (the retry adopts the job), the triggerer killed
+while it watches (the next one goes on), a run deleted and re-created under its id (nothing of
+the old run is adopted).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +29,21 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import E2E_DAGS, REPO, wait_until
+from airflow_skypilot import identity
+from airflow_skypilot.identity import TaskKey
+from tests.e2e.conftest import (
+    E2E_DAGS,
+    REPO,
+    assert_ran_once,
+    counted,
+    marks,
+    shared_dir,
+    wait_until,
+)
 
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
 DAG_ID = "e2e_task"
+RETRY_DAG_ID = "e2e_retry"  # not deferrable, one retry
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
 
@@ -41,8 +58,22 @@ class Deployment:
     home: Path
     url: str
     env: dict[str, str]
+    argv: dict[str, list[str]] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     token: str = ""
+
+    def start(self, component: str) -> None:
+        """Start a component in its own session, its output appended to its log."""
+        with open(self.home / f"{component}.log", "a") as log:
+            self.procs[component] = subprocess.Popen(
+                [AIRFLOW, *self.argv.get(component, [component])], env=self.env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill(self, component: str) -> None:
+        """SIGKILL a component and every process it started (its session), as a crash."""
+        proc = self.procs[component]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
     def log(self, component: str) -> str:
         return (self.home / f"{component}.log").read_text(errors="replace")
@@ -53,6 +84,12 @@ class Deployment:
     def trigger_log(self, run_id: str, dag_id: str = DAG_ID) -> str:
         """What the triggerer logged for this run's task (``attempt=1.log.trigger.<id>.log``)."""
         return self._task_log(run_id, dag_id, "*.log.trigger.*.log")
+
+    def trigger_logs(self, run_id: str, dag_id: str = DAG_ID) -> dict[int, str]:
+        """The trigger's log per triggerer (job id) that ran it."""
+        files = self.home.glob(f"logs/dag_id={dag_id}/run_id={run_id}/task_id=run/"
+                               "*.log.trigger.*.log")
+        return {int(f.name.split(".")[-2]): f.read_text(errors="replace") for f in files}
 
     def task_log(self, run_id: str, dag_id: str = DAG_ID) -> str:
         """What the workers logged for this run's task."""
@@ -67,10 +104,21 @@ class Deployment:
         return httpx.request(method, f"{self.url}/api/v2{path}", timeout=30,
                              headers={"Authorization": f"Bearer {self.token}"}, **kw)
 
-    def trigger(self, conf: dict[str, Any], dag_id: str = DAG_ID) -> str:
-        r = self.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
+    def trigger(self, conf: dict[str, Any], dag_id: str = DAG_ID, run_id: str | None = None
+                ) -> str:
+        body: dict[str, Any] = {"logical_date": None, "conf": conf}
+        if run_id is not None:
+            body["dag_run_id"] = run_id
+        r = self.api("POST", f"/dags/{dag_id}/dagRuns", json=body)
         assert r.status_code == 200, r.text
         return r.json()["dag_run_id"]
+
+    def delete_run(self, run_id: str, dag_id: str = DAG_ID) -> None:
+        """Delete a finished run (the scheduler marks it a moment after its last task)."""
+        wait_until(lambda: self.run_state(run_id) in ("success", "failed"), 60, 0.5,
+                   what=f"run {run_id} finished")
+        r = self.api("DELETE", f"/dags/{dag_id}/dagRuns/{run_id}")
+        assert r.status_code == 204, r.text
 
     def ti(self, run_id: str, dag_id: str = DAG_ID) -> dict[str, Any]:
         r = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/run")
@@ -125,6 +173,8 @@ def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
         "AIRFLOW__API_AUTH__JWT_SECRET": "e2e-deployment-not-a-real-secret",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL": "2",
+        # a killed triggerer's triggers go to the next one after this much silence (default 30)
+        "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "15",
         "AIRFLOW__SKYPILOT__CONNECTIONS": ",".join(sorted(conns)),
     })
     subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True,
@@ -134,15 +184,12 @@ def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
     (home / "connections.json").write_text(json.dumps(conns))
     subprocess.run([AIRFLOW, "connections", "import", str(home / "connections.json")], env=env,
                    check=True, capture_output=True, timeout=120)
-    dep = Deployment(home, url, env)
-    argv = {"api-server": ["api-server", "--host", "127.0.0.1", "--port", str(port),
-                           "--workers", "1"]}
+    dep = Deployment(home, url, env, argv={
+        "api-server": ["api-server", "--host", "127.0.0.1", "--port", str(port), "--workers",
+                       "1"]})
     try:
         for component in COMPONENTS:
-            with open(home / f"{component}.log", "w") as log:
-                dep.procs[component] = subprocess.Popen(
-                    [AIRFLOW, *argv.get(component, [component])], env=env, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True)
+            dep.start(component)
 
         def ready():
             for name, proc in dep.procs.items():
@@ -156,7 +203,7 @@ def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
                 return False
             dep.token = r.json()["access_token"]
             return all(dep.api("GET", f"/dags/{d}").status_code == 200
-                       for d in (DAG_ID, "e2e_timeout"))
+                       for d in (DAG_ID, RETRY_DAG_ID, "e2e_timeout"))
         wait_until(ready, 180, 1, what="the deployment up with the DAG parsed")
         yield dep
     finally:
@@ -275,3 +322,168 @@ def test_the_ui_pages_read_db_connections_and_list_the_jobs(deployment, slurm):
         jobs = c.get("/skypilot/api/jobs").json()["jobs"]
     job = next(j for j in jobs if j["run_id"] == run_id)
     assert job["dag_id"] == DAG_ID and job["connection"].startswith("slurm_"), job
+
+
+# --- at most one live copy: a worker or the triggerer dies, a run is deleted and re-created ----
+
+#: Slurm states of a job that may still run
+LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING",
+        "STOPPED", "SIGNALING", "STAGE_OUT"}
+
+
+def _jobs(slurm, prefix: str) -> list[tuple[str, str, str]]:
+    """(cluster, job id, state) of every job under ``prefix`` that the clusters know."""
+    out = []
+    for cluster in ("alpha", "beta"):
+        lines = slurm.run(cluster, "squeue", "-h", "-t", "all", "-o", "%i|%j|%T",
+                          check=False).stdout.splitlines()
+        out += [(cluster, job, state) for job, name, state in
+                (line.split("|") for line in lines) if name.startswith(prefix)]
+    return out
+
+
+class _Watch(threading.Thread):
+    """Samples the task's jobs on both clusters twice a second, to the end of the test:
+    the most that were alive at once, and every job ever seen."""
+
+    def __init__(self, slurm, prefix: str):
+        super().__init__(daemon=True)
+        self.slurm, self.prefix = slurm, prefix
+        self.most_alive, self.seen = 0, set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            jobs = _jobs(self.slurm, self.prefix)
+            self.seen |= {(cluster, job) for cluster, job, _ in jobs}
+            self.most_alive = max(self.most_alive, sum(s in LIVE for _, _, s in jobs))
+            self.done.wait(0.5)
+
+    def __enter__(self) -> _Watch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.join(30)
+
+
+def _task_process(ti_id: str) -> int:
+    """The pid of the process running this task instance (the task runner names itself)."""
+    title = f"airflow worker -- {ti_id}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title):
+                return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no process runs task instance {ti_id}")
+
+
+def test_a_worker_killed_right_after_submitting_its_retry_adopts_the_job(deployment, slurm):
+    # The worker dies (SIGKILL: no on_kill, nothing cancelled) the moment its job is in the
+    # queue; Airflow retries the task; the new try finds the job and adopts it: one job.
+    counter = f"{shared_dir()}/counter"
+    run_id = deployment.trigger(counted(counter, 25), dag_id=RETRY_DAG_ID)
+    prefix = TaskKey(RETRY_DAG_ID, "run", run_id).prefix
+    with _Watch(slurm, prefix) as watch:
+        [(cluster, job, _)] = wait_until(lambda: _jobs(slurm, prefix), 180, 0.2,
+                                         what=f"a job {prefix}* submitted")
+        ti = deployment.ti(run_id, RETRY_DAG_ID)
+        assert ti["state"] == "running" and ti["try_number"] == 1, ti
+        os.kill(_task_process(ti["id"]), signal.SIGKILL)
+        assert deployment.wait_ti(run_id, {"success", "failed"}, 240, RETRY_DAG_ID) == \
+            "success", deployment.task_log(run_id, RETRY_DAG_ID)[-4000:]
+    ti = deployment.ti(run_id, RETRY_DAG_ID)
+    assert ti["try_number"] == 2, "the killed try was retried"
+    result = deployment.xcom(run_id, "return_value", RETRY_DAG_ID)
+    assert [(a["connection"], a["job_id"], a["adopted"], a["state"])
+            for a in result["attempts"]] == [(f"slurm_{cluster}", job, True, "succeeded")]
+    assert watch.seen == {(cluster, job)}, "one job, never a second one"
+    assert watch.most_alive == 1
+    end = assert_ran_once(counter)
+    assert end.copy == (cluster, job)
+    log = deployment.task_log(run_id, RETRY_DAG_ID)
+    assert f"Adopting job {job} ({prefix}c0-t1-a0) on slurm_{cluster}" in log, log[-4000:]
+
+
+def test_the_triggerer_killed_while_watching_the_job_still_completes_once(deployment, slurm):
+    # The triggerer that watches the job is SIGKILLed and started again: the trigger moves to
+    # the new one (from the database), which watches the same job to its end. Nothing is
+    # submitted again, nothing is lost.
+    counter = f"{shared_dir()}/counter"
+    run_id = deployment.trigger(counted(counter, 20))
+    prefix = TaskKey(DAG_ID, "run", run_id).prefix
+    deployment.wait_ti(run_id, {"deferred"}, 180)
+    wait_until(lambda: "counted: attempt" in deployment.trigger_log(run_id), 90, 0.5,
+               what="the triggerer streaming the job's output")
+    assert not marks(counter, "END"), "killed while the job runs"
+    deployment.kill("triggerer")
+    killed = time.time()
+    deployment.start("triggerer")
+    assert deployment.wait_ti(run_id, {"success", "failed"}, 240) == "success", \
+        deployment.logs()
+    result = deployment.xcom(run_id, "return_value")
+    [attempt] = result["attempts"]
+    assert attempt["state"] == "succeeded" and not attempt["adopted"], attempt
+    assert result["old_copies"] == []
+    [(cluster, job, state)] = _jobs(slurm, prefix)  # one job: no second submission
+    assert (f"slurm_{cluster}", job, state) == (attempt["connection"], attempt["job_id"],
+                                                "COMPLETED")
+    assert assert_ran_once(counter).copy == (cluster, job)
+    log = deployment.task_log(run_id)
+    assert log.count("Submitted slurm job") == 1, log[-4000:]
+    # the trigger ran in two triggerers (the log files carry their job ids): the new one
+    # watched the job to its end
+    logs = deployment.trigger_logs(run_id)
+    assert len(logs) == 2, list(logs)
+    assert "counted: done" in logs[max(logs)] and "Trigger fired event" in logs[max(logs)]
+    assert "counted: done" not in logs[min(logs)]
+    assert marks(counter, "END")[0].t > killed, "the job ran on after the kill"
+
+
+def test_a_deleted_runs_jobs_are_not_adopted_by_the_run_recreated_under_its_id(deployment,
+                                                                              slurm):
+    # A run submits a job that outlives it (wait_for_completion=False) and is deleted; a new
+    # run under the same run_id must not adopt that job (its user code would then never run):
+    # it stops it and runs its own. Deleted and re-created again, the new run does not adopt
+    # the finished job of the run before either.
+    run_id = f"e2e_deleted_{uuid.uuid4().hex[:8]}"
+    prefix = TaskKey(DAG_ID, "run", run_id).prefix
+    counters = [f"{shared_dir()}/counter{i}" for i in range(3)]
+
+    def again(counter: str, after: float) -> tuple[dict[str, Any], str]:
+        """Delete the run and, once its start comes clearly after ``after`` (the last job's
+        submission), create it again under the same id: its one attempt (not adopted: it ran
+        its own user code, once) and its log."""
+        deployment.delete_run(run_id)
+        wait_until(lambda: time.time() > after + identity.START_SKEW_SECONDS + 1, 60, 1,
+                   what="the new run to start well after the last submission")
+        deployment.trigger(counted(counter, 3), run_id=run_id)
+        assert deployment.wait_ti(run_id, {"success", "failed"}, 180) == "success", \
+            deployment.logs()
+        [attempt] = deployment.xcom(run_id, "return_value")["attempts"]
+        assert not attempt["adopted"], attempt
+        assert_ran_once(counter)
+        return attempt, deployment.task_log(run_id)
+
+    deployment.trigger(counted(counters[0], 300, wait_for_completion=False), run_id=run_id)
+    assert deployment.wait_ti(run_id, {"success", "failed"}, 180) == "success"
+    old = deployment.xcom(run_id, "return_value")  # the handle: nobody watches the job
+    wait_until(lambda: marks(counters[0], "TICK"), 60, what="the old job running")
+
+    second, log = again(counters[1], old["submitted_at"])
+    assert second["job_id"] != old["job_id"]
+    assert f"Stopping job {old['job_id']} ({old['job_name']}) on {old['connection']}: " \
+        "submitted before this run started" in log, log[-4000:]
+    states = {(f"slurm_{c}", j): s for c, j, s in _jobs(slurm, prefix)}
+    assert states[(old["connection"], old["job_id"])] == "CANCELLED"
+    assert not marks(counters[0], "END"), "the old copy was stopped"
+    assert max(m.t for m in marks(counters[0])) < marks(counters[1])[0].t, \
+        "the old copy was dead before the new one started"
+
+    third, log = again(counters[2], second["submitted_at"])
+    assert third["job_id"] not in (old["job_id"], second["job_id"])
+    assert f"Job {second['job_id']} ({prefix}c0-t1-a1) on {second['connection']} is left " \
+        "alone: submitted before this run started" in log, log[-4000:]
+    assert len({j for _, j, _ in _jobs(slurm, prefix)}) == 3

@@ -2,9 +2,12 @@
 
 The suite talks to a backend only through the :class:`~airflow_skypilot.backends.base.Backend`
 protocol. What the protocol cannot say (how many requests a poll made, what is stored about a
-job outside its secret store, what still runs) a target observes on its sandbox. Adding a
-backend to the contract = one more :class:`Target` subclass in :data:`TARGETS`; the test
-functions stay as they are, and every backend meets all of them.
+job outside its secret store, what still runs) a target observes on its sandbox, and the faults
+that silence a backend it makes there: its connection pointed at a closed port
+(:meth:`Target.unreachable`, the same for all), and the real faults its sandbox has
+(:meth:`Target.faults`: a paused slurmctld, a stopped login node, a paused API server or AWS
+endpoint). Adding a backend to the contract = one more :class:`Target` subclass in
+:data:`TARGETS`; the test functions stay as they are, and every backend meets all of them.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import io
 import json
 import os
 import re
+import socket
 import tarfile
+import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -85,6 +91,30 @@ def processes_with_env(key: str, value: str) -> list[str]:
     return found
 
 
+def closed_port() -> int:
+    """A local TCP port nothing listens on (taken and given back at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+#: a fault: (what it is, a context manager that holds it while the block runs)
+Fault = tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]
+
+
+def held(start: Callable[[], Any], end: Callable[[], Any]
+         ) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A fault's context manager: ``start()``, the block, then ``end()`` whatever happened."""
+    @contextlib.contextmanager
+    def hold() -> Iterator[None]:
+        start()
+        try:
+            yield
+        finally:
+            end()
+    return hold
+
+
 # --- the target protocol --------------------------------------------------------------------
 
 
@@ -105,6 +135,10 @@ class Target(ABC):
     job_timeout: ClassVar[float] = 60.0
     #: most requests one status poll of any number of jobs may make (the batched query)
     max_status_queries: ClassVar[int] = 1
+    #: connection extras for the fault tests: the backend's own limits on a silent peer
+    quick_extras: ClassVar[dict[str, Any]] = {}
+    #: seconds any call may take, with :attr:`quick_extras`, to say "could not ask"
+    silent_within: ClassVar[float] = 30.0
 
     def __init__(self, box: Any, monkeypatch: pytest.MonkeyPatch):
         self.box = box
@@ -119,6 +153,38 @@ class Target(ABC):
     def backend(self) -> Backend:
         """A fresh backend on the target's connection, as a worker or triggerer makes one."""
         return backend_for_connection(self.conn_id)
+
+    # --- the connection and faults ------------------------------------------------------------
+    def connection(self) -> dict[str, Any]:
+        """The connection as the backends in this process see it now."""
+        return json.loads(os.environ[f"AIRFLOW_CONN_{self.conn_id.upper()}"])
+
+    def use(self, conn: dict[str, Any]) -> None:
+        """Make ``conn`` the connection (for the rest of the test)."""
+        use_connections(self.monkeypatch, {self.conn_id: conn})
+
+    def quicken(self) -> None:
+        """Give the connection :attr:`quick_extras` (the fault tests' limits)."""
+        conn = self.connection()
+        self.use({**conn, "extra": {**(conn.get("extra") or {}), **self.quick_extras}})
+
+    @contextlib.contextmanager
+    def unreachable(self) -> Iterator[None]:
+        """While the block runs, the connection points at a closed port."""
+        before = self.connection()
+        self.use(self._at_port(before, closed_port()))
+        try:
+            yield
+        finally:
+            self.use(before)
+
+    @abstractmethod
+    def _at_port(self, conn: dict[str, Any], port: int) -> dict[str, Any]:
+        """``conn`` with the backend's address at local ``port``."""
+
+    def faults(self) -> list[Fault]:
+        """The sandbox's real faults that silence the backend while the job runs on."""
+        return []
 
     # --- what the protocol cannot tell --------------------------------------------------------
     @abstractmethod
@@ -166,6 +232,19 @@ class SlurmTarget(Target):
     cluster = "alpha"
     accelerator = "A100"
     max_status_queries = 1  # one ssh command
+    # the sandbox's MessageTimeout is 5 s: a paused slurmctld fails squeue after about that
+    quick_extras = {"slurm_timeout": 8, "command_timeout": 30}
+    silent_within = 25.0
+
+    def _at_port(self, conn: dict[str, Any], port: int) -> dict[str, Any]:
+        return {**conn, "port": port}
+
+    def faults(self) -> list[Fault]:
+        box, cluster = self.box, self.cluster
+        return [("slurmctld paused (SIGSTOP)", held(lambda: box.pause_slurmctld(cluster),
+                                                    lambda: box.resume_slurmctld(cluster))),
+                ("login node's sshd stopped", held(lambda: box.stop_sshd(cluster),
+                                                   lambda: box.start_sshd(cluster)))]
 
     def reset_requests(self) -> None:
         self.box.clear_commands_log(self.cluster)
@@ -218,6 +297,21 @@ class KubernetesTarget(Target):
     accelerator = "A100"
     max_status_queries = 3  # one Job list and one pod list per namespace, one node list
     label = "skypilot.airflow/job-name"
+    quick_extras = {"request_timeout": 5}
+    silent_within = 20.0
+
+    def _at_port(self, conn: dict[str, Any], port: int) -> dict[str, Any]:
+        import yaml
+
+        config = yaml.safe_load(Path(conn["extra"]["kube_config_path"]).read_text())
+        for cluster in config["clusters"]:
+            cluster["cluster"]["server"] = f"http://127.0.0.1:{port}"
+        path = Path(tempfile.mkdtemp(prefix="ct-kubeconfig-")) / "kubeconfig"
+        path.write_text(yaml.safe_dump(config))
+        return {**conn, "extra": {**conn["extra"], "kube_config_path": str(path)}}
+
+    def faults(self) -> list[Fault]:
+        return [("API server paused (SIGSTOP)", held(self.box.pause, self.box.resume))]
 
     def connect(self) -> None:
         from kubernetes import client, config
@@ -288,6 +382,15 @@ class AwsTarget(Target):
     #: job with a started instance); the suite's jobs are in one region and one bucket
     max_status_queries = 2
     tag = "skypilot-airflow:job-name"
+    # up to three attempts of 4 s each, and the backoff between them
+    quick_extras = {"request_timeout": 4}
+    silent_within = 30.0
+
+    def _at_port(self, conn: dict[str, Any], port: int) -> dict[str, Any]:
+        return {**conn, "extra": {**conn["extra"], "endpoint_url": f"http://127.0.0.1:{port}"}}
+
+    def faults(self) -> list[Fault]:
+        return [("AWS endpoint paused (SIGSTOP)", held(self.box.pause, self.box.resume))]
 
     def connect(self) -> None:
         import boto3

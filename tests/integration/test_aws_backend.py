@@ -431,3 +431,25 @@ def test_cli_show_gpus_and_plan(box, tmp_path, capsys):
     assert chosen["connection"] == CONN and chosen["spot"] is True
     assert chosen["instance_type"] == "g5.xlarge" and chosen["price_per_hour"] > 0
     assert any(r["verdict"] == "chosen" and r["price"] for r in plan["rows"])
+
+
+def test_cancel_terminates_only_instances_whose_tags_are_the_jobs(box):
+    """A handle comes from XCom or a trigger's kwargs: an instance id in it that EC2 shows
+    as another job's (or does not show) is refused, never terminated."""
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "sleep 120", "resources": {"cpus": "2+"}})
+    offer = _offer(backend, task)
+    mine = backend.submit(task, offer, _name("tags-a"), {})
+    other = backend.submit(task, offer, _name("tags-b"), {})
+    for handle in (mine, other):
+        _wait(backend, handle, {JobState.RUNNING})
+    forged = type(mine).from_dict(mine.to_dict())
+    forged.extra["instance_ids"] = mine.extra["instance_ids"] + other.extra["instance_ids"] + [
+        "i-0123456789abcdef0"]
+    AwsBackend(CONN).cancel(forged)
+    assert _wait(backend, mine).state == JobState.CANCELLED
+    assert backend.status([other])[other.job_id].state == JobState.RUNNING
+    states = {i["State"]["Name"] for i in _instances(box, other.job_name)}
+    assert states == {"running"}, states
+    backend.cancel(other)
+    assert _wait(backend, other).state == JobState.CANCELLED

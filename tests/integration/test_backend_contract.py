@@ -17,14 +17,17 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
 from airflow_skypilot import placement
 from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus, Offer
+from airflow_skypilot.exceptions import BackendUnreachable
 from airflow_skypilot.spec import load_task
 from tests.conftest import wait_for_job
+from tests.e2e.conftest import shared_dir
 from tests.integration.contract_targets import TARGETS, Target
 
 pytestmark = pytest.mark.sandbox
@@ -218,6 +221,7 @@ def test_find_and_a_second_submit_adopt_the_same_job(target):
     assert found is not None and found.adopted
     assert (found.job_id, found.job_name, found.connection) == (first.job_id, name,
                                                                 target.conn_id)
+    assert found.submitted_at == first.submitted_at  # the original, not when it was found
     second, _ = _submit(target, target.backend(), task, name, offer)  # a restarted worker
     assert second.adopted and not first.adopted
     assert (second.job_id, second.key) == (first.job_id, first.key)
@@ -426,3 +430,120 @@ def test_secret_reaches_the_job_but_is_never_in_clear(target, caplog, capfd):
              "handle": json.dumps(handle.to_dict()), "status": json.dumps(status.to_dict())}
     leaks = sorted(name for name, text in texts.items() if token in text)
     assert not leaks, f"the secret is in clear in: {leaks}"
+
+
+# --- finding the jobs of earlier tries ----------------------------------------------------------
+
+
+def test_find_all_lists_exactly_the_prefix_with_the_original_submit_times(target):
+    """Every try of a task lists the jobs earlier tries left by prefix: all of them, finished
+    ones too, nothing else, each with when it was submitted (a job submitted before the run
+    started is never adopted: that rule needs the original time)."""
+    backend = target.backend()
+    stem = _name("fa")
+    prefix = f"{stem}-a-"
+    quick, slow = _task(target, "echo done"), _task(target, "sleep 60")
+    done, _ = _submit(target, backend, quick, prefix + "0")
+    offer = _offer(backend, slow)
+    live, _ = _submit(target, backend, slow, prefix + "1", offer)
+    other, _ = _submit(target, backend, slow, f"{stem}-b-0", offer)  # same stem, not ours
+    assert _wait(target, backend, done).state == JobState.SUCCEEDED
+    for lister in (backend, target.backend()):  # this process, and another one
+        found = lister.find_all(prefix)
+        assert [h.job_name for h in found] == [prefix + "0", prefix + "1"], found
+        for got, submitted in zip(found, (done, live), strict=True):
+            assert (got.job_id, got.connection, got.backend) == (
+                submitted.job_id, target.conn_id, backend.name)
+            assert got.submitted_at == submitted.submitted_at, (got, submitted)
+            assert got.adopted
+        assert lister.find(prefix + "1").submitted_at == live.submitted_at
+    statuses = backend.status(found)
+    assert statuses[done.job_id].state == JobState.SUCCEEDED
+    assert statuses[live.job_id].state in ACTIVE
+    assert [h.job_name for h in backend.find_all(f"{stem}-b-")] == [other.job_name]
+    assert backend.find_all(f"{stem}-c-") == []
+
+
+# --- a silent backend -------------------------------------------------------------------------
+
+
+def _could_not_ask(target: Target, handle: JobHandle, prefix: str, *, strict: bool,
+                   cancel: JobHandle | None = None) -> list[str]:
+    """Ask a fresh backend (as a worker or triggerer would) everything about ``handle`` while
+    its backend is silent: each call says "could not ask" (BackendUnreachable), within
+    ``target.silent_within`` seconds; never LOST, never None, never an empty list. Not
+    ``strict``: a status may be UNKNOWN, and find may answer from a record it could read
+    (the same job). Returns how each call went, for the failure message."""
+    seen: list[str] = []
+
+    def ask(what: str, call: Callable[[], Any]) -> Any:
+        start = time.monotonic()
+        try:
+            result = call()
+        except BackendUnreachable as exc:
+            result = exc
+        took = time.monotonic() - start
+        seen.append(f"{what}: {type(result).__name__} in {took:.1f}s")
+        assert took <= target.silent_within, f"{what} took {took:.1f}s: {seen}"
+        return result
+
+    backend = target.backend()
+    for what, call in (("status", lambda: backend.status([handle])),
+                       ("astatus", lambda: _async(backend, lambda: backend.astatus([handle])))):
+        result = ask(what, call)
+        if not isinstance(result, BackendUnreachable):
+            assert not strict, f"{what} answered {result} for a backend that cannot be asked"
+            assert result[handle.job_id].state == JobState.UNKNOWN, (what, result, seen)
+    found = ask("find", lambda: backend.find(handle.job_name))
+    if not isinstance(found, BackendUnreachable):
+        assert not strict and found is not None and found.job_id == handle.job_id, (found, seen)
+    listed = ask("find_all", lambda: backend.find_all(prefix))
+    assert isinstance(listed, BackendUnreachable), (listed, seen)
+    if cancel is not None:
+        outcome = ask("cancel", lambda: backend.cancel(cancel))
+        assert isinstance(outcome, BackendUnreachable), (outcome, seen)
+    return seen
+
+
+def test_a_silent_backend_is_could_not_ask_never_gone(target):
+    """With its backend silent (its address a closed port; the sandbox's real faults) every
+    call says BackendUnreachable in bounded time; when the backend is back, the job is still
+    there and completes once, and a job whose cancel could not be sent is cancelled for
+    real."""
+    target.quicken()
+    backend = target.backend()
+    marks = Path(shared_dir())
+    stem = _name("silent")
+    wait_go = f"i=0; while [ ! -e {marks}/go ] && [ $i -lt 900 ]; do sleep 1; i=$((i+1)); done"
+    job_a = _task(target, f"{wait_go}; echo ran >> {marks}/runs-a")
+    job_b = _task(target, f"{wait_go}; echo ran >> {marks}/runs-b")
+    offer = _offer(backend, job_a)
+    a, task_a = _submit(target, backend, job_a, f"{stem}-a-0", offer)
+    b, task_b = _submit(target, backend, job_b, f"{stem}-b-0", offer)
+    for handle in (a, b):
+        _wait(target, backend, handle, {JobState.RUNNING})
+
+    with target.unreachable():
+        seen = _could_not_ask(target, a, f"{stem}-a-", strict=True, cancel=b)
+    logging.getLogger(__name__).info("closed port: %s", seen)
+    for name, fault in target.faults():
+        with fault():
+            seen = _could_not_ask(target, a, f"{stem}-a-", strict=False)
+        logging.getLogger(__name__).info("%s: %s", name, seen)
+
+    watcher = target.backend()  # the backend is back: nothing was lost, nothing doubled
+    now = watcher.status([a, b])
+    assert {now[a.job_id].state, now[b.job_id].state} <= ACTIVE, now
+    assert watcher.find(a.job_name).job_id == a.job_id
+    assert [h.job_id for h in watcher.find_all(f"{stem}-a-")] == [a.job_id]
+    assert target.submissions(a.job_name) == 1
+    watcher.cancel(b)  # the cancel that could not be sent, now that it can
+    (marks / "go").touch()
+    done = _wait(target, watcher, a)
+    assert done.state == JobState.SUCCEEDED, done
+    cancelled = _wait(target, watcher, b)
+    assert cancelled.state == JobState.CANCELLED, cancelled
+    assert _async(watcher, lambda: watcher.astatus([b]))[b.job_id].state == JobState.CANCELLED
+    _until_none(lambda: target.running(b, task_b), 30, "what the cancelled job held")
+    assert (marks / "runs-a").read_text() == "ran\n", "the job ran exactly once"
+    assert not (marks / "runs-b").exists(), "the cancelled job never went on"

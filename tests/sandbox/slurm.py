@@ -553,6 +553,9 @@ class SlurmSandbox:
 
     def reset(self) -> None:
         """Undo what a test did: cancel jobs, restart daemons, resume nodes, wait until idle."""
+        for cluster in CLUSTERS:  # a paused daemon first: everything below asks it
+            self.resume_slurmctld(cluster.name)
+            self.resume_sshd(cluster.name)
         if not _munge_works() or not all(
             _alive(_read_pid(self._pid_file(c.name, "slurmctld")), "slurmctld") for c in CLUSTERS
         ):
@@ -632,6 +635,35 @@ class SlurmSandbox:
         )
         if proc.returncode != 0 and "Invalid node state" not in proc.stderr:
             raise SandboxError(f"resume {node} failed: {proc.stderr.strip()}")
+
+    def pause_slurmctld(self, cluster: str) -> None:
+        """SIGSTOP the cluster's slurmctld: it keeps its port and its jobs run on, but nothing
+        answers (squeue, sbatch, scancel wait for MessageTimeout, then fail)."""
+        pid = _read_pid(self._pid_file(cluster, "slurmctld"))
+        if not _alive(pid, "slurmctld"):
+            raise SandboxError(f"slurmctld of {cluster} is not running")
+        _kill([pid], signal.SIGSTOP)  # type: ignore[list-item]
+
+    def resume_slurmctld(self, cluster: str) -> None:
+        """SIGCONT the cluster's slurmctld (no-op when it runs)."""
+        pid = _read_pid(self._pid_file(cluster, "slurmctld"))
+        if _alive(pid, "slurmctld"):
+            _kill([pid], signal.SIGCONT)  # type: ignore[list-item]
+
+    def pause_sshd(self, cluster: str) -> None:
+        """SIGSTOP the login node's sshd and every session under it: connections are
+        accepted (the kernel's backlog) and open ones stay, but nothing answers: a hung
+        login node."""
+        pid = _read_pid(self._pid_file(cluster, "sshd"))
+        if not _alive(pid, "sshd"):
+            raise SandboxError(f"sshd of {cluster} is not running")
+        _kill([pid, *_descendants([pid])], signal.SIGSTOP)  # type: ignore[list-item]
+
+    def resume_sshd(self, cluster: str) -> None:
+        """SIGCONT the login node's sshd and its sessions (no-op when they run)."""
+        pid = _read_pid(self._pid_file(cluster, "sshd"))
+        if _alive(pid, "sshd"):
+            _kill([pid, *_descendants([pid])], signal.SIGCONT)  # type: ignore[list-item]
 
     def stop_sshd(self, cluster: str) -> None:
         """Take the login node away: the listener and all its sessions."""

@@ -435,6 +435,47 @@ def test_a_terminal_status_ends_when_aws_recorded_it():
     assert judge(1, False, [], Markers(last_write=98.0), now=200.0).ended_at == 98.0
 
 
+
+def test_instances_not_listed_yet_right_after_the_launch_are_unknown_not_lost():
+    """DescribeInstances is eventually consistent: within the grace of the launch, a job
+    whose instances EC2 does not list yet is UNKNOWN (its backend cannot tell), then LOST."""
+    from airflow_skypilot.backends.aws.status import judge_handle
+    from airflow_skypilot.backends.base import JobHandle
+
+    soon = judge(1, False, [], Markers(), now=200.0, launched_at=150.0, grace=120.0)
+    assert soon.state == JobState.UNKNOWN and not soon.state.terminal
+    assert "eventually consistent" in soon.reason
+    assert judge(1, False, [], Markers(), now=300.0, launched_at=150.0,
+                 grace=120.0).state == JobState.LOST
+    done = Markers(exit_codes={0: 0}, written={(0, "exit_code"): 190.0})
+    assert judge(1, False, [], done, now=200.0, launched_at=150.0,
+                 grace=120.0).state == JobState.SUCCEEDED  # the markers speak for it
+    handle = JobHandle(backend="aws", connection="c", job_id="j", job_name="j",
+                       location="us-east-1/us-east-1a", infra="aws/us-east-1/us-east-1a",
+                       submitted_at=150.0, extra={"reservation_id": "r-new"})
+    older = [_inst(0, "terminated")]  # an earlier launch under the same name (r-1)
+    assert judge_handle(handle, older, Markers(), grace=120.0,
+                        now=200.0).state == JobState.UNKNOWN  # never another launch's
+    assert judge_handle(handle, older, Markers(), grace=120.0,
+                        now=400.0).state == JobState.LOST
+
+
+def test_aws_saying_it_cannot_answer_now_is_unreachable():
+    from airflow_skypilot.backends.aws.clients import AwsClients, is_unreachable
+    from airflow_skypilot.exceptions import BackendUnreachable
+
+    class _Err(Exception):
+        def __init__(self, code):
+            super().__init__(code)
+            self.response = {"Error": {"Code": code, "Message": "m"}}
+
+    for code in ("RequestLimitExceeded", "InternalError", "ServiceUnavailable", "SlowDown"):
+        assert is_unreachable(_Err(code))
+        assert isinstance(AwsClients("c").error(_Err(code), "x"), BackendUnreachable)
+    for code in ("InsufficientInstanceCapacity", "UnauthorizedOperation", "NoSuchKey"):
+        assert not is_unreachable(_Err(code))
+        assert not isinstance(AwsClients("c").error(_Err(code), "x"), BackendUnreachable)
+
 class _S3Error(Exception):
     def __init__(self, code):
         super().__init__(code)

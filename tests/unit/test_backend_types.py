@@ -57,3 +57,46 @@ def test_register_a_new_backend_without_touching_the_rest():
     registry.register_backend(FakeBackend)
     backend = registry.backend_for_connection("c1", conn_type="fake")
     assert isinstance(backend, FakeBackend) and backend.conn_id == "c1"
+
+
+class _LoopBound(FakeBackend):
+    """astatus that records the thread and loop it ran on."""
+
+    seen: list[tuple[str, int]] = []
+
+    async def astatus(self, handles):
+        import asyncio
+        import threading
+
+        type(self).seen.append((threading.current_thread().name,
+                                id(asyncio.get_running_loop())))
+        await asyncio.sleep(0)
+        return {h.job_id: JobStatus(JobState.RUNNING) for h in handles}
+
+
+def test_the_sync_status_works_from_any_thread_with_or_without_a_running_loop():
+    import asyncio
+    import threading
+
+    handle = JobHandle(backend="fake", connection="c", job_id="1", job_name="n", location="l",
+                       infra="fake/l")
+    backend = _LoopBound("c")
+    _LoopBound.seen = []
+    want = {"1": JobStatus(JobState.RUNNING)}
+    assert backend.status([handle]) == want  # a worker: no loop in this thread
+
+    results: list = []
+    worker = threading.Thread(target=lambda: results.append(backend.status([handle])))
+    worker.start()
+    worker.join(10)
+    assert results == [want]  # a plain thread with no loop
+
+    async def triggerer() -> tuple:
+        in_thread = await asyncio.to_thread(backend.status, [handle])  # the sweeps' way
+        on_loop = backend.status([handle])  # a sync call right on the running loop
+        return in_thread, on_loop, id(asyncio.get_running_loop())
+
+    in_thread, on_loop, main_loop = asyncio.run(triggerer())
+    assert in_thread == on_loop == want
+    assert len(_LoopBound.seen) == 4
+    assert main_loop not in {loop for _, loop in _LoopBound.seen[2:]}  # never blocked on it

@@ -799,3 +799,38 @@ def test_settings_from_connection_extras():
                                                                    "python:3.11-slim")
     with pytest.raises(ConfigurationError, match="node_selector"):
         KubernetesSettings.from_extra("conn", {"node_selector": "[1"})
+
+
+def test_an_api_server_that_cannot_answer_now_is_unreachable_and_one_silence_is_waited_once():
+    from airflow_skypilot.backends.base import JobHandle
+    from airflow_skypilot.backends.kubernetes.client import KubeApiError, api_error
+    from airflow_skypilot.backends.kubernetes.status import list_all
+    from airflow_skypilot.exceptions import BackendUnreachable
+
+    for status in (429, 500, 503, 504):
+        err = api_error("k", status, b'{"message": "etcdserver: request timed out"}')
+        assert isinstance(err, BackendUnreachable) and isinstance(err, KubeApiError)
+        assert err.status == status
+    for status in (400, 403, 404, 409, 422):
+        assert not isinstance(api_error("k", status, b"{}"), BackendUnreachable)
+
+    calls = []
+
+    class Silent:
+        conn_id = "k"
+
+        def apis(self):
+            from types import SimpleNamespace
+
+            api = SimpleNamespace(list_namespaced_job=1, list_namespaced_pod=2, list_node=3)
+            return api, api
+
+        def call(self, fn, *args, **kwargs):
+            calls.append(fn)
+            raise BackendUnreachable("k: Kubernetes API unreachable: read timed out")
+
+    handle = JobHandle(backend="kubernetes", connection="k", job_id="j", job_name="j",
+                       location="c/default", infra="kubernetes/c/default")
+    results = list_all(Silent(), {"default": [handle]}, with_nodes=True)
+    assert len(calls) == 1, "each request after the first would wait as long again"
+    assert len(results) == 3 and all(isinstance(r, BackendUnreachable) for r in results)

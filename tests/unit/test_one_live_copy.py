@@ -299,3 +299,20 @@ def test_a_job_trigger_never_sweeps_the_job_it_watches():
     event = asyncio.run(watch())
     assert event["job_status"]["state"] == "succeeded"
     assert RunState.from_dict(event["state"]).sweeps[0].done_at
+
+
+def test_a_connection_that_could_not_be_checked_does_not_hold_the_tasks_end():
+    """Try 1 with a connection down: the run succeeds at once; the result says what it could
+    not check instead of waiting out the silence limit for a copy that may not exist."""
+    FakeBackend.offers = {"c1": [offer("c1", "p")]}
+    FakeBackend.down = {"c2"}
+    deferred = _defer(_op(), _ctx())
+    handle = deferred.trigger.handle
+    _set(handle["job_id"], JobState.SUCCEEDED)
+    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
+             "state": deferred.trigger.state,
+             "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict()}
+    result = _op().execute_complete(_ctx(), event)  # no deferral to a sweep trigger
+    assert result["state"] == "succeeded"
+    assert [(c["connection"], c["confirmed_dead"], c["outcome"]) for c in
+            result["old_copies"]] == [("c2", False, "not checked")]

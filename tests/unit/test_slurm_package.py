@@ -107,3 +107,76 @@ def test_memory_per_cpu_becomes_mem_per_cpu():
     task, got = _offers({"cpus": 2, "memory": "6"})
     sbatch = submit.render(task, got["batch"], SETTINGS, "sky-x", {}, "/j")["job.sbatch"][0]
     assert "#SBATCH --mem=6144M\n" in sbatch and "--mem-per-cpu" not in sbatch
+
+
+def test_a_lookup_needs_an_answered_squeue_only_when_the_job_dir_has_no_job_id():
+    import pytest
+
+    from airflow_skypilot.exceptions import BackendUnreachable
+
+    name = "sky-x-c0-t1-a0"
+    recorded = ("@@home\n/home/u\n@@job_id\n42\n@@meta\npartition=batch\n"
+                "submitted_at=1796000000.125\n@@queued\n@@queued_rc\n1\n")
+    handle, home = submit.parse_lookup(recorded, SETTINGS, "c", name)
+    assert (handle.job_id, handle.submitted_at, home) == ("42", 1796000000.125, "/home/u")
+    silent = "@@home\n/home/u\n@@job_id\n@@meta\n@@queued\n@@queued_rc\n124\n"
+    with pytest.raises(BackendUnreachable, match="squeue did not answer"):
+        submit.parse_lookup(silent, SETTINGS, "c", name)  # never "no such job"
+    with pytest.raises(BackendUnreachable):
+        submit.parse_lookup("", SETTINGS, "c", name)  # the script never ran
+    none = "@@home\n/home/u\n@@job_id\n@@meta\n@@queued\n@@queued_rc\n0\n"
+    assert submit.parse_lookup(none, SETTINGS, "c", name) == (None, "/home/u")
+    unrecorded = ("@@home\n/home/u\n@@job_id\n@@meta\n@@queued\n"
+                  f"7|batch|1796000001|{name}\n@@queued_rc\n0\n")
+    handle, _ = submit.parse_lookup(unrecorded, SETTINGS, "c", name)
+    assert (handle.job_id, handle.location, handle.submitted_at) == ("7", "batch", 1796000001.0)
+    listing = ("@@home\n/home/u\n@@dirs\n"
+               f"{name}\t42\tpartition=batch\tsubmitted_at=1796000000.125\t\n"
+               "sky-x-c0-t1-a1\t\tpartition=batch\t\n@@queued\n"
+               "8|short|1796000002|sky-x-c0-t2-a0\n9|batch|1796000003|other\n@@queued_rc\n0\n")
+    found = submit.parse_find_all(listing, SETTINGS, "c", "sky-x-")
+    assert [(h.job_name, h.job_id, h.submitted_at) for h in found] == [
+        (name, "42", 1796000000.125), ("sky-x-c0-t2-a0", "8", 1796000002.0)]
+    with pytest.raises(BackendUnreachable):
+        submit.parse_find_all(listing.replace("@@queued_rc\n0", "@@queued_rc\n1"), SETTINGS,
+                              "c", "sky-x-")
+    # a home shared with cluster beta: its job dirs are beta's jobs, not alpha's
+    shared = listing.replace("partition=batch\tsubmitted", "cluster=beta\tsubmitted")
+    assert "sky-x-c0-t1-a0" not in [h.job_name for h in submit.parse_find_all(
+        shared, SETTINGS, "c", "sky-x-")]
+    theirs = recorded.replace("@@meta\n", "@@meta\ncluster=beta\n")
+    assert submit.parse_lookup(theirs, SETTINGS, "c", name) == (None, "/home/u")
+    assert submit.dir_owner(theirs, SETTINGS) == "beta"
+    assert submit.dir_owner(recorded, SETTINGS) == ""
+
+
+def test_sbatch_and_scancel_without_an_answer_are_unreachable_not_refused():
+    import pytest
+
+    from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
+
+    ok = "@@submitted\n42\n@@gc\nsky-old-c0-t1-a0\n"
+    assert submit.parse_submitted(0, ok, "", "c") == ("42", False, ["sky-old-c0-t1-a0"])
+    timed_out = "@@sbatch_rc\n124\n@@gc\n"
+    with pytest.raises(BackendUnreachable, match="may exist"):
+        submit.parse_submitted(99, timed_out, "", "c")
+    with pytest.raises(BackendUnreachable):
+        submit.parse_submitted(99, "@@sbatch_rc\n1\n", "sbatch: error: Batch job submission "
+                               "failed: Socket timed out on send/recv operation", "c")
+    with pytest.raises(BackendUnreachable, match="lock"):
+        submit.parse_submitted(98, "", "", "c")
+    with pytest.raises(SubmissionError) as refused:
+        submit.parse_submitted(99, "@@sbatch_rc\n1\n", "sbatch: error: Batch job submission "
+                               "failed: Requested node configuration is not available", "c")
+    assert refused.value.retry_elsewhere and not isinstance(refused.value, BackendUnreachable)
+    handle = JobHandle(backend="slurm", connection="c", job_id="42", job_name="n",
+                       location="batch", infra="slurm/alpha/batch")
+    submit.check_cancelled(0, "", "", handle)
+    submit.check_cancelled(1, "scancel: error: Invalid job id specified", "", handle)
+    with pytest.raises(BackendUnreachable):
+        submit.check_cancelled(1, "scancel: error: Kill job error on job id 42: Socket timed "
+                               "out on send/recv operation", "", handle)
+    with pytest.raises(BackendUnreachable):
+        submit.check_cancelled(124, "", "", handle)
+    with pytest.raises(BackendError):
+        submit.check_cancelled(1, "scancel: error: Access/permission denied", "", handle)

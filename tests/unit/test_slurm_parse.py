@@ -7,7 +7,7 @@ import pytest
 from airflow_skypilot.backends.base import JobHandle, JobState
 from airflow_skypilot.backends.slurm.cluster import parse_cluster, parse_gres
 from airflow_skypilot.backends.slurm.settings import SlurmSettings
-from airflow_skypilot.backends.slurm.status import parse_status
+from airflow_skypilot.backends.slurm.status import epoch, parse_status
 
 PROBE = """\
 @@now
@@ -75,6 +75,8 @@ def _handle(job_id: str) -> JobHandle:
     ("PENDING", "Resources", "", JobState.PENDING, None),
     ("RUNNING", "None", "", JobState.RUNNING, None),
     ("COMPLETING", "None", "", JobState.RUNNING, None),
+    ("COMPLETING", "None", "0", JobState.SUCCEEDED, 0),  # its exit file: Slurm cleans up
+    ("COMPLETING", "None", "2", JobState.FAILED, 2),
     ("COMPLETED", "None", "0", JobState.SUCCEEDED, 0),
     ("FAILED", "NonZeroExitCode", "3", JobState.FAILED, 3),
     ("OUT_OF_MEMORY", "OutOfMemory", "", JobState.FAILED, None),
@@ -86,8 +88,8 @@ def _handle(job_id: str) -> JobHandle:
     ("CANCELLED+", "None", "", JobState.CANCELLED, None),
 ])
 def test_state_mapping(raw, reason, exit_file, state, code):
-    out = (f"@@squeue\n7|n|{raw}|{reason}|a1|2026-11-29T21:00:00|N/A\n@@sacct\n@@exits\n"
-           + (f"7|{exit_file}\n" if exit_file else ""))
+    out = (f"@@squeue\n7|n|{raw}|{reason}|a1|2026-11-29T21:00:00|N/A\n@@squeue_rc\n0\n"
+           "@@sacct\n@@sacct_rc\n1\n@@exits\n" + (f"7|{exit_file}\n" if exit_file else ""))
     status = parse_status(out, [_handle("7")])["7"]
     assert status.state == state
     assert status.exit_code == code
@@ -96,11 +98,49 @@ def test_state_mapping(raw, reason, exit_file, state, code):
 
 
 def test_sacct_and_exit_files_cover_jobs_that_left_the_queue():
-    out = "@@squeue\n@@sacct\n8|NODE_FAIL|0:0|x|y\n8.batch|CANCELLED|0:15\n@@exits\n9|0\n"
+    out = ("@@squeue\n@@squeue_rc\n0\n@@sacct\n8|NODE_FAIL|0:0|1796000000|1796000100\n"
+           "8.batch|CANCELLED|0:15\n@@sacct_rc\n0\n@@exits\n9|0\n")
     got = parse_status(out, [_handle("8"), _handle("9"), _handle("10")])
     assert got["8"].state == JobState.INFRA_FAILED
+    assert (got["8"].started_at, got["8"].ended_at) == (1796000000.0, 1796000100.0)
     assert got["9"].state == JobState.SUCCEEDED
-    assert got["10"].state == JobState.LOST
+    assert got["10"].state == JobState.LOST  # squeue answered, no record of it anywhere
+
+
+@pytest.mark.parametrize("squeue", [
+    "@@squeue\n@@squeue_rc\n1\n",  # slurm_load_jobs error: Socket timed out
+    "@@squeue\n7|n|RUNNING|None|a1|1|N/A\n@@squeue_rc\n124\n",  # killed by timeout, half out
+    "@@squeue\n",  # the script stopped before squeue's exit status
+])
+def test_a_squeue_that_did_not_answer_is_unknown_never_lost(squeue):
+    out = squeue + "@@sacct\n@@sacct_rc\n1\n@@exits\n9|3\n"
+    got = parse_status(out, [_handle("7"), _handle("9")])
+    assert got["7"].state == JobState.UNKNOWN and "squeue" in got["7"].reason
+    assert (got["9"].state, got["9"].exit_code) == (JobState.FAILED, 3)  # its exit file speaks
+
+
+def test_a_failed_sacct_is_not_read_and_an_empty_state_is_unknown():
+    out = ("@@squeue\n@@squeue_rc\n0\n@@sacct\n8|NODE_FAIL|0:0||\n@@sacct_rc\n1\n"
+           "@@exits\n")
+    assert parse_status(out, [_handle("8")])["8"].state == JobState.LOST
+    out = "@@squeue\n@@squeue_rc\n0\n@@sacct\n8||0:0||\n@@sacct_rc\n0\n@@exits\n"
+    assert parse_status(out, [_handle("8")])["8"].state == JobState.UNKNOWN
+    out = "@@squeue\n8|n|SOMETHING_NEW|x|a1|1|2\n@@squeue_rc\n0\n@@sacct\n@@exits\n"
+    assert parse_status(out, [_handle("8")])["8"].state == JobState.UNKNOWN
+
+
+def test_times_are_epoch_seconds_or_the_clusters_own_local_time():
+    assert epoch("1796000000") == 1796000000.0
+    # a cluster at +05:30 that printed its local time: 2026-11-29T21:00:00+05:30
+    assert epoch("2026-11-29T21:00:00", 5.5 * 3600) == 1795986000.0 - 5.5 * 3600
+    for none in ("", "N/A", "Unknown", "None", "0"):
+        assert epoch(none) is None
+    out = ("@@tz\n+0530\n@@squeue\n7|n|COMPLETED|None|a1|2026-11-29T21:00:00|"
+           "2026-11-29T21:10:00\n@@squeue_rc\n0\n@@sacct\n@@exits\n7|0\n")
+    status = parse_status(out, [_handle("7")])["7"]
+    assert (status.started_at, status.ended_at) == (1795986000.0 - 19800, 1795986600.0 - 19800)
+    pending = "@@squeue\n7|n|PENDING|Priority||1796999999|N/A\n@@squeue_rc\n0\n@@exits\n"
+    assert parse_status(pending, [_handle("7")])["7"].started_at is None  # an estimate
 
 
 def test_settings_from_connection_extras():

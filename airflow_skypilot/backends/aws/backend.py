@@ -87,7 +87,7 @@ class AwsBackend(Backend):
     def __init__(self, conn_id: str, settings: AwsSettings | None = None):
         super().__init__(conn_id)
         self._settings = settings
-        self._clients = AwsClients(conn_id)
+        self._clients = AwsClients(conn_id, lambda: self.settings.request_timeout)
         self._quotas = Quotas(self._clients)
         self._amis = launch.Amis(self._clients)
         self._refused = launch.RefusedAzs()
@@ -315,11 +315,17 @@ class AwsBackend(Backend):
         self._forget(handle)
 
     def _terminate(self, handle: JobHandle, cancelled: bool) -> list[str]:
-        ids, untagged = launch.terminate(self._clients, region_of(handle),
-                                         handle.job_name, handle.extra.get("instance_ids", []),
-                                         cancelled)
+        """Terminate what EC2 shows is this job's (its name and connection tags); instance ids
+        of the handle that are another's, or not shown, are refused and said so."""
+        ids, untagged, refused = launch.terminate(
+            self._clients, region_of(handle), handle.job_name, self.conn_id,
+            handle.extra.get("instance_ids", []), cancelled)
         if untagged:
             self.log.debug("Could not tag %s cancelled: %s", ids, untagged)
+        if refused:
+            self.log.warning("Did not terminate instances of the handle of %s on %s that EC2 "
+                             "does not show as this job's: %s", handle.job_name, self.conn_id,
+                             "; ".join(refused))
         return ids
 
     def _forget(self, handle: JobHandle) -> None:
@@ -372,7 +378,7 @@ class AwsBackend(Backend):
         for h in handles:
             insts = instances.get(h.job_name, [])
             found = markers.get(h.job_name) or Markers()  # none listed: no instance started
-            out[h.job_id] = judge_handle(h, insts, found)
+            out[h.job_id] = judge_handle(h, insts, found, self.settings.launch_grace)
             self._seen[h.job_name] = (now, logs.JobView(found, logs.instances_gone(h, insts)))
         return out
 

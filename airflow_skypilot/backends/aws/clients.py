@@ -6,9 +6,11 @@ calls use ``EC2Hook`` / ``AwsBaseHook(client_type=...)`` boto3 clients, cached p
 region and retry budget; the triggerer's calls use the same hooks' aiobotocore clients
 (``get_async_conn``), kept open per service and region until :meth:`AwsClients.aclose`.
 
-Errors are classified once, here: "cannot talk to AWS at all" becomes
-:class:`~airflow_skypilot.exceptions.BackendUnreachable` (the caller counts the backend as down),
-anything else a :class:`~airflow_skypilot.exceptions.BackendError` with AWS's code and message.
+Errors are classified once, here: "cannot talk to AWS at all" (no connection, no answer within
+the connection's ``request_timeout``, or AWS saying it cannot answer now: throttling, internal
+errors) becomes :class:`~airflow_skypilot.exceptions.BackendUnreachable` (the caller counts the
+backend as down: "could not ask" is never an answer), anything else a
+:class:`~airflow_skypilot.exceptions.BackendError` with AWS's code and message.
 RunInstances refusals are told apart the same way: one AZ's capacity (another AZ may work)
 versus the region's quota (no other AZ helps).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable
@@ -31,6 +33,13 @@ CAPACITY_ERRORS = frozenset({
 #: RunInstances errors about the region's quota (no other AZ helps)
 QUOTA_ERRORS = frozenset({"VcpuLimitExceeded", "MaxSpotInstanceCountExceeded",
                           "InstanceLimitExceeded"})
+#: AWS error codes that say "cannot answer now" (after botocore's own retries)
+UNAVAILABLE_CODES = frozenset({
+    "InternalError", "InternalFailure", "InternalServerError", "ServiceUnavailable",
+    "Unavailable", "RequestLimitExceeded", "Throttling", "ThrottlingException", "SlowDown",
+    "RequestTimeout", "RequestTimeoutException", "EC2ThrottledException", "500", "502", "503",
+    "504",
+})
 #: botocore errors that mean "cannot talk to AWS at all"
 _UNREACHABLE_NAMES = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                       "NoCredentialsError", "ConnectionClosedError", "NoRegionError",
@@ -45,9 +54,13 @@ def client_error(exc: BaseException) -> tuple[str, str]:
 
 
 def is_unreachable(exc: BaseException) -> bool:
-    """Did the call fail before AWS answered (network, credentials, timeout)?"""
+    """Did the call fail before AWS answered (network, credentials, timeout), or did AWS
+    answer only that it cannot answer now?"""
     names = {c.__name__ for c in type(exc).__mro__}
-    return bool(names & set(_UNREACHABLE_NAMES)) or isinstance(exc, (OSError, asyncio.TimeoutError))
+    if names & set(_UNREACHABLE_NAMES) or isinstance(exc, (OSError, asyncio.TimeoutError)):
+        return True
+    return getattr(exc, "response", None) is not None and client_error(exc)[0] in \
+        UNAVAILABLE_CODES
 
 
 def chunks(items: list[Any], size: int) -> Iterable[list[Any]]:
@@ -59,20 +72,22 @@ def chunks(items: list[Any], size: int) -> Iterable[list[Any]]:
 class AwsClients:
     """The boto3 and aiobotocore clients of one Airflow connection."""
 
-    def __init__(self, conn_id: str):
+    def __init__(self, conn_id: str, request_timeout: Callable[[], float] = lambda: 20.0):
         self.conn_id = conn_id
+        #: seconds one request may wait for an answer (asked for when a client is made)
+        self._timeout = request_timeout
         self._clients: dict[tuple[str, str, int], Any] = {}
         self._lock = threading.Lock()
         self._aclients: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._alock: asyncio.Lock | None = None
 
-    @staticmethod
-    def _config(attempts: int) -> Any:
+    def _config(self, attempts: int) -> Any:
         from botocore.config import Config
 
         # Few attempts: botocore retries HTTP 500s, and EC2 answers a capacity shortage with one.
+        # A silent endpoint costs at most attempts x (connect + read timeout) and the backoff.
         return Config(retries={"total_max_attempts": attempts, "mode": "standard"},
-                      connect_timeout=5, read_timeout=30)
+                      connect_timeout=5, read_timeout=self._timeout())
 
     def _hook(self, service: str, region: str, attempts: int) -> Any:
         if service == "ec2":

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow_skypilot.backends.aws.clients import AwsClients, chunks
+from airflow_skypilot.backends.aws.clients import AwsClients, chunks, client_error
 from airflow_skypilot.backends.aws.settings import AwsSettings
 
 TAG_JOB = "skypilot-airflow:job-name"
@@ -146,6 +146,39 @@ def describe_instances(clients: AwsClients, region: str, filters: list[dict]) ->
     except Exception as exc:
         raise clients.error(exc, f"DescribeInstances in {region}") from exc
     return out
+
+
+def describe_by_ids(clients: AwsClients, region: str, ids: list[str]) -> dict[str, dict]:
+    """Instance id -> the instance, for the ids of ``ids`` EC2 shows (an id it does not know,
+    or not yet, is left out; any other error is raised)."""
+    ec2 = clients.client("ec2", region)
+
+    def one_call(chunk: list[str]) -> list[dict]:
+        out: list[dict] = []
+        for page in ec2.get_paginator("describe_instances").paginate(InstanceIds=chunk):
+            _add_page(out, page)
+        return out
+
+    found: list[dict] = []
+    for chunk in chunks(sorted(set(ids)), 200):
+        try:
+            try:
+                found += one_call(chunk)
+            except Exception as exc:
+                if not client_error(exc)[0].startswith("InvalidInstanceID") or len(chunk) == 1:
+                    raise
+                for iid in chunk:  # one unknown id fails the call: ask for each alone
+                    try:
+                        found += one_call([iid])
+                    except Exception as one:
+                        if not client_error(one)[0].startswith("InvalidInstanceID"):
+                            raise
+        except Exception as exc:
+            if client_error(exc)[0].startswith("InvalidInstanceID"):
+                continue
+            raise clients.error(exc, f"DescribeInstances of {', '.join(chunk)} in {region}") \
+                from exc
+    return {i["InstanceId"]: i for i in found}
 
 
 def describe_jobs(clients: AwsClients, region: str, names: list[str]) -> list[dict]:

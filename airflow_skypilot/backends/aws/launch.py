@@ -38,6 +38,7 @@ from airflow_skypilot.backends.aws.ec2 import (
     TAG_JOB,
     TAG_META,
     cancelled_tag_value,
+    describe_by_ids,
     describe_instances,
     offerings,
     subnet_azs,
@@ -192,9 +193,9 @@ def run_instances(clients: AwsClients, settings: AwsSettings, refused: RefusedAz
             return ec2.run_instances(**call), az, attempts
         except Exception as exc:
             code, message = client_error(exc)
-            if is_unreachable(exc):
-                raise SubmissionError(f"{clients.conn_id}: RunInstances in {az} could not be "
-                                      f"sent: {exc}", retry_elsewhere=True) from exc
+            if is_unreachable(exc):  # sent, maybe acted on: "cut short", not "refused"
+                raise clients.error(exc, f"RunInstances in {az} got no answer (the instances "
+                                         "may have been launched all the same)") from exc
             attempts.append(f"{az}: {code}: {message}")
             if code not in CAPACITY_ERRORS:
                 break  # quota or a configuration error: no other AZ of the region helps
@@ -308,19 +309,41 @@ def delete_secrets(clients: AwsClients, settings: AwsSettings, region: str,
 # --- taking instances down -------------------------------------------------------------------
 
 
-def terminate(clients: AwsClients, region: str, job_name: str, known_ids: list[str],
-              cancelled: bool) -> tuple[list[str], str]:
-    """Terminate the job's instances that are not going already (found by its tag, plus
-    ``known_ids`` EC2 no longer lists): (their ids, why they could not be tagged cancelled or
-    ""). ``cancelled`` tags them first, so their status says "cancelled"."""
+def _owned(inst: dict, job_name: str, conn_id: str) -> bool:
+    """Do the instance's tags say it is ``job_name``'s of connection ``conn_id``?"""
+    tags = {t["Key"]: t["Value"] for t in inst.get("Tags") or []}
+    return tags.get(TAG_JOB) == job_name and tags.get(TAG_CONN) == conn_id
+
+
+def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
+              known_ids: list[str], cancelled: bool) -> tuple[list[str], str, list[str]]:
+    """Terminate the job's instances that are not going already: those tagged with its name
+    and connection, plus ``known_ids`` (the handle's, which came from XCom or a trigger's
+    kwargs) that the name filter did not list yet, once EC2 shows they carry the same tags.
+    Returns (the ids terminated, why they could not be tagged cancelled or "", what was
+    refused: ids whose tags are another job's or that EC2 does not show, with why).
+    ``cancelled`` tags them first, so their status says "cancelled"."""
     found = describe_instances(clients, region, [{"Name": f"tag:{TAG_JOB}",
                                                   "Values": [job_name]}])
-    alive = sorted({i["InstanceId"] for i in found
-                    if (i.get("State") or {}).get("Name") not in ("terminated", "shutting-down")})
     listed = {i["InstanceId"] for i in found}
-    alive += [i for i in known_ids if i not in listed]
+    refused: list[str] = []
+    others = sorted(set(known_ids) - listed)
+    if others:  # the handle names them: check them by id before anything is done to them
+        shown = describe_by_ids(clients, region, others)
+        for iid in others:
+            if iid not in shown:
+                refused.append(f"{iid}: not shown by EC2 (yet)")
+            elif not _owned(shown[iid], job_name, conn_id):
+                refused.append(f"{iid}: its tags are not job {job_name}'s on {conn_id}")
+            else:
+                found.append(shown[iid])
+    alive = sorted({i["InstanceId"] for i in found if _owned(i, job_name, conn_id)
+                    and (i.get("State") or {}).get("Name") not in ("terminated",
+                                                                   "shutting-down")})
+    refused += [f"{i['InstanceId']}: tagged {job_name} but of another connection"
+                for i in found if i["InstanceId"] in listed and not _owned(i, job_name, conn_id)]
     if not alive:
-        return [], ""
+        return [], "", refused
     ec2 = clients.client("ec2", region)
     untagged = ""
     if cancelled:
@@ -341,4 +364,4 @@ def terminate(clients: AwsClients, region: str, job_name: str, known_ids: list[s
             except Exception as one:
                 if not client_error(one)[0].startswith("InvalidInstanceID"):
                     raise clients.error(one, f"terminating {iid}") from one
-    return alive, untagged
+    return alive, untagged, refused

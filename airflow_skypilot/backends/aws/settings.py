@@ -48,6 +48,9 @@ class AwsSettings:
     ``boot_seconds`` (expected launch-to-running delay), ``log_interval`` /
     ``spot_check_interval`` (seconds, on the instance), ``ssm_prefix``, ``prices`` (instance type
     -> USD/h, over the shipped catalog), ``cpu_families`` (CPU-only tasks; default m6i), ``tags``.
+    ``request_timeout`` (seconds one AWS request may wait for an answer; default 20, up to three
+    attempts), ``launch_grace`` (seconds after a launch during which instances EC2 does not
+    list yet are "unknown", not gone; default 120: DescribeInstances is eventually consistent).
     """
 
     regions: list[str]
@@ -68,6 +71,8 @@ class AwsSettings:
     prices: dict[str, float] = field(default_factory=dict)
     cpu_families: list[str] = field(default_factory=lambda: ["m6i"])
     tags: dict[str, str] = field(default_factory=dict)
+    request_timeout: float = 20.0
+    launch_grace: float = 120.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> AwsSettings:
@@ -97,6 +102,9 @@ class AwsSettings:
             prices={str(k): float(v) for k, v in (extra.get("prices") or {}).items()},
             cpu_families=_strings(extra.get("cpu_families")) or ["m6i"],
             tags={str(k): str(v) for k, v in (extra.get("tags") or {}).items()},
+            request_timeout=max(1.0, float(extra.get("request_timeout") or 20.0)),
+            launch_grace=max(0.0, float(extra.get("launch_grace") if extra.get("launch_grace")
+                                        not in (None, "") else 120.0)),
         )
 
     @staticmethod

@@ -131,14 +131,17 @@ def build_markers(found: Iterable[tuple[str, int, str]], content: Mapping[str, s
 
 
 def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Markers,
-          now: float | None = None) -> JobStatus:
+          now: float | None = None, launched_at: float | None = None,
+          grace: float = 0.0) -> JobStatus:
     """A job's state from its instances and its S3 markers (SkyPilot's rule: the program's
     exit code decides when there is one; an allocation lost without one is infra).
 
     Every rank's exit code 0 -> SUCCEEDED; any non-zero -> FAILED with it (lowest rank first);
     a bootstrap error -> INFRA_FAILED; a spot notice or reclaim, or an instance that stopped or
     terminated without an exit code -> PREEMPTED (spot) / INFRA_FAILED (on-demand), unless we
-    terminated it (``cancelled`` tag) -> CANCELLED; no instance at all -> LOST; else
+    terminated it (``cancelled`` tag) -> CANCELLED; no instance at all -> LOST, except within
+    ``grace`` seconds of the launch (``launched_at``): DescribeInstances is eventually
+    consistent, so instances just launched may not be listed yet -> UNKNOWN; else
     PENDING/RUNNING.
     """
     now = time.time() if now is None else now
@@ -177,6 +180,11 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
                       + (f": {pending_preempt[rank]}" if pending_preempt[rank] else ""),
                       ended=markers.when(rank, "preempted"))
     if not instances:
+        age = now - launched_at if launched_at is not None else None
+        if age is not None and age < grace:
+            return status(JobState.UNKNOWN, f"launched {max(age, 0):.0f}s ago and not listed by "
+                                            "EC2 yet (DescribeInstances is eventually "
+                                            "consistent)")
         return status(JobState.LOST, "no instance of the job exists (never launched, or gone)")
     gone = [i for i in instances if i.state in GONE and i.rank not in markers.exit_codes]
     if gone:
@@ -199,13 +207,15 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
     return status(JobState.RUNNING, "")
 
 
-def judge_handle(handle: JobHandle, insts: list[InstanceView], markers: Markers) -> JobStatus:
-    """:func:`judge` for a handle: the instances of its own launch (its reservation), else the
-    newest launch under its name."""
+def judge_handle(handle: JobHandle, insts: list[InstanceView], markers: Markers,
+                 grace: float = 0.0, now: float | None = None) -> JobStatus:
+    """:func:`judge` for a handle: the instances of its own launch (its reservation; none of
+    them listed is none, never another launch's), else the newest launch under its name.
+    ``grace``: seconds after the launch during which unlisted instances are not yet gone."""
     res = handle.extra.get("reservation_id")
-    mine = [i for i in insts if i.reservation_id == res] if res else []
-    return judge(handle.num_nodes, bool(handle.extra.get("spot")),
-                 mine or newest_reservation(insts), markers)
+    mine = [i for i in insts if i.reservation_id == res] if res else newest_reservation(insts)
+    return judge(handle.num_nodes, bool(handle.extra.get("spot")), mine, markers, now=now,
+                 launched_at=handle.submitted_at or None, grace=grace)
 
 
 def needs_markers(insts: list[InstanceView]) -> bool:

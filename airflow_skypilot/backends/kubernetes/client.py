@@ -5,7 +5,9 @@ read the connection's kubeconfig, context and in-cluster extras. :class:`KubeCli
 every call with ``_preload_content=False`` and parses the JSON itself (the generated models
 are slow and lossy), and turns errors into ours: an error status is :class:`KubeApiError`
 (callers decide what 403/404/409 mean), no answer or refused credentials is
-:class:`~airflow_skypilot.exceptions.BackendUnreachable`.
+:class:`~airflow_skypilot.exceptions.BackendUnreachable`, and so is an API server that answered
+only that it cannot answer now (429, 5xx: :class:`KubeApiUnavailable`, both at once). Every
+call waits at most the connection's ``request_timeout``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ class KubeApiError(BackendError):
         self.status = status
 
 
+class KubeApiUnavailable(KubeApiError, BackendUnreachable):
+    """The API server answered that it cannot answer now (overloaded, etcd down): "could not
+    ask", never an answer about a job."""
+
+
 def api_error(conn_id: str, status: int | None, body: Any) -> BackendError:
-    """An API error status -> KubeApiError (or BackendUnreachable: no answer, no auth)."""
+    """An API error status -> KubeApiError (or BackendUnreachable: no answer, no auth, or
+    the server cannot answer now)."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body or "")
     try:
         message = json.loads(text).get("message") or text
@@ -41,7 +49,23 @@ def api_error(conn_id: str, status: int | None, body: Any) -> BackendError:
         return BackendUnreachable(f"{conn_id}: Kubernetes API unreachable: {message}")
     if status == 401:
         return BackendUnreachable(f"{conn_id}: Kubernetes API refused the credentials: {message}")
+    if status == 429 or status >= 500:
+        return KubeApiUnavailable(status, f"{conn_id}: Kubernetes API cannot answer now: "
+                                          f"{message}")
     return KubeApiError(status, message)
+
+
+def _no_read_retries(api_client: Any) -> None:
+    """urllib3 tries a request four times by default, a read timeout too: a silent API server
+    would cost four ``request_timeout``s a call. Connection errors are still retried (twice);
+    an answer that does not come is not waited for again (the next poll asks anyway)."""
+    from urllib3.util import Retry
+
+    pool = getattr(getattr(api_client, "rest_client", None), "pool_manager", None)
+    kw = getattr(pool, "connection_pool_kw", None)
+    if isinstance(kw, dict) and not isinstance(kw.get("retries"), Retry):
+        kw["retries"] = Retry(total=2, connect=2, read=0, status=0, redirect=0)
+        pool.clear()  # pools made before this keep their own retries
 
 
 def truthy(value: Any) -> bool:
@@ -90,7 +114,9 @@ class KubeClient(LoggingMixin):
         """The sync ``CoreV1Api`` and ``BatchV1Api``."""
         try:
             hook = self._sync_hook()
-            return hook.core_v1_client, hook.batch_v1_client
+            core, batch = hook.core_v1_client, hook.batch_v1_client
+            _no_read_retries(core.api_client)
+            return core, batch
         except Exception as exc:  # bad kubeconfig, missing context, no in-cluster env
             self._hook = None
             raise BackendUnreachable(f"{self.conn_id}: cannot load the Kubernetes "

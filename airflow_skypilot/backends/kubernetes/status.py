@@ -323,6 +323,8 @@ def list_all(client: KubeClient, groups: Mapping[str, list[JobHandle]],
     for call in calls:
         try:
             results.append(call())
+        except BackendUnreachable as exc:  # the next would wait for the same silence
+            return results + [exc] * (len(calls) - len(results))
         except BackendError as exc:  # judged by listed(), as alist_all's gathered errors are
             results.append(exc)
     return results

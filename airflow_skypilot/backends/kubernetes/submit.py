@@ -38,7 +38,7 @@ from airflow_skypilot.backends.kubernetes.names import (
 )
 from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
 from airflow_skypilot.backends.kubernetes.status import pods_of
-from airflow_skypilot.exceptions import SubmissionError
+from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
 from airflow_skypilot.spec.task import Task
 
 #: the Job conditions that are a verdict
@@ -135,6 +135,8 @@ def create_job(client: KubeClient, settings: KubernetesSettings,
             job = get_job(client, settings.namespace, job_name)
             if job is not None:
                 return job, False
+        if isinstance(exc, BackendUnreachable):  # no answer: the Job may exist all the same
+            raise
         raise SubmissionError(f"creating Job {job_name} in {settings.location} failed: {exc}",
                               retry_elsewhere=True) from exc
 
@@ -229,6 +231,8 @@ def cancel(client: KubeClient, namespace: str, job_name: str,
                         [mark, {"op": "replace", "path": "/spec/suspend", "value": True}])
             done.append("marked cancelled and suspended")
         except KubeApiError as exc:
+            if isinstance(exc, BackendUnreachable):  # not an answer: nothing is known
+                raise
             if exc.status == 404:  # gone meanwhile: only its dependents may be left
                 job, pods = None, None
             else:  # may not be patched: stop it the only other way (it then reads LOST)

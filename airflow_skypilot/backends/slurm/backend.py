@@ -6,20 +6,25 @@ by the modules this class delegates to:
 
 probe / capacity
     one command (:mod:`.cluster`), read into offers and ``show-gpus`` rows (:mod:`.offers`).
-submit / find / cancel
+submit / find / cancel / cleanup
     the job's files over SFTP, then ``sbatch`` under ``flock``; a job dir that already has a
-    job id, or a queued job of the same name, is adopted: never two jobs for one name
-    (:mod:`.submit`).
+    job id, or a job of the same name Slurm knows, is adopted: never two jobs for one name
+    (:mod:`.submit`). The same command removes job dirs past ``log_retention_days``.
 poll / status
-    one command for all watched jobs (:mod:`.status`).
+    one command for all watched jobs (:mod:`.status`); squeue that did not answer is
+    "could not ask" (UNKNOWN), never "gone".
 read_log / aread_logs
     byte offsets into each job's ``slurm.log``, many jobs per command (:mod:`.logs`).
 
-The SSH side (paramiko in the worker, asyncssh in the triggerer) is :mod:`.remote`.
+The SSH side (paramiko in the worker, asyncssh in the triggerer) is :mod:`.remote`. Every
+Slurm command runs under ``timeout`` (``slurm_timeout``, default 20 s) and every SSH command
+has its own limit (``command_timeout``, default 60 s, raised where a script runs several Slurm
+commands), so a paused slurmctld or a hung login node is BackendUnreachable in bounded time.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from airflow_skypilot.backends.base import Backend, CapacityRow, JobHandle, JobStatus, Offer
@@ -27,7 +32,12 @@ from airflow_skypilot.backends.common.features import Feature
 from airflow_skypilot.backends.slurm import logs, offers
 from airflow_skypilot.backends.slurm import status as jobstatus
 from airflow_skypilot.backends.slurm import submit as jobs
-from airflow_skypilot.backends.slurm.cluster import ClusterState, parse_cluster, probe_script
+from airflow_skypilot.backends.slurm.cluster import (
+    ClusterState,
+    parse_cluster,
+    probe_failed,
+    probe_script,
+)
 from airflow_skypilot.backends.slurm.remote import SSHRunner, aload_asyncssh
 from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings, task_conflicts
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
@@ -71,7 +81,8 @@ class SlurmBackend(Backend):
     def remote(self) -> SSHRunner:
         """The login node (connects on first use)."""
         if self._remote is None:
-            self._remote = SSHRunner(self.conn_id, self.settings.command_timeout)
+            s = self.settings
+            self._remote = SSHRunner(self.conn_id, s.command_timeout, s.upload_timeout)
         return self._remote
 
     def close(self) -> None:
@@ -91,14 +102,23 @@ class SlurmBackend(Backend):
         """The declared features, and the task's sbatch options this connection owns."""
         return super().unsupported(task, req) or task_conflicts(task, self.settings)
 
+    def _budget(self, slurm_commands: int) -> float:
+        """The SSH command limit of a script that runs ``slurm_commands`` bounded Slurm
+        commands one after the other."""
+        s = self.settings
+        return max(s.command_timeout, slurm_commands * s.slurm_timeout + 15)
+
     def cluster_state(self, task: Task | None = None) -> ClusterState:
         """Probe the cluster (with Slurm's start estimate for ``task``'s shapes, if given)."""
         s = self.settings
         shapes = offers.probe_shapes(task, s) if task else []
         rc, out, err = self.remote.run(
-            probe_script(s.common_sbatch_args(), s.partitions, shapes))
+            probe_script(s.common_sbatch_args(), s.partitions, shapes, s.slurm_timeout),
+            self._budget(3))
         if "@@nodes" not in out:
             raise BackendError(f"{self.conn_id}: probe failed (exit {rc}): {err.strip()[-300:]}")
+        if failed := probe_failed(out):
+            raise BackendUnreachable(f"{self.conn_id}: {failed}: {err.strip()[-300:]}")
         return parse_cluster(out)
 
     def probe(self, task: Task) -> list[Offer]:
@@ -109,20 +129,27 @@ class SlurmBackend(Backend):
         return offers.capacity_rows(self.cluster_state(), self.settings, self.conn_id)
 
     # --- jobs --------------------------------------------------------------------------------
-    def _lookup(self, job_name: str) -> tuple[JobHandle | None, str]:
-        rc, out, err = self.remote.run(jobs.lookup_script(self.settings, job_name))
-        return jobs.parse_lookup(out, self.settings, self.conn_id, job_name)
+    def _lookup(self, job_name: str) -> tuple[JobHandle | None, str, str]:
+        """(the job of that name, ``$HOME``, the other cluster whose job its dir holds)."""
+        _, out, _ = self.remote.run(jobs.lookup_script(self.settings, job_name),
+                                    self._budget(1))
+        handle, home = jobs.parse_lookup(out, self.settings, self.conn_id, job_name)
+        return handle, home, jobs.dir_owner(out, self.settings)
 
     def find(self, job_name: str) -> JobHandle | None:
         return self._lookup(job_name)[0]
 
     def find_all(self, prefix: str) -> list[JobHandle]:
-        _, out, _ = self.remote.run(jobs.find_all_script(self.settings, prefix))
+        _, out, _ = self.remote.run(jobs.find_all_script(self.settings, prefix),
+                                    self._budget(1))
         return jobs.parse_find_all(out, self.settings, self.conn_id, prefix)
 
     def submit(self, task: Task, offer: Offer, job_name: str,
                env: Mapping[str, str]) -> JobHandle:
-        existing, home = self._lookup(job_name)
+        existing, home, owner = self._lookup(job_name)
+        if owner:
+            raise SubmissionError(f"{self.conn_id}: the job dir of {job_name} holds a job of "
+                                  f"cluster {owner} (a home both share)", retry_elsewhere=True)
         if existing is not None:
             self.log.info("Adopting Slurm job %s (%s) on %s: it was submitted before",
                           existing.job_id, job_name, self.conn_id)
@@ -131,28 +158,43 @@ class SlurmBackend(Backend):
             raise SubmissionError(why, retry_elsewhere=True)
         if not home:
             raise SubmissionError(f"{self.conn_id}: could not learn the remote $HOME")
-        job_dir = jobs.remote_job_dir(self.settings, job_name, home)
-        files = jobs.render(task, offer, self.settings, job_name, env, job_dir)
+        s = self.settings
+        job_dir = jobs.remote_job_dir(s, job_name, home)
+        submitted_at = time.time()
+        files = jobs.render(task, offer, s, job_name, env, job_dir, submitted_at)
         self.remote.upload(jobs.upload_plan(task, job_dir, files, home), job_dir)
-        rc, out, err = self.remote.run(jobs.submit_script(job_dir, job_name))
-        job_id, adopted = jobs.parse_submitted(rc, out, err, self.conn_id)
+        # the lock, sbatch and the clean-up's squeue: three bounded Slurm waits
+        rc, out, err = self.remote.run(jobs.submit_script(job_dir, job_name, s),
+                                       self._budget(3))
+        job_id, adopted, removed = jobs.parse_submitted(rc, out, err, self.conn_id)
+        if removed:
+            self.log.info("Removed %d job dir(s) on %s older than %g days: %s", len(removed),
+                          self.conn_id, s.log_retention_days, ", ".join(removed))
         self.log.info("Submitted Slurm job %s (%s) to %s partition %s", job_id, job_name,
                       self.conn_id, offer.location)
         return jobs.submitted_handle(task, offer, self.conn_id, job_id, job_name, job_dir,
-                                     adopted)
+                                     adopted, submitted_at)
 
     def cancel(self, handle: JobHandle) -> None:
-        rc, out, err = self.remote.run(jobs.cancel_script(handle))
-        if rc != 0 and "Invalid job id" not in out + err:
-            raise BackendError(f"scancel {handle.job_id} on {self.conn_id} failed: "
-                               f"{(out + err).strip()}")
+        rc, out, err = self.remote.run(jobs.cancel_script(handle, self.settings.slurm_timeout),
+                                       self._budget(1))
+        jobs.check_cancelled(rc, out, err, handle)
         self.log.info("Cancelled Slurm job %s on %s", handle.job_id, self.conn_id)
 
     def cleanup(self, handle: JobHandle) -> None:
-        if script := jobs.cleanup_script(handle):
-            self.remote.run(script)
+        """Drop the job's secrets; its workdir copy and scripts too once Slurm no longer has
+        it queued or running (its log stays for ``log_retention_days``)."""
+        if script := jobs.cleanup_script(handle, self.settings.slurm_timeout):
+            _, out, _ = self.remote.run(script, self._budget(1))
+            if "@@kept" in out:
+                self.log.info("Kept the files of Slurm job %s on %s (it may still run); "
+                              "they go with its dir after %g days", handle.job_id,
+                              self.conn_id, self.settings.log_retention_days)
 
     # --- status ------------------------------------------------------------------------------
+    def _status_script(self, handles: list[JobHandle]) -> str:
+        return jobstatus.status_script(handles, self.settings.slurm_timeout)
+
     def _statuses(self, out: str, err: str, handles: list[JobHandle]) -> dict[str, JobStatus]:
         if jobstatus.ANSWERED not in out:
             raise BackendUnreachable(f"{self.conn_id}: status query failed: {err.strip()[-200:]}")
@@ -161,13 +203,13 @@ class SlurmBackend(Backend):
     async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         if not handles:
             return {}
-        rc, out, err = await self.remote.arun(jobstatus.status_script(handles))
+        rc, out, err = await self.remote.arun(self._status_script(handles), self._budget(2))
         return self._statuses(out, err, handles)
 
     def status(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         if not handles:
             return {}
-        rc, out, err = self.remote.run(jobstatus.status_script(handles))
+        rc, out, err = self.remote.run(self._status_script(handles), self._budget(2))
         return self._statuses(out, err, handles)
 
     # --- logs --------------------------------------------------------------------------------

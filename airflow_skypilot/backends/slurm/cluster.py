@@ -5,6 +5,10 @@ The probe uses only portable ``-o``/``-O`` formats that Slurm 22.05 to today pri
 ``sinfo -o`` (partitions), ``squeue -t PENDING`` (queue depth) and ``sbatch --test-only``
 (Slurm's own estimate of when a job of each shape would start; it submits nothing).
 ``sinfo -N`` repeats a node once per partition: the parser counts it once.
+
+Each Slurm command runs under ``timeout`` and its exit status is reported: a failed ``sinfo``
+or ``squeue`` (slurmctld down, paused) makes the probe "could not ask" (:func:`probe_failed`),
+not an empty cluster.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from airflow_skypilot.backends.slurm.shell import parse_int, parse_sections
+from airflow_skypilot.backends.slurm.shell import (
+    bounded,
+    parse_int,
+    parse_sections,
+    section_rc,
+)
 
 #: Node states in which a node cannot start a job now (any of these words in sinfo's StateLong)
 _BAD_STATES = ("down", "drain", "fail", "maint", "reserved", "power", "future", "inval",
@@ -84,12 +93,15 @@ PROBE_SCRIPT = r"""
 echo "@@now"; date +%s
 echo "@@home"; printf '%s\n' "$HOME"
 echo "@@nodes"
-sinfo -h -N -O \
+_t sinfo -h -N -O \
   'NodeList:|,Partition:|,StateLong:|,CPUsState:|,Memory:|,AllocMem:|,Gres:|,GresUsed:|,NodeAddr:|'
+rc=$?; printf "@@nodes_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@partitions"
-sinfo -h -o '%R|%a|%l'
+_t sinfo -h -o '%R|%a|%l'
+rc=$?; printf "@@partitions_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@pending"
-squeue -h -t PENDING -o '%i|%P|%D|%r'
+_t squeue -h -t PENDING -o '%i|%P|%D|%r'
+rc=$?; printf "@@pending_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@testonly"
 test_one() {  # partition gres_type gpus nodes cpus mem_mb
   local gres=()
@@ -100,7 +112,7 @@ test_one() {  # partition gres_type gpus nodes cpus mem_mb
   [ "$5" -gt 0 ] && extra+=(--cpus-per-task="$5")
   [ "$6" -gt 0 ] && extra+=(--mem="${6}M")
   local out when
-  out=$(sbatch --test-only --wrap=true -p "$1" -N "$4" "${gres[@]}" "${extra[@]}" \
+  out=$(_t sbatch --test-only --wrap=true -p "$1" -N "$4" "${gres[@]}" "${extra[@]}" \
         "${COMMON[@]}" 2>&1 | tail -n 1)
   when=$(printf '%s\n' "$out" | sed -n 's/.* to start at \([^ ]*\) .*/\1/p')
   if [ -n "$when" ]; then when=$(date -d "$when" +%s 2>/dev/null || echo "$out"); else when=$out; fi
@@ -128,16 +140,28 @@ done | sort -u
 
 
 def probe_script(common_args: Sequence[str], partitions: Sequence[str] | None,
-                 shapes: Sequence[Shape]) -> str:
+                 shapes: Sequence[Shape], slurm_timeout: float = 20.0) -> str:
     """The probe for ``partitions`` (all when None), with a ``--test-only`` per shape."""
     common = " ".join(shlex.quote(a) for a in common_args)
     parts = " ".join(partitions or [])
     return "\n".join([
+        bounded(slurm_timeout),
         f"COMMON=({common})",
         f"PARTS={shlex.quote(parts)}",
         f"SHAPES={shlex.quote(' '.join(':'.join(map(str, s)) for s in shapes))}",
         PROBE_SCRIPT,
     ])
+
+
+def probe_failed(output: str) -> str:
+    """Why the probe's Slurm commands did not answer ("" when they all did)."""
+    sec = parse_sections(output)
+    for name, what in (("nodes", "sinfo"), ("partitions", "sinfo"), ("pending", "squeue")):
+        rc = section_rc(sec, name)
+        if rc != 0:
+            how = "did not answer in time" if rc in (124, 137) else f"failed (exit {rc})"
+            return f"{what} {how}: could not ask slurmctld"
+    return ""
 
 
 def parse_gres(text: str) -> dict[str, int]:

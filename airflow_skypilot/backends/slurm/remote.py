@@ -5,8 +5,14 @@ each with one cached connection. Scripts go on stdin to ``bash -s``, never on a 
 Anything that means "could not ask" (no route, auth refused, timeout, connection lost) is
 :class:`BackendUnreachable`; the connection is dropped so the next call connects again.
 
+Every wait is bounded: connecting (TCP, banner, authentication: :data:`CONNECT_TIMEOUT` each),
+opening a channel, and each command (its limit; a watchdog closes the connection should the
+server stop answering half way, which paramiko alone would wait on for ever).
+
 Uploads are a list of steps (:class:`MakeDirs`, :class:`Chmod`, :class:`WriteFile`,
-:class:`PutFile`) planned elsewhere (no remote I/O there) and applied here, in order.
+:class:`PutFile`) planned elsewhere (no remote I/O there) and applied here, in order, over one
+SFTP channel: each SFTP request may take ``command_timeout`` and the whole upload
+``upload_timeout``; past either it is a SubmissionError (nothing was submitted yet).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import importlib
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +70,13 @@ class PutFile:
 
 UploadStep = MakeDirs | Chmod | WriteFile | PutFile
 
+#: seconds for each step of connecting: the TCP connect, the server's banner, authentication
+CONNECT_TIMEOUT = 15
+
+
+class UploadTimeout(OSError):
+    """The upload ran past its time."""
+
 
 async def aload_asyncssh() -> None:
     """Import asyncssh in a thread: the ssh provider imports it inside ``get_conn()``, which
@@ -73,9 +87,10 @@ async def aload_asyncssh() -> None:
 class SSHRunner:
     """Runs scripts on (and uploads to) the login node of one connection."""
 
-    def __init__(self, conn_id: str, command_timeout: float):
+    def __init__(self, conn_id: str, command_timeout: float, upload_timeout: float = 600.0):
         self.conn_id = conn_id
         self.command_timeout = command_timeout
+        self.upload_timeout = upload_timeout
         self._hook: Any = None
         self._ahook: Any = None
         self._aconn: Any = None
@@ -87,8 +102,10 @@ class SSHRunner:
         from airflow.providers.ssh.hooks.ssh import SSHHook
 
         if self._hook is None:
-            self._hook = SSHHook(ssh_conn_id=self.conn_id, conn_timeout=15,
-                                 cmd_timeout=self.command_timeout, conn_retry_attempts=1)
+            self._hook = SSHHook(ssh_conn_id=self.conn_id, conn_timeout=CONNECT_TIMEOUT,
+                                 cmd_timeout=self.command_timeout, conn_retry_attempts=1,
+                                 banner_timeout=CONNECT_TIMEOUT,
+                                 auth_timeout=CONNECT_TIMEOUT)
         try:
             return self._hook.get_conn()
         except Exception as exc:  # paramiko raises many kinds; all mean "cannot reach"
@@ -100,13 +117,22 @@ class SSHRunner:
             self._hook.client.close()
             self._hook.client = None
 
+    def _watchdog(self, seconds: float) -> threading.Timer:
+        """Close the connection after ``seconds``: a server that stopped answering half way
+        (paramiko waits on some replies without a limit) ends the call with an error."""
+        timer = threading.Timer(seconds, self.close)
+        timer.daemon = True
+        timer.start()
+        return timer
+
     def run(self, script: str, timeout: float | None = None) -> tuple[int, str, str]:
         """Run a bash script on the login node: (exit status, stdout, stderr)."""
         client = self.client()
         timeout = timeout or self.command_timeout
+        watchdog = self._watchdog(timeout + CONNECT_TIMEOUT)
         try:
             transport = client.get_transport()
-            chan = transport.open_session(timeout=15)
+            chan = transport.open_session(timeout=CONNECT_TIMEOUT)
             chan.settimeout(timeout)
             chan.exec_command("bash -s")
             chan.sendall(script.encode())
@@ -129,6 +155,8 @@ class SSHRunner:
                         chan.close()
                         raise BackendUnreachable(
                             f"{self.conn_id}: command did not finish within {timeout:g}s")
+                    if chan.closed or not transport.is_active():
+                        raise BackendUnreachable(f"{self.conn_id}: connection lost")
                     time.sleep(0.01)
             rc = chan.recv_exit_status()
             chan.close()
@@ -137,25 +165,51 @@ class SSHRunner:
             self.close()
             raise BackendUnreachable(f"{self.conn_id}: connection lost: {exc}") from exc
         except Exception as exc:
+            self.close()
             if isinstance(exc, BackendError):
                 raise
-            self.close()
             raise BackendUnreachable(f"{self.conn_id}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            watchdog.cancel()
 
     def upload(self, steps: Sequence[UploadStep], job_dir: str) -> None:
-        """Apply ``steps`` over one SFTP session; failures are the job's ``SubmissionError``."""
+        """Apply ``steps`` over one SFTP channel; failures are the job's ``SubmissionError``
+        (each request bounded by ``command_timeout``, the whole by ``upload_timeout``)."""
+        import paramiko
+
         client = self.client()
+        deadline = time.monotonic() + self.upload_timeout
+        watchdog = self._watchdog(self.upload_timeout + CONNECT_TIMEOUT)
         try:
-            sftp = client.open_sftp()
-        except Exception as exc:
-            raise SubmissionError(f"{self.conn_id}: SFTP unavailable: {exc}") from exc
-        try:
-            for step in steps:
-                _apply(sftp, step)
-        except (OSError, EOFError) as exc:
-            raise SubmissionError(f"{self.conn_id}: upload to {job_dir} failed: {exc}") from exc
+            try:
+                chan = client.get_transport().open_session(timeout=CONNECT_TIMEOUT)
+                chan.settimeout(self.command_timeout)
+                chan.invoke_subsystem("sftp")
+                sftp = paramiko.SFTPClient(chan)
+            except Exception as exc:
+                self.close()
+                raise SubmissionError(f"{self.conn_id}: SFTP unavailable: {exc}") from exc
+            try:
+                for step in steps:
+                    _apply(sftp, step, deadline)
+            except (OSError, EOFError, paramiko.SSHException) as exc:
+                if isinstance(exc, UploadTimeout) or time.monotonic() > deadline:
+                    self.close()
+                    raise SubmissionError(f"{self.conn_id}: upload to {job_dir} did not finish "
+                                          f"within {self.upload_timeout:g}s") from exc
+                if isinstance(exc, TimeoutError):
+                    self.close()
+                    raise SubmissionError(f"{self.conn_id}: upload to {job_dir}: no answer "
+                                          f"within {self.command_timeout:g}s") from exc
+                raise SubmissionError(f"{self.conn_id}: upload to {job_dir} failed: {exc}") \
+                    from exc
+            finally:
+                try:
+                    sftp.close()
+                except Exception:  # a channel the watchdog closed: nothing left to close
+                    pass
         finally:
-            sftp.close()
+            watchdog.cancel()
 
     # --- async (triggerer) --------------------------------------------------------------------
     async def arun(self, script: str, timeout: float | None = None) -> tuple[int, str, str]:
@@ -190,7 +244,12 @@ class SSHRunner:
             self._aconn = None
 
 
-def _apply(sftp: Any, step: UploadStep) -> None:
+def _apply(sftp: Any, step: UploadStep, deadline: float = float("inf")) -> None:
+    def in_time(*_: Any) -> None:
+        if time.monotonic() > deadline:
+            raise UploadTimeout("the upload ran past its time")
+
+    in_time()
     if isinstance(step, MakeDirs):
         _makedirs(sftp, step.path, step.mode)
     elif isinstance(step, Chmod):
@@ -200,7 +259,7 @@ def _apply(sftp: Any, step: UploadStep) -> None:
             sftp.chmod(step.path, step.mode)  # before any byte is written
             fh.write(step.content.encode())
     else:
-        sftp.put(step.local, step.remote)
+        sftp.put(step.local, step.remote, callback=in_time)
         if step.keep_mode:
             sftp.chmod(step.remote, stat.S_IMODE(os.stat(step.local).st_mode))
 

@@ -42,7 +42,15 @@ class SlurmSettings:
     remote_work_dir: str = "~/.airflow-skypilot"
     price_per_gpu_hour: float = 0.0
     price_per_node_hour: float = 0.0
+    #: seconds one SSH command (a whole script) may take
     command_timeout: float = 60.0
+    #: seconds one Slurm client command (squeue, sacct, sbatch, scancel...) may take on the
+    #: login node: a paused or overloaded slurmctld makes them wait far longer on their own
+    slurm_timeout: float = 20.0
+    #: seconds the upload of a job's files (workdir, file mounts) may take in all
+    upload_timeout: float = 600.0
+    #: days a finished job's dir (its log) is kept on the login node; <= 0: kept for ever
+    log_retention_days: float = 7.0
 
     @classmethod
     def from_extra(cls, conn_id: str, extra: Mapping[str, Any]) -> SlurmSettings:
@@ -78,7 +86,10 @@ class SlurmSettings:
             remote_work_dir=str(extra.get("remote_work_dir") or "~/.airflow-skypilot"),
             price_per_gpu_hour=float(extra.get("price_per_gpu_hour") or 0.0),
             price_per_node_hour=float(extra.get("price_per_node_hour") or 0.0),
-            command_timeout=float(extra.get("command_timeout") or 60.0),
+            command_timeout=_seconds(conn_id, extra, "command_timeout", 60.0),
+            slurm_timeout=_seconds(conn_id, extra, "slurm_timeout", 20.0),
+            upload_timeout=_seconds(conn_id, extra, "upload_timeout", 600.0),
+            log_retention_days=_number(conn_id, extra, "log_retention_days", 7.0),
         )
 
     @classmethod
@@ -120,6 +131,25 @@ class SlurmSettings:
 #: the extras that become sbatch arguments or remote paths: no control characters there
 _TEXT_EXTRAS = ("cluster", "partitions", "account", "qos", "constraint", "reservation",
                 "sbatch_options", "time_limit", "remote_work_dir")
+
+
+def _number(conn_id: str, extra: Mapping[str, Any], name: str, default: float) -> float:
+    value = extra.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"connection {conn_id!r}: extra {name!r} must be a number; "
+                                 f"got {value!r}") from None
+
+
+def _seconds(conn_id: str, extra: Mapping[str, Any], name: str, default: float) -> float:
+    value = _number(conn_id, extra, name, default)
+    if value <= 0:
+        raise ConfigurationError(f"connection {conn_id!r}: extra {name!r} must be a number of "
+                                 f"seconds above 0; got {value!r}")
+    return value
 
 
 def _check_extras(conn_id: str, extra: Mapping[str, Any]) -> None:

@@ -4,18 +4,39 @@ The status script asks ``squeue -t all -u $USER`` (jobs still in the queue or ju
 ``sacct`` where accounting exists, and each job's ``exit_code`` file (written by the job itself)
 for jobs that already left the queue. Slurm states map to ours by SkyPilot's rule: the
 allocation is gone (node failure, preemption) -> infra; the program exited non-zero -> user.
-A job none of the three knows is ``LOST``, but only on an answer that came back: a script that
-did not run (no ``@@squeue`` section) is "could not ask", never "gone".
+
+Who is authoritative for what ("could not ask" is never "gone"):
+
+- ``squeue`` (slurmctld's memory) alone says whether a job is still alive, and only when it
+  exited 0: a failed, killed or timed-out squeue (slurmctld down, paused, overloaded) answers
+  nothing, and its partial output is not read.
+- ``sacct`` (slurmdbd) and the ``exit_code`` file only tell how a job that left the queue
+  ended; sacct counts only when it exited 0 (clusters without accounting make it fail).
+- A job that none of them knows is ``LOST`` only when squeue answered. When squeue did not,
+  such a job is ``UNKNOWN``; a script that did not run at all (no ``@@squeue_rc``) is
+  BackendUnreachable for every job.
+
+Every Slurm command runs under ``timeout`` (:func:`~.shell.bounded`). Times are asked for as
+epoch seconds (``SLURM_TIME_FORMAT=%s``: squeue and sacct print the cluster's local time
+otherwise); a cluster that prints a date anyway is read with the UTC offset its ``date +%z``
+gave in the same command.
 """
 
 from __future__ import annotations
 
+import calendar
 import shlex
 import time
 from collections.abc import Sequence
 
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
-from airflow_skypilot.backends.slurm.shell import parse_int, parse_sections
+from airflow_skypilot.backends.slurm.shell import (
+    bounded,
+    parse_int,
+    parse_sections,
+    rc_line,
+    section_rc,
+)
 
 #: squeue/sacct state -> our state (SkyPilot's rule: the allocation is gone -> infra)
 STATE_MAP: dict[str, JobState] = {
@@ -45,18 +66,25 @@ STATE_MAP: dict[str, JobState] = {
     "STOPPED": JobState.RUNNING,
 }
 
-#: the section whose presence proves the status script ran
-ANSWERED = "@@squeue"
+#: the section whose presence proves the status script ran to its end
+ANSWERED = "@@exits"
+#: Slurm's time stamps as epoch seconds (squeue %S/%e, sacct Start/End)
+EPOCH_TIMES = "env SLURM_TIME_FORMAT=%s"
 
 
-def status_script(handles: Sequence[JobHandle]) -> str:
+def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0) -> str:
     """One script that reports on every job of ``handles``."""
     ids = ",".join(shlex.quote(h.job_id) for h in handles)
     lines = [
+        bounded(slurm_timeout),
+        'printf "@@tz\\n%s\\n" "$(date +%z)"',
         "echo @@squeue",
-        "squeue -h -t all -u \"$USER\" -o '%i|%j|%T|%r|%N|%S|%e'",
+        f"_t {EPOCH_TIMES} squeue -h -t all -u \"$USER\" -o '%i|%j|%T|%r|%N|%S|%e'",
+        rc_line("squeue"),
         "echo @@sacct",
-        f"sacct -n -P -X -j {ids} -o JobIDRaw,State,ExitCode,Start,End 2>/dev/null || true",
+        f"_t {EPOCH_TIMES} sacct -n -P -X -j {ids} -o JobIDRaw,State,ExitCode,Start,End "
+        "2>/dev/null",
+        rc_line("sacct"),
         "echo @@exits",
     ]
     for h in handles:
@@ -69,15 +97,19 @@ def status_script(handles: Sequence[JobHandle]) -> str:
 
 
 def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStatus]:
-    """The status script's output -> a JobStatus per watched job id."""
+    """The status script's output -> a JobStatus per watched job id (see the module's rules
+    of who is authoritative)."""
     sec = parse_sections(output)
+    offset = _utc_offset((sec.get("tz") or [""])[0])
+    squeue_rc = section_rc(sec, "squeue")
+    answered = squeue_rc == 0
     queue: dict[str, list[str]] = {}
-    for line in sec.get("squeue", []):
+    for line in sec.get("squeue", []) if answered else []:
         parts = line.split("|")
         if len(parts) >= 6:
             queue[parts[0].strip()] = [p.strip() for p in parts]
     accounted: dict[str, list[str]] = {}
-    for line in sec.get("sacct", []):
+    for line in sec.get("sacct", []) if section_rc(sec, "sacct") == 0 else []:
         parts = line.split("|")
         if len(parts) >= 3 and "." not in parts[0]:
             accounted[parts[0].strip()] = [p.strip() for p in parts]
@@ -93,36 +125,66 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
         if jid in queue:
             # id|name|state|reason|nodes|start|end
             _, _, raw, reason, nodes, start, end = (queue[jid] + [""] * 7)[:7]
-            out[jid] = _status_from(raw, reason, exit_code, nodes, start, end)
+            out[jid] = _status_from(raw, reason, exit_code, nodes, start, end, offset)
         elif jid in accounted:
-            _, raw, code, *_ = accounted[jid] + ["", "", ""]
+            _, raw, code, start, end = (accounted[jid] + [""] * 5)[:5]
             sacct_code = parse_int(code.split(":")[0], None) if code else None  # type: ignore[arg-type]
-            out[jid] = _status_from(raw.split()[0], "", exit_code if exit_code is not None
-                                    else sacct_code, "", "", "")
+            out[jid] = _status_from(raw, "", exit_code if exit_code is not None
+                                    else sacct_code, "", start, end, offset)
         elif exit_code is not None:
             state = JobState.SUCCEEDED if exit_code == 0 else JobState.FAILED
             out[jid] = JobStatus(state, reason="" if exit_code == 0 else f"exit code {exit_code}",
                                  exit_code=exit_code, raw_state="(exit file)")
-        else:
+        elif answered:
             out[jid] = JobStatus(JobState.LOST, reason="job is no longer known to Slurm and left "
                                                       "no exit code", raw_state="(vanished)")
+        else:
+            why = "timed out" if squeue_rc in (124, 137) else f"failed (exit {squeue_rc})"
+            out[jid] = JobStatus(JobState.UNKNOWN, reason=f"squeue {why}: slurmctld did not "
+                                                          "answer", raw_state="(no answer)")
     return out
 
 
-def _epoch(text: str) -> float | None:
-    if not text or text in ("N/A", "Unknown", "None"):
+def _utc_offset(text: str) -> float | None:
+    """``date +%z`` (``+0530``) -> seconds east of UTC; None when it is not one."""
+    text = text.strip()
+    if len(text) != 5 or text[0] not in "+-" or not text[1:].isdigit():
         return None
+    seconds = int(text[1:3]) * 3600 + int(text[3:5]) * 60
+    return float(seconds if text[0] == "+" else -seconds)
+
+
+def epoch(text: str, utc_offset: float | None = None) -> float | None:
+    """A Slurm time stamp -> epoch seconds: digits (``SLURM_TIME_FORMAT=%s``) as they are; a
+    date (the cluster's local time) with the cluster's ``utc_offset``, else this host's zone."""
+    text = (text or "").strip()
+    if not text or text in ("N/A", "Unknown", "None", "0"):
+        return None
+    if text.isdigit():
+        return float(text)
     try:
-        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+        parsed = time.strptime(text, "%Y-%m-%dT%H:%M:%S")
     except ValueError:
         return None
+    if utc_offset is None:
+        return time.mktime(parsed)
+    return float(calendar.timegm(parsed)) - utc_offset
 
 
 def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start: str,
-                 end: str) -> JobStatus:
-    raw = raw.upper().split()[0] if raw else "UNKNOWN"
-    raw = raw.rstrip("+")
-    state = STATE_MAP.get(raw, JobState.LOST)
+                 end: str, utc_offset: float | None = None) -> JobStatus:
+    words = raw.upper().split()
+    if not words:  # sacct can print an empty State: the job is known, its state is not
+        return JobStatus(JobState.UNKNOWN, reason="Slurm gave no state for the job",
+                         exit_code=exit_code, raw_state="")
+    raw = words[0].rstrip("+")
+    # a state this module does not know (a newer Slurm) says the job exists: not "gone"
+    state = STATE_MAP.get(raw, JobState.UNKNOWN)
+    if raw == "COMPLETING" and exit_code is not None:
+        # the batch script wrote its exit code as its last act: what is left is Slurm's
+        # clean-up (which can take a minute when slurmctld was away), not the program
+        raw = "COMPLETED" if exit_code == 0 else "FAILED"
+        state = STATE_MAP[raw]
     if raw == "CANCELLED" and reason.lower().startswith("node"):
         state = JobState.INFRA_FAILED
     text = {
@@ -136,7 +198,10 @@ def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start
         text = f"exit code {exit_code}" if exit_code is not None else "failed"
     if state == JobState.SUCCEEDED and exit_code not in (None, 0):
         state, text = JobState.FAILED, f"exit code {exit_code}"
+    if state == JobState.UNKNOWN:
+        text = f"unknown Slurm state {raw}"
     return JobStatus(state, reason=text, exit_code=exit_code,
-                     started_at=_epoch(start), ended_at=_epoch(end) if state.terminal else None,
+                     started_at=epoch(start, utc_offset) if state != JobState.PENDING else None,
+                     ended_at=epoch(end, utc_offset) if state.terminal else None,
                      nodes=[n for n in nodes.split(",") if n and n != "(null)"] if nodes else [],
                      raw_state=raw)

@@ -3,9 +3,20 @@
 Every job has its own dir ``<remote_work_dir>/jobs/<job name>/`` (mode 0700) holding the task's
 ``setup.sh``/``run.sh`` verbatim, ``env.sh``, ``secrets.sh`` (0600, removed when the job ends),
 the node wrapper ``node.sh``, the batch script ``job.sbatch``, ``handle`` (what :func:`lookup`
-needs to rebuild the handle), and, once submitted, ``job_id``. ``sbatch`` runs under ``flock``
-in that dir, and only if no ``job_id`` is there yet; a queued job of the same name is found too.
-So a name is submitted at most once, and a retried worker adopts what it submitted before.
+needs to rebuild the handle, with the time it was submitted), and, once submitted, ``job_id``.
+``sbatch`` runs under ``flock`` in that dir, and only if no ``job_id`` is there yet; a job of
+the same name that Slurm knows is found too. So a name is submitted at most once, and a retried
+worker adopts what it submitted before.
+
+"Could not ask" is never "no such job": a lookup that needs ``squeue`` (no ``job_id`` file)
+raises BackendUnreachable when squeue did not answer, and so does an ``sbatch`` or ``scancel``
+that got no answer from slurmctld in time (it may still act on the request later).
+
+What stays: :func:`cleanup_script` removes a finished job's workdir copy, secrets and scripts
+and keeps its log, ``job_id``, ``handle`` and ``exit_code`` (``find_all`` still knows the job,
+with when it was submitted). A job dir whose log (or, with none, the dir itself) is older than
+the connection's ``log_retention_days`` goes entirely, at the next submit, in the same SSH
+command (:func:`gc_script`); never the dir of a job Slurm still has queued or running.
 """
 
 from __future__ import annotations
@@ -29,11 +40,15 @@ from airflow_skypilot.backends.slurm.remote import (
 from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings, task_sbatch_options
 from airflow_skypilot.backends.slurm.shell import (
     abs_remote,
+    bounded,
+    no_answer,
     parse_int,
     parse_sections,
+    rc_line,
     remote_dir_expr,
+    section_rc,
 )
-from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
+from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
 from airflow_skypilot.spec.sbatch import CONTROL
 from airflow_skypilot.spec.task import Task
 
@@ -52,23 +67,31 @@ def _handle(conn_id: str, job_id: str, job_name: str, job_dir: str, **fields: An
 # --- adoption --------------------------------------------------------------------------------
 
 
+#: a job Slurm knows by name: ``id|partition|submit time`` (epoch), in any state
+_BY_NAME = "env SLURM_TIME_FORMAT=%s squeue -h -t all -u \"$USER\" -o '%i|%P|%V|%j'"
+
+
 def lookup_script(settings: SlurmSettings, job_name: str) -> str:
     """``$HOME``, and the job of that name if any: its ``job_id`` and ``handle`` files, or a
-    queued job of that name (submitted but not yet recorded)."""
+    job of that name Slurm knows (submitted, but its id never recorded)."""
     jobs = remote_dir_expr(settings.remote_work_dir) + "/jobs/" + shlex.quote(job_name)
     return "\n".join([
+        bounded(settings.slurm_timeout),
         'printf "@@home\\n%s\\n" "$HOME"',
         "echo @@job_id", f"cat {jobs}/job_id 2>/dev/null",
         "echo @@meta", f"cat {jobs}/handle 2>/dev/null",
-        "echo @@queued", f"squeue -h -n {shlex.quote(job_name)} -u \"$USER\" -o '%i|%P'",
+        # the job_id file answers alone: slurmctld is asked only when there is none
+        f"[ -s {jobs}/job_id ] || {{ echo @@queued; _t {_BY_NAME} -n {shlex.quote(job_name)}; "
+        f"{rc_line('queued')}; }}",
     ])
 
 
 def find_all_script(settings: SlurmSettings, prefix: str) -> str:
     """``$HOME``, every job dir named ``prefix*`` (name, job id, handle fields on one line) and
-    the user's queued jobs; ``@@squeue_rc`` says whether squeue answered."""
+    every job of the user Slurm knows; ``@@queued_rc`` says whether squeue answered."""
     jobs = remote_dir_expr(settings.remote_work_dir) + "/jobs/"
     return "\n".join([
+        bounded(settings.slurm_timeout),
         'printf "@@home\\n%s\\n" "$HOME"',
         "echo @@dirs",
         f"for d in {jobs}{shlex.quote(prefix)}*/; do",
@@ -76,10 +99,22 @@ def find_all_script(settings: SlurmSettings, prefix: str) -> str:
         '  printf "%s\\t%s\\t%s\\n" "$(basename "$d")" "$(cat "$d/job_id" 2>/dev/null)" '
         '"$(tr "\\n" "\\t" < "$d/handle" 2>/dev/null)"',
         "done",
-        "echo @@queued",
-        "squeue -h -u \"$USER\" -o '%i|%P|%j'; rc=$?",
-        'printf "@@squeue_rc\\n%s\\n" "$rc"',
+        "echo @@queued", f"_t {_BY_NAME}", rc_line("queued"),
     ])
+
+
+def _squeue_answered(sec: dict[str, list[str]], conn_id: str, what: str) -> None:
+    rc = section_rc(sec, "queued")
+    if rc != 0:
+        how = "did not answer in time" if rc in (124, 137) else f"failed (exit {rc})"
+        raise BackendUnreachable(f"{conn_id}: squeue {how} while {what}: could not ask "
+                                 "slurmctld")
+
+
+def _queued(line: str) -> tuple[str, str, str, str]:
+    """A :data:`_BY_NAME` line -> (job id, partition, submit time, name)."""
+    job_id, partition, submitted, name = (line.split("|", 3) + ["", "", ""])[:4]
+    return job_id.strip(), partition.strip(), submitted.strip(), name.strip()
 
 
 def parse_find_all(out: str, settings: SlurmSettings, conn_id: str,
@@ -87,10 +122,7 @@ def parse_find_all(out: str, settings: SlurmSettings, conn_id: str,
     """:func:`find_all_script`'s output -> the handles (raises if squeue did not answer: a
     queued job may be among the unanswered, and "could not ask" is not "none")."""
     sec = parse_sections(out)
-    rc = (sec.get("squeue_rc") or ["?"])[0].strip()
-    if rc != "0":
-        raise BackendUnreachable(f"{conn_id}: squeue failed (exit {rc}) while listing jobs "
-                                 f"{prefix}*")
+    _squeue_answered(sec, conn_id, f"listing jobs {prefix}*")
     home = (sec.get("home") or [""])[0]
     found: dict[str, JobHandle] = {}
     for line in sec.get("dirs", []):
@@ -99,13 +131,14 @@ def parse_find_all(out: str, settings: SlurmSettings, conn_id: str,
         if not name.startswith(prefix) or not job_id.strip():
             continue  # a dir whose sbatch never ran: no job
         meta = dict(kv.split("=", 1) for kv in meta_text.split("\t") if "=" in kv)
+        if meta.get("cluster", settings.cluster) != settings.cluster:
+            continue  # another cluster's job in a home they share
         found[name] = _from_meta(settings, conn_id, job_id.strip(), name, meta, "", home)
     for line in sec.get("queued", []):
-        job_id, _, rest = line.partition("|")
-        partition, _, name = rest.partition("|")
+        job_id, partition, submitted, name = _queued(line)
         if name.startswith(prefix) and name not in found:
-            found[name] = _from_meta(settings, conn_id, job_id.strip(), name, {}, partition,
-                                     home)
+            found[name] = _from_meta(settings, conn_id, job_id, name,
+                                     {"submitted_at": submitted}, partition, home)
     return sorted(found.values(), key=lambda h: h.job_name)
 
 
@@ -119,22 +152,47 @@ def _from_meta(settings: SlurmSettings, conn_id: str, job_id: str, job_name: str
         accelerator=meta.get("accelerator") or None,
         gpus_per_node=float(meta.get("gpus_per_node", "0") or 0),
         price_per_hour=float(meta.get("price_per_hour", "0") or 0),
-        submitted_at=float(meta.get("submitted_at", time.time())), adopted=True)
+        submitted_at=_float(meta.get("submitted_at")) or time.time(), adopted=True)
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def dir_owner(out: str, settings: SlurmSettings) -> str:
+    """The other cluster whose job a looked-up job dir holds ("" when it is this cluster's,
+    or holds no job): several clusters' login nodes may share one home."""
+    sec = parse_sections(out)
+    meta = dict(kv.split("=", 1) for kv in sec.get("meta", []) if "=" in kv)
+    cluster = meta.get("cluster", "")
+    has_job = bool((sec.get("job_id") or [""])[0].strip())
+    return cluster if has_job and cluster and cluster != settings.cluster else ""
 
 
 def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
                  job_name: str) -> tuple[JobHandle | None, str]:
-    """:func:`lookup_script`'s output -> (the adopted job's handle or None, ``$HOME``)."""
+    """:func:`lookup_script`'s output -> (the adopted job's handle or None, ``$HOME``). The
+    ``job_id`` file answers alone; without it, only an answered squeue may say "none"."""
     sec = parse_sections(out)
+    if "home" not in sec:
+        raise BackendUnreachable(f"{conn_id}: the lookup of {job_name} did not run")
     home = (sec.get("home") or [""])[0]
     job_id = (sec.get("job_id") or [""])[0].strip()
-    partition = ""
-    if not job_id and sec.get("queued"):
-        job_id, _, partition = sec["queued"][0].partition("|")
-    if not job_id:
-        return None, home
     meta = dict(kv.split("=", 1) for kv in sec.get("meta", []) if "=" in kv)
-    return _from_meta(settings, conn_id, job_id.strip(), job_name, meta, partition, home), home
+    if job_id and dir_owner(out, settings):
+        return None, home  # another cluster's job in a home they share: not this one's
+    partition = ""
+    if not job_id:
+        _squeue_answered(sec, conn_id, f"looking for job {job_name}")
+        named = [q for q in map(_queued, sec.get("queued", [])) if q[3] == job_name]
+        if not named:
+            return None, home
+        job_id, partition, submitted, _ = max(named, key=lambda q: parse_int(q[0]))
+        meta.setdefault("submitted_at", submitted)
+    return _from_meta(settings, conn_id, job_id, job_name, meta, partition, home), home
 
 
 # --- the job's files -------------------------------------------------------------------------
@@ -201,8 +259,10 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
 
 
 def render(task: Task, offer: Offer, settings: SlurmSettings, job_name: str,
-           env: Mapping[str, str], job_dir: str) -> dict[str, tuple[str, int]]:
-    """Every file of the job: name -> (content, mode)."""
+           env: Mapping[str, str], job_dir: str,
+           submitted_at: float | None = None) -> dict[str, tuple[str, int]]:
+    """Every file of the job: name -> (content, mode). ``submitted_at`` goes into ``handle``
+    (the handle submit returns carries the same value, and so does every later lookup)."""
     req = offer.request
     info = {"cluster_name": settings.cluster, "cloud": "Slurm", "region": settings.cluster,
             "zone": offer.location}
@@ -215,9 +275,10 @@ def render(task: Task, offer: Offer, settings: SlurmSettings, job_name: str,
                                  rank_var="SLURM_NODEID", has_setup=bool(task.setup),
                                  has_run=bool(task.run))
     meta = {
-        "partition": offer.location, "num_nodes": task.num_nodes,
+        "cluster": settings.cluster, "partition": offer.location, "num_nodes": task.num_nodes,
         "accelerator": req.accelerator or "", "gpus_per_node": req.accelerator_count,
-        "price_per_hour": offer.price_per_hour, "submitted_at": time.time(),
+        "price_per_hour": offer.price_per_hour,
+        "submitted_at": repr(time.time() if submitted_at is None else float(submitted_at)),
     }
     files = {
         "job.sbatch": (_sbatch_script(task, offer, settings, job_dir), 0o700),
@@ -266,57 +327,146 @@ def upload_plan(task: Task, job_dir: str, files: Mapping[str, tuple[str, int]],
 # --- sbatch and scancel ----------------------------------------------------------------------
 
 
-def submit_script(job_dir: str, job_name: str) -> str:
-    """``sbatch`` under the job dir's lock, unless a ``job_id`` is already there."""
+def submit_script(job_dir: str, job_name: str, settings: SlurmSettings | None = None) -> str:
+    """``sbatch`` under the job dir's lock, unless a ``job_id`` is already there; then (same
+    command) the old job dirs past their retention go (:func:`gc_script`)."""
+    s = settings or SlurmSettings(cluster="")
     args = ["sbatch", "--parsable", f"--job-name={job_name}",
             f"--output={job_dir}/slurm.log", f"--chdir={job_dir}",
             f"{job_dir}/job.sbatch"]
     submit = " ".join(shlex.quote(a) for a in args)
+    lock_wait = max(1, int(s.slurm_timeout))
     return "\n".join([
-        f"cd {shlex.quote(job_dir)} || exit 97",
-        "exec 9>lock",
-        "flock -w 60 9 || exit 98",
-        'if [ -s job_id ]; then echo "@@adopted"; cat job_id; exit 0; fi',
-        f"out=$({submit} 2>&1) || {{ echo \"$out\" >&2; exit 99; }}",
-        'jid=${out%%;*}',
-        'printf "%s\\n" "$jid" > job_id.tmp && mv job_id.tmp job_id',
-        'echo "@@submitted"; printf "%s\\n" "$jid"',
+        bounded(s.slurm_timeout),
+        "submit() {",
+        f"  cd {shlex.quote(job_dir)} || return 97",
+        "  exec 9>lock",
+        f"  flock -w {lock_wait} 9 || return 98",
+        '  if [ -s job_id ]; then echo "@@adopted"; cat job_id; return 0; fi',
+        f"  out=$(_t {submit} 2>&1); rc=$?",
+        '  if [ $rc -ne 0 ]; then printf "%s\\n" "$out" >&2; '
+        'printf "@@sbatch_rc\\n%s\\n" "$rc"; return 99; fi',
+        '  jid=${out%%;*}',
+        '  printf "%s\\n" "$jid" > job_id.tmp && mv job_id.tmp job_id',
+        '  echo "@@submitted"; printf "%s\\n" "$jid"',
+        "}",
+        "submit; status=$?",
+        "exec 9>&-",
+        gc_script(s, job_dir),
+        "exit $status",
     ])
 
 
-def parse_submitted(rc: int, out: str, err: str, conn_id: str) -> tuple[str, bool]:
-    """:func:`submit_script`'s result -> (job id, adopted); a refusal is a SubmissionError,
-    to be retried elsewhere unless sbatch called the job itself invalid."""
+def gc_script(settings: SlurmSettings, keep: str) -> str:
+    """Remove the job dirs (besides ``keep``) whose log, or the dir itself when it has none,
+    is older than ``log_retention_days``; never one of a job Slurm still has queued or
+    running (by id or by name), nor one another cluster's connection submitted (a home
+    shared by several clusters), and nothing at all when squeue did not answer. One ``find``
+    when nothing is that old (squeue is asked only when something is). Prints the names
+    removed under ``@@gc``."""
+    days = settings.log_retention_days
+    if days <= 0:
+        return "true"
+    age = f"-mmin +{max(1, int(days * 24 * 60))}"
+    jobs = remote_dir_expr(settings.remote_work_dir) + "/jobs"
+    return "\n".join([
+        "echo @@gc",
+        # candidates: old dirs, and the dirs of old logs (a log keeps its dir's mtime still)
+        f"old=$({{ find {jobs} -mindepth 1 -maxdepth 1 -type d {age} -print; "
+        f"find {jobs} -mindepth 2 -maxdepth 2 -name slurm.log {age} -printf '%h\\n'; }} "
+        "2>/dev/null | sort -u)",
+        '[ -n "$old" ] && active=$(_t squeue -h -u "$USER" -o \'%i %j\') && '
+        'printf "%s\\n" "$old" | while IFS= read -r d; do',
+        f'  [ "$d" = {shlex.quote(keep)} ] && continue',
+        # a home shared with other clusters: their jobs are theirs to judge (and to remove)
+        '  c=$(sed -n "s/^cluster=//p" "$d/handle" 2>/dev/null)',
+        f'  [ -n "$c" ] && [ "$c" != {shlex.quote(settings.cluster)} ] && continue',
+        f'  [ -e "$d/slurm.log" ] && [ -z "$(find "$d/slurm.log" {age} 2>/dev/null)" ] && continue',
+        '  name=$(basename "$d"); jid=$(cat "$d/job_id" 2>/dev/null)',
+        '  printf "%s\\n" "$active" | awk -v i="$jid" -v n="$name" '
+        "'($1 == i && i != \"\") || $2 == n { found = 1 } END { exit !found }' && continue",
+        '  rm -rf -- "$d" && printf "%s\\n" "$name"',
+        "done",
+        "true",
+    ])
+
+
+def parse_submitted(rc: int, out: str, err: str, conn_id: str) -> tuple[str, bool, list[str]]:
+    """:func:`submit_script`'s result -> (job id, adopted, job dirs removed). A refusal is a
+    SubmissionError, to be retried elsewhere unless sbatch called the job itself invalid; an
+    sbatch that got no answer from slurmctld in time, or a lock another submission of the
+    name holds, is BackendUnreachable: the job may exist all the same."""
     sec = parse_sections(out)
+    removed = sec.get("gc", [])
     ids = sec.get("submitted") or sec.get("adopted")
-    if rc != 0 or not ids:
-        message = (err or out).strip().splitlines()
-        text = message[-1] if message else f"exit {rc}"
-        retry = not any(w in text.lower() for w in ("invalid", "unrecognized", "syntax"))
-        raise SubmissionError(f"sbatch on {conn_id} failed: {text}", retry_elsewhere=retry)
-    return ids[0].strip(), "adopted" in sec
+    if rc == 0 and ids:
+        return ids[0].strip(), "adopted" in sec, removed
+    message = (err or out).strip().splitlines()
+    text = message[-1] if message else f"exit {rc}"
+    sbatch_rc = section_rc(sec, "sbatch")
+    if rc == 98:
+        raise BackendUnreachable(f"{conn_id}: another submission of this job holds its lock")
+    if sbatch_rc is not None and no_answer(sbatch_rc, err):
+        raise BackendUnreachable(f"sbatch on {conn_id} got no answer from slurmctld (the job "
+                                 f"may exist all the same): {text}")
+    retry = not any(w in text.lower() for w in ("invalid", "unrecognized", "syntax"))
+    raise SubmissionError(f"sbatch on {conn_id} failed: {text}", retry_elsewhere=retry)
 
 
 def submitted_handle(task: Task, offer: Offer, conn_id: str, job_id: str, job_name: str,
-                     job_dir: str, adopted: bool) -> JobHandle:
+                     job_dir: str, adopted: bool, submitted_at: float) -> JobHandle:
     """The handle of the job just submitted (or found under the lock) for ``offer``."""
     return _handle(conn_id, job_id, job_name, job_dir, location=offer.location,
                    infra=offer.infra, num_nodes=task.num_nodes,
                    accelerator=offer.request.accelerator,
                    gpus_per_node=offer.request.accelerator_count,
-                   price_per_hour=offer.price_per_hour, adopted=adopted)
+                   price_per_hour=offer.price_per_hour, adopted=adopted,
+                   submitted_at=submitted_at)
 
 
-def cancel_script(handle: JobHandle) -> str:
+def cancel_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str:
     """``scancel`` (its exit status is the script's) and drop the job's secrets."""
     job_dir = handle.extra.get("job_dir", "")
-    script = f"scancel {shlex.quote(handle.job_id)} 2>&1; rc=$?"
+    lines = [bounded(slurm_timeout), f"_t scancel {shlex.quote(handle.job_id)} 2>&1; rc=$?"]
     if job_dir:
-        script += f"\nrm -f {shlex.quote(job_dir)}/secrets.sh"
-    return script + "\nexit $rc"
+        lines.append(f"rm -f {shlex.quote(job_dir)}/secrets.sh")
+    return "\n".join(lines + ["exit $rc"])
 
 
-def cleanup_script(handle: JobHandle) -> str | None:
-    """Remove what the job left that must not stay (its secrets), if it has a job dir."""
+def check_cancelled(rc: int, out: str, err: str, handle: JobHandle) -> None:
+    """:func:`cancel_script`'s result: nothing when the job is stopped or was gone already;
+    BackendUnreachable when slurmctld did not answer (in time: it may act on it later)."""
+    text = (out + err).strip()
+    if rc == 0 or "Invalid job id" in text:
+        return
+    if no_answer(rc, text):
+        raise BackendUnreachable(f"scancel {handle.job_id} on {handle.connection} got no "
+                                 f"answer from slurmctld: {text[-300:]}")
+    raise BackendError(f"scancel {handle.job_id} on {handle.connection} failed: {text[-300:]}")
+
+
+#: what :func:`cleanup_script` removes from a finished job's dir (the log and the files that
+#: say which job it was stay until the retention runs out)
+LEFT_BEHIND = ("workdir", "job.sbatch", "node.sh", "env.sh", "setup.sh", "run.sh",
+               "exit_code.tmp", "job_id.tmp")
+
+
+def cleanup_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str | None:
+    """Remove the job's secrets at once; its workdir copy and scripts too once squeue says
+    the job is no longer queued or running (never while it may still read them). The log,
+    ``job_id``, ``handle`` and ``exit_code`` stay. Prints ``@@kept`` when the rest had to
+    stay (squeue did not answer, or the job is still active)."""
     job_dir = handle.extra.get("job_dir")
-    return f"rm -f {shlex.quote(job_dir)}/secrets.sh" if job_dir else None
+    if not job_dir:
+        return None
+    jd = shlex.quote(job_dir)
+    rest = " ".join(f"{jd}/{shlex.quote(name)}" for name in LEFT_BEHIND)
+    return "\n".join([
+        bounded(slurm_timeout),
+        f"rm -f {jd}/secrets.sh",
+        # an empty answer: no longer queued or running; "Invalid job id": slurmctld forgot it
+        f"st=$(_t squeue -h -j {shlex.quote(handle.job_id)} -o %i 2>&1); rc=$?; gone=",
+        'if [ $rc -eq 0 ]; then [ -z "$st" ] && gone=1; '
+        'else case $st in *"Invalid job id"*) gone=1 ;; esac; fi',
+        f'if [ -n "$gone" ]; then rm -rf -- {rest}; else echo @@kept; fi',
+    ])

@@ -1,4 +1,5 @@
-"""One operator whose task YAML and envs come from the run's conf: each e2e test picks them."""
+"""One operator whose task YAML, envs and timing arguments come from the run's conf: each e2e
+test picks them. ``e2e_retry`` is the same task watched in the worker and retried once."""
 
 from __future__ import annotations
 
@@ -8,23 +9,48 @@ from airflow.sdk import DAG
 
 from airflow_skypilot.operators import SkyPilotOperator
 
-with DAG(
-    dag_id="e2e_task",
-    schedule=None,
-    start_date=datetime(2026, 1, 1),
-    catchup=False,
-    render_template_as_native_obj=True,
-    params={"task": "tasks/ok.yaml", "envs": {}, "policy": "fastest"},
-) as dag:
-    SkyPilotOperator(
+
+class E2EOperator(SkyPilotOperator):
+    """The operator, with its timing arguments templated too: a fault test sets a short
+    silence limit (or a long one) in the run's conf, like the task and its envs."""
+
+    template_fields = (*SkyPilotOperator.template_fields, "unreachable_timeout",
+                       "confirm_timeout", "wait_for_completion")
+
+
+#: what a run's conf may set; the defaults are the operator's own
+PARAMS = {"task": "tasks/ok.yaml", "envs": {}, "policy": "fastest",
+          "unreachable_timeout": None, "confirm_timeout": 30, "wait_for_completion": True}
+
+
+def _operator(**kwargs) -> E2EOperator:
+    return E2EOperator(
         task_id="run",
         task="{{ params.task }}",
         envs="{{ params.envs }}",
         policy="{{ params.policy }}",
+        unreachable_timeout="{{ params.unreachable_timeout }}",
+        confirm_timeout="{{ params.confirm_timeout }}",
+        wait_for_completion="{{ params.wait_for_completion }}",
         poll_interval=1,
         reprobe_interval=5,
         max_failovers=2,
+        **kwargs,
     )
+
+
+def _dag(dag_id: str) -> DAG:
+    return DAG(dag_id=dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+               render_template_as_native_obj=True, params=PARAMS)
+
+
+with _dag("e2e_task") as dag:
+    _operator()
+
+# The worker watches the job (not deferrable), and a failed try is retried at once: the
+# deployment test kills the worker right after its submission.
+with _dag("e2e_retry") as retry_dag:
+    _operator(deferrable=False, retries=1, retry_delay=timedelta(seconds=1))
 
 # A job that outlives its task's execution_timeout: the deferral times out in the scheduler and
 # the task is resumed only to fail; the operator must stop the job (real-deployment e2e test).

@@ -231,7 +231,23 @@ class AwsSandbox:
     # -- state and faults -------------------------------------------------------------------
     def reset(self) -> None:
         """Power off all instances, reset moto, re-seed AMIs/bucket, clear faults and counts."""
+        self.resume()  # a paused daemon first: the reset is a request to it
         self._call("POST", "/_sandbox/reset", {}, timeout=60)
+
+    def pause(self) -> None:
+        """SIGSTOP the daemon: the endpoint keeps its port but answers nothing (EC2, S3, SSM,
+        IMDS) until :meth:`resume`; the instances' processes run on (their own AWS calls
+        wait)."""
+        pid = _read_pid(self.state_dir / "daemon.pid")
+        if pid is None or not _is_our_daemon(pid):
+            raise SandboxError("the AWS sandbox daemon is not running")
+        _signal(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the daemon (no-op when it runs)."""
+        pid = _read_pid(self.state_dir / "daemon.pid")
+        if pid is not None and _is_our_daemon(pid):
+            _signal(pid, signal.SIGCONT)
 
     def interrupt_spot(self, instance_id: str, notice_seconds: float = 2) -> None:
         """Post a spot interruption notice; the instance is reclaimed after notice_seconds."""

@@ -231,7 +231,23 @@ class KubernetesSandbox:
 
     def reset(self) -> None:
         """Delete every workload (killing its processes), heal the nodes, clear request counts."""
+        self.resume()  # a paused daemon first: the reset is a request to it
         self._call("POST", "reset")
+
+    def pause(self) -> None:
+        """SIGSTOP the daemon: the API server keeps its port but answers nothing (and its
+        kubelet records nothing) until :meth:`resume`; the pods' processes run on."""
+        pid = self._pid()
+        if pid is None or not self._is_ours(pid):
+            raise RuntimeError("the kubernetes sandbox is not running")
+        os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the daemon (no-op when it runs)."""
+        pid = self._pid()
+        if pid is not None and self._is_ours(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def evict_pod(self, namespace: str, name: str) -> None:
         self._call("POST", f"pods/{namespace}/{name}/evict")

@@ -1,0 +1,218 @@
+"""The Slurm backend when its cluster misbehaves: "could not ask" is never "gone".
+
+A paused slurmctld, a hung login node, a lost job record, a worker in another time zone, an
+upload that takes too long; and the job dirs the backend leaves behind (what cleanup keeps,
+what the next submit removes). Every job that is meant to run counts its runs in a shared file:
+it runs exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from airflow_skypilot.backends.base import JobState
+from airflow_skypilot.backends.slurm import SlurmBackend
+from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
+from airflow_skypilot.spec import load_task
+from tests.conftest import use_connections, wait_for_job
+from tests.e2e.conftest import shared_dir
+
+pytestmark = pytest.mark.sandbox
+
+CONN = "slurm_alpha"
+CLUSTER = "alpha"
+
+
+def _name(word: str) -> str:
+    return f"sky-fault-{word}-{uuid.uuid4().hex[:8]}-c0-t1-a0"
+
+
+def _quick(slurm, monkeypatch, **extra) -> None:
+    """The alpha connection with short limits (and ``extra``)."""
+    conn = slurm.connections()[CONN]
+    conn["extra"] = {**conn["extra"], "slurm_timeout": 8, "command_timeout": 30, **extra}
+    use_connections(monkeypatch, {CONN: conn})
+
+
+def _submit(backend, run: str, name: str, offer=None):
+    task = load_task({"run": run})
+    offer = offer or next(o for o in backend.probe(task) if o.fits)
+    return backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
+
+
+def _ran(marks: Path, name: str) -> list[str]:
+    path = marks / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_paused_slurmctld_is_unknown_never_lost_and_the_job_completes_once(slurm, monkeypatch):
+    _quick(slurm, monkeypatch)
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    handle = _submit(backend, f"sleep 12; echo ran >> {marks}/runs", _name("ctld"))
+    wait_for_job(backend, handle, {JobState.RUNNING}, 60)
+    seen = []
+    slurm.pause_slurmctld(CLUSTER)
+    try:
+        deadline = time.monotonic() + 25  # longer than the job: it ends while nobody answers
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            status = SlurmBackend(CONN).status([handle])[handle.job_id]
+            assert time.monotonic() - start < 20
+            seen.append(status.state)
+            assert status.state in (JobState.UNKNOWN, JobState.RUNNING, JobState.SUCCEEDED), \
+                status  # SUCCEEDED: its exit file, which the job wrote itself
+        with pytest.raises(BackendUnreachable, match="could not ask"):
+            backend.probe(load_task({"run": "true"}))  # not "an empty cluster"
+        with pytest.raises(BackendUnreachable, match="squeue"):
+            backend.find_all(handle.job_name[:-len("c0-t1-a0")])
+        assert backend.find(handle.job_name).job_id == handle.job_id  # its job_id file says
+    finally:
+        slurm.resume_slurmctld(CLUSTER)
+    assert JobState.UNKNOWN in seen and JobState.LOST not in seen
+    done = wait_for_job(backend, handle, {s for s in JobState if s.terminal}, 90)
+    assert done.state == JobState.SUCCEEDED, done
+    assert _ran(marks, "runs") == ["ran"]
+
+
+def test_a_job_whose_record_was_lost_is_never_submitted_twice(slurm, monkeypatch):
+    """The job dir has no job_id (the session died between sbatch and writing it): only
+    squeue can say whether the job exists, so while it cannot, submit and find raise."""
+    _quick(slurm, monkeypatch)
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    name = _name("record")
+    offer = next(o for o in backend.probe(load_task({"run": "true"})) if o.fits)
+    first = _submit(backend, f"sleep 25; echo ran >> {marks}/runs", name, offer)
+    Path(first.extra["job_dir"], "job_id").unlink()
+    slurm.pause_slurmctld(CLUSTER)
+    try:
+        with pytest.raises(BackendUnreachable, match="squeue"):
+            SlurmBackend(CONN).find(name)
+        with pytest.raises(BackendUnreachable, match="squeue"):
+            _submit(SlurmBackend(CONN), f"echo twice >> {marks}/runs", name, offer)
+    finally:
+        slurm.resume_slurmctld(CLUSTER)
+    adopted = _submit(SlurmBackend(CONN), f"echo twice >> {marks}/runs", name, offer)
+    assert adopted.adopted and adopted.job_id == first.job_id
+    assert adopted.submitted_at == first.submitted_at  # its handle file's
+    names = slurm.run(CLUSTER, "squeue", "-h", "-t", "all", "-n", name, "-o", "%i").stdout
+    assert names.split() == [first.job_id]
+    assert wait_for_job(backend, first, {JobState.SUCCEEDED}, 60).state == JobState.SUCCEEDED
+    assert _ran(marks, "runs") == ["ran"]
+
+
+def test_a_hung_login_node_is_unreachable_in_bounded_time(slurm, monkeypatch):
+    _quick(slurm, monkeypatch)
+    backend = SlurmBackend(CONN)
+    handle = _submit(backend, "sleep 300", _name("hung"))
+    wait_for_job(backend, handle, {JobState.RUNNING}, 60)
+    took = {}
+    slurm.pause_sshd(CLUSTER)  # the listener and the open session: nothing answers
+    try:
+        for what, call in (("status on the open connection", lambda: backend.status([handle])),
+                           ("cancel on a new connection",
+                            lambda: SlurmBackend(CONN).cancel(handle))):
+            start = time.monotonic()
+            with pytest.raises(BackendUnreachable):
+                call()
+            took[what] = time.monotonic() - start
+    finally:
+        slurm.resume_sshd(CLUSTER)
+    # a channel open (15 s), or the TCP connect, the banner and authentication (15 s each)
+    assert all(seconds < 50 for seconds in took.values()), took
+    assert wait_for_job(backend, handle, {JobState.RUNNING}, 30).state == JobState.RUNNING
+    backend.cancel(handle)
+    assert wait_for_job(backend, handle, {JobState.CANCELLED}, 60).state == JobState.CANCELLED
+
+
+def test_times_do_not_shift_when_the_worker_is_in_another_time_zone(slurm, monkeypatch):
+    backend = SlurmBackend(CONN)
+    before = time.time()
+    handle = _submit(backend, "sleep 2", _name("tz"))
+    with monkeypatch.context() as zone:
+        zone.setenv("TZ", "Pacific/Kiritimati")  # UTC+14; the cluster is at UTC
+        time.tzset()
+        try:
+            done = wait_for_job(backend, handle, {JobState.SUCCEEDED}, 60)
+        finally:
+            zone.undo()
+            time.tzset()
+    assert before - 2 <= done.started_at <= done.ended_at <= time.time() + 2, (before, done)
+    assert done.ended_at - done.started_at < 30
+
+
+def test_an_upload_past_its_time_submits_nothing(slurm, monkeypatch, tmp_path):
+    _quick(slurm, monkeypatch, upload_timeout=0.001)
+    backend = SlurmBackend(CONN)
+    name = _name("upload")
+    (tmp_path / "data.bin").write_bytes(os.urandom(1 << 20))
+    task = load_task({"run": "true", "workdir": str(tmp_path)})
+    offer = next(o for o in backend.probe(task) if o.fits)
+    with pytest.raises(SubmissionError, match="did not finish within"):
+        backend.submit(task, offer, name, {})
+    assert slurm.run(CLUSTER, "squeue", "-h", "-t", "all", "-n", name, "-o", "%i").stdout == ""
+
+
+def _age(path: Path, days: float) -> None:
+    when = time.time() - days * 86400
+    os.utime(path, (when, when))
+
+
+def test_cleanup_keeps_the_log_and_the_next_submit_removes_old_dirs(slurm, monkeypatch):
+    _quick(slurm, monkeypatch, log_retention_days=7)
+    backend = SlurmBackend(CONN)
+    stem = f"sky-gc-{uuid.uuid4().hex[:8]}-"
+    done = _submit(backend, "echo finished-log-line", stem + "c0-t1-a0")
+    assert wait_for_job(backend, done, {JobState.SUCCEEDED}, 60).state == JobState.SUCCEEDED
+    job_dir = Path(done.extra["job_dir"])
+    assert (job_dir / "workdir").is_dir() and (job_dir / "run.sh").exists()
+    backend.cleanup(done)
+    left = sorted(p.name for p in job_dir.iterdir())
+    assert left == ["exit_code", "handle", "job_id", "lock", "slurm.log"], left
+    assert "finished-log-line" in backend.read_log(done)[0]
+    found = backend.find_all(stem)
+    assert [(h.job_id, h.submitted_at) for h in found] == [(done.job_id, done.submitted_at)]
+    backend.cleanup(done)  # twice: nothing else goes
+
+    live = _submit(backend, "sleep 120", stem + "c0-t2-a0")  # old, but still running
+    wait_for_job(backend, live, {JobState.RUNNING}, 60)
+    backend.cleanup(live)  # a running job keeps its files (it may still read them)
+    assert (Path(live.extra["job_dir"]) / "run.sh").exists()
+    aborted = job_dir.parent / (stem + "c0-t3-a0")  # a submission that never reached sbatch
+    aborted.mkdir()
+    owner = job_dir.stat()
+    os.chown(aborted, owner.st_uid, owner.st_gid)
+    recent = _submit(backend, "true", stem + "c0-t4-a0")
+    beta = SlurmBackend("slurm_beta")  # the same home on another cluster
+    theirs = _submit(beta, "true", stem + "c0-t5-a0")
+    wait_for_job(beta, theirs, {JobState.SUCCEEDED}, 60)
+    for old in (job_dir, Path(live.extra["job_dir"]), aborted, Path(theirs.extra["job_dir"])):
+        for path in [*old.iterdir(), old]:
+            _age(path, 8)
+    _age(Path(recent.extra["job_dir"]), 3)
+
+    conn = json.loads(os.environ[f"AIRFLOW_CONN_{CONN.upper()}"])
+    conn["extra"]["log_retention_days"] = 0  # kept for ever
+    use_connections(monkeypatch, {CONN: conn})
+    _submit(SlurmBackend(CONN), "true", _name("keep"))
+    assert job_dir.exists() and aborted.exists()
+
+    _quick(slurm, monkeypatch, log_retention_days=7)
+    _submit(SlurmBackend(CONN), "true", _name("next"))  # the clean-up rides on a submit
+    assert not job_dir.exists() and not aborted.exists()
+    assert Path(live.extra["job_dir"], "run.sh").exists(), "a running job's dir stays"
+    assert Path(recent.extra["job_dir"]).exists(), "a dir within the retention stays"
+    assert Path(theirs.extra["job_dir"]).exists(), "another cluster's job is its own to judge"
+    listed = {h.job_name for h in backend.find_all(stem)}  # (squeue still shows the first)
+    assert {live.job_name, recent.job_name} <= listed and aborted.name not in listed
+    assert theirs.job_name not in listed  # each cluster lists its own jobs only
+    assert [h.job_name for h in beta.find_all(stem)] == [theirs.job_name]
+    assert SlurmBackend(CONN).find(theirs.job_name) is None
+    backend.cancel(live)
