@@ -1548,15 +1548,15 @@ def strategy_table(runs: dict[str, Summary]) -> str:
 
 def knob_table(rows: list[tuple[str, Summary]], sky: Summary) -> str:
     lines = ["| fastest+moves with | mean wait (min) | vs SkyPilot's rule | cloud $ | "
-             "idle while waiting | moves | refused | queued copies started in < half "
-             "their estimate | real / estimated wait (median) | \"free now\" that then "
-             "waited > 5 min |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "idle while waiting | moves | of which back to a place left | refused "
+             "submissions | queued copies started in < half their estimate | real / "
+             "estimated wait (median) | \"free now\" that then waited > 5 min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, s in rows:
         lines.append(
             f"| {label} | {s.spread('mean_wait_min')} | {_ratio_text(s.ratio(sky))} | "
             f"{s.spread('cloud_usd')} | {100 * s.mean('idle_share'):.0f}% | "
-            f"{s.mean('moves'):.0f} | {s.mean('refused'):.1f} | "
+            f"{s.mean('moves'):.0f} | {s.mean('moves_back'):.1f} | {s.mean('refused'):.1f} | "
             f"{100 * s.mean('est_early'):.0f}% | {s.mean('est_ratio'):.2f} | "
             f"{100 * s.mean('false_free'):.0f}% |")
     return "\n".join(lines)
@@ -1578,15 +1578,43 @@ def verdict(best: Summary, sky: Summary, one: Summary) -> list[str]:
     ]
 
 
+def variant_table(seeds: list[int], sc: Scenario) -> str:
+    """The same comparison on other bursts and clusters (each against SkyPilot's rule on the
+    same variant)."""
+    variants = (
+        ("as above", sc),
+        ("no sweeps (40 single jobs)", replace(sc, sweeps=())),
+        ("lighter load (short queues, K8s 75% busy, 0.75/0.65 after)",
+         replace(sc, queue_alpha=2, queue_beta=1, k8s_busy=0.75, load_slurm=0.75,
+                 load_k8s=0.65)),
+        ("AWS quota 768 vCPUs", replace(sc, aws_quota_vcpus=768)),
+        ("AWS quota 192 vCPUs", replace(sc, aws_quota_vcpus=192)),
+        ("SkyPilot's rule tries Slurm before Kubernetes",
+         replace(sc, sky_order=("slurm_alpha", "slurm_beta", "k8s", "aws"))),
+    )
+    lines = ["| variant | SkyPilot's rule: wait, $ | fastest (today): wait, vs SkyPilot | "
+             "fastest+moves (every knob): wait, $, vs SkyPilot |", "|---|---|---|---|"]
+    for label, scn in variants:
+        sky = Summary("skypilot", [simulate("skypilot", seed, Knobs(), scn) for seed in seeds])
+        fast = Summary("fastest", [simulate("fastest", seed, Knobs(), scn) for seed in seeds])
+        best = Summary("fastest+moves", [simulate("fastest+moves", seed, ALL_KNOBS, scn)
+                                         for seed in seeds])
+        lines.append(f"| {label} | {sky.mean('mean_wait_min'):.0f} min, "
+                     f"${sky.mean('cloud_usd'):.0f} | {fast.mean('mean_wait_min'):.0f} min, "
+                     f"{_ratio_text(fast.ratio(sky))} | {best.mean('mean_wait_min'):.0f} min, "
+                     f"${best.mean('cloud_usd'):.0f}, {_ratio_text(best.ratio(sky))} |")
+    return "\n".join(lines)
+
+
 def knob_variants(quick: bool) -> list[tuple[str, Knobs]]:
     today, full = Knobs(), ALL_KNOBS
     changes = [(f, getattr(full, f)) for f in ("slurm_estimate", "slurm_free", "own_estimate",
                                               "k8s_estimate", "aws_types", "herd_avoid")]
     rows = [("today's code", today)]
-    rows += [(f"only {f}={v}", replace(today, **{f: v})) for f, v in changes]
     if not quick:
         rows.append(("only slurm_estimate=discounted",
                      replace(today, slurm_estimate="discounted")))
+    rows += [(f"only {f}={v}", replace(today, **{f: v})) for f, v in changes]
     rows.append(("all knobs", full))
     if not quick:
         rows += [(f"all but {f}", replace(full, **{f: getattr(today, f)})) for f, _ in changes]
@@ -1619,20 +1647,32 @@ def report(seeds: list[int], quick: bool, sc: Scenario = Scenario()) -> tuple[st
     out.append(knob_table(rows, sky))
     sens: list[tuple[str, Summary]] = []
     if not quick:
-        for label, k, scn in (
-                ("all knobs, reprobe every 30 s", ALL_KNOBS, replace(sc, reprobe_interval=30)),
+        for label, k, scn, share in (
+                ("all knobs, reprobe every 30 s", ALL_KNOBS, replace(sc, reprobe_interval=30),
+                 None),
                 ("all knobs, reprobe every 120 s", ALL_KNOBS,
-                 replace(sc, reprobe_interval=120)),
-                ("all knobs, max_moves=1", replace(ALL_KNOBS, max_moves=1), sc),
-                ("all knobs, max_moves=6", replace(ALL_KNOBS, max_moves=6), sc)):
-            sens.append((label, Summary("fastest+moves", [simulate("fastest+moves", seed, k, scn)
-                                                          for seed in seeds])))
+                 replace(sc, reprobe_interval=120), None),
+                ("all knobs, max_moves=1", replace(ALL_KNOBS, max_moves=1), sc, None),
+                ("all knobs, max_moves=6", replace(ALL_KNOBS, max_moves=6), sc, None),
+                ("all knobs, MOVE_GAIN_SHARE=0.25", ALL_KNOBS, sc, 0.25),
+                ("today's code, MOVE_GAIN_SHARE=0.25", Knobs(), sc, 0.25)):
+            saved = placement.MOVE_GAIN_SHARE
+            placement.MOVE_GAIN_SHARE = share if share is not None else saved
+            try:
+                sens.append((label, Summary("fastest+moves", [
+                    simulate("fastest+moves", seed, k, scn) for seed in seeds])))
+            finally:
+                placement.MOVE_GAIN_SHARE = saved
         out.append("\n### Operator settings (fastest+moves)\n")
         out.append(knob_table(sens, sky))
-        sky2 = Summary("skypilot", [simulate("skypilot", seed, Knobs(), replace(
-            sc, sky_order=("slurm_alpha", "slurm_beta", "k8s", "aws"))) for seed in seeds])
-        out.append(f"\nSkyPilot's rule trying Slurm before Kubernetes: mean wait "
-                   f"{sky2.spread('mean_wait_min')} min, {sky2.spread('cloud_usd')} $.")
+        out.append("\n### Scenario variants\n")
+        out.append(variant_table(seeds, sc))
+    fast = today["fastest"]
+    out.append(f"\nCalibration, fastest with today's code: {100 * fast.mean('est_early'):.0f}% "
+               "of the copies queued on an estimate started in less than half of it (the "
+               f"issue measured 45%); median real/estimated wait {fast.mean('est_ratio'):.2f}; "
+               f"{100 * fast.mean('false_free'):.0f}% of on-prem \"free now\" offers were "
+               "followed by a wait over 5 minutes there.")
     best_name = min(("fastest+moves", "fastest+race+moves", "fastest+race"),
                     key=lambda n: full[n].mean("mean_wait_min"))
     out.append("\n### Targets\n")
