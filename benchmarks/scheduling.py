@@ -923,6 +923,8 @@ class Result:
     knobs: str
     waits: list[float]
     mean_wait_min: float
+    sweeps_wait_min: float  # mean wait of the sweeps' jobs
+    singles_wait_min: float  # ... and of the others
     p95_wait_min: float
     makespan_h: float
     cloud_usd: float
@@ -1471,6 +1473,10 @@ class Sim:
         return Result(
             strategy=self.strategy, seed=self.seed, knobs=self.knobs.label(), waits=waits,
             mean_wait_min=statistics.fmean(waits), p95_wait_min=p95, makespan_h=makespan,
+            sweeps_wait_min=statistics.fmean([w for w, j in zip(waits, self.jobs, strict=True)
+                                              if j.spec.sweep is not None] or [math.nan]),
+            singles_wait_min=statistics.fmean([w for w, j in zip(waits, self.jobs, strict=True)
+                                               if j.spec.sweep is None] or [math.nan]),
             cloud_usd=sum(j.cost for j in self.jobs),
             cloud_gpu_h_billed=sum(j.gpu_h_billed for j in self.jobs), cloud_gpu_h_used=used,
             idle_share=self.idle_area / self.total_area if self.total_area else 0.0,
@@ -1527,15 +1533,17 @@ def _ratio_text(r: tuple[float, float, float]) -> str:
 
 def strategy_table(runs: dict[str, Summary]) -> str:
     sky, one = runs.get("skypilot"), runs.get("one-cluster")
-    lines = ["| strategy | mean wait (min) | p95 wait (min) | makespan (h) | cloud $ | "
+    lines = ["| strategy | mean wait (min) | sweeps' jobs / single jobs | p95 wait (min) | "
+             "makespan (h) | cloud $ | "
              "cloud GPU-h billed / used | on-prem GPUs idle while jobs wait | moves | "
              "wait vs SkyPilot's rule | wait vs one cluster | $ vs SkyPilot's rule |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in runs.items():
         cloud_sky = sky.mean("cloud_usd") if sky else math.nan
         dollars = s.mean("cloud_usd") / cloud_sky if cloud_sky else math.nan
         lines.append(
-            f"| {name} | {s.spread('mean_wait_min')} | {s.spread('p95_wait_min')} | "
+            f"| {name} | {s.spread('mean_wait_min')} | {s.mean('sweeps_wait_min'):.0f} / "
+            f"{s.mean('singles_wait_min'):.0f} | {s.spread('p95_wait_min')} | "
             f"{s.spread('makespan_h', '.1f')} | {s.spread('cloud_usd')} | "
             f"{s.mean('cloud_gpu_h_billed'):.0f} / {s.mean('cloud_gpu_h_used'):.0f} | "
             f"{100 * s.mean('idle_share'):.0f}% ({100 * min(s.vals('idle_share')):.0f}-"
