@@ -2,9 +2,10 @@
 
 ``python benchmarks/scheduling.py [--quick] [--seeds 0,1,2] [--json FILE]``
 
-A discrete-event simulator of two Slurm clusters (FIFO + EASY backfill over time limits, real
-jobs ending before their limits), a Kubernetes cluster (greedy scheduler, no reservations) and an
-AWS region (instances billed per second, one vCPU quota), each under its own background load.
+A discrete-event simulator of two Slurm clusters (priority order with backfill planned over time
+limits, every pending job reserving its slot; real jobs end before their limits), a Kubernetes
+cluster (greedy scheduler, no reservations) and an AWS region (instances billed per second, one
+vCPU quota), each loaded by other users' jobs.
 A burst of jobs arrives over 30 minutes (some as sweeps: mapped tasks that place at the same
 moment) and every strategy places the same trace on the same background, side by side.
 
@@ -30,7 +31,10 @@ What is real and what is simulated:
 SkyPilot's rule is modelled as DESIGN.md describes it: try the places that fit by shape, cheapest
 first (SkyPilot's optimizer; on-prem is free), submit, and fail over after a pending timeout
 (10 s Kubernetes, 2 min Slurm); AWS launches when the quota has room (exact GPU counts, as
-SkyPilot's catalog matches them), else the next place; after the last place, start again.
+SkyPilot's catalog matches them), else the next place; after the last place, back off as its
+managed jobs do, then start again.
+
+``benchmarks/README.md`` has one run's tables and what they say.
 """
 
 from __future__ import annotations
@@ -95,15 +99,15 @@ class Knobs:
     ``slurm_free``: when a Slurm offer is "free now": ``idle`` today (a node has the GPUs idle,
       ``slurm/offers.py`` ``offer_at``; even when Slurm holds them for a pending job ahead, so the
       job queues where it was told it would start); ``held`` only when Slurm would start it now
-      (its backfill would not delay the reservation of the job ahead; the test-only answer with
-      the task's time limit), else queued with the estimate model's start.
+      (it fits beside the reservations of every job ahead: the test-only answer with the task's
+      time limit), else queued with the estimate model's start.
     ``own_estimate``: a waiting job's own estimate in its status (``JobStatus.est_start``, what
       ``rebalance._current`` uses for the place it waits at): ``none`` today (no backend sets it:
       its place is re-probed as for a new job, which queues behind the job itself); ``queue``
       its position in the queue under the same estimate model (``squeue --start``-like).
     ``k8s_estimate``: ``none`` today (a full cluster gives no estimate: it ranks behind every
-      queue); ``pod-ages`` when the running pods' GPUs free up, from their ages and the run
-      times of the cluster's finished pods, pending pods first.
+      queue); ``pod-ages`` the scheduler played forward, each running pod ending at the median
+      run time of the finished pods that ran at least as long, pending pods first.
     ``aws_types``: ``at-least`` today (the fewest-GPU type with at least the count: an 8-GPU
       p4d for A100:1); ``exact`` only types with exactly the count (as SkyPilot).
     ``herd_avoid``: count submissions made moments ago (decided, not yet visible to a probe)
