@@ -5,7 +5,10 @@
 - slurm-parse: parsing a big cluster's probe output (thousands of nodes);
 - poller: one triggerer watching thousands of jobs across connections: requests per interval
   (must stay one status + one log request per connection) and the loop's own CPU time;
-- slurm-probe (only when the sandbox is up): a real probe round trip over SSH.
+- slurm-probe (only when the sandbox is up): a real probe round trip over SSH;
+- scheduling: a burst of GPU jobs over loaded clusters, placed by the real placement code in a
+  simulator (``benchmarks/scheduling.py``; run it alone for the full tables): mean wait against
+  SkyPilot's rule and one cluster.
 
 Results go to stdout as a Markdown table; benchmarks/README.md records a run.
 """
@@ -167,12 +170,19 @@ def bench_slurm_probe(quick: bool) -> None:
                  f"p95 {p95 * 1e3:.0f} ms"))
 
 
+def bench_scheduling(quick: bool) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import scheduling
+
+    ROWS.extend(scheduling.summary_rows(quick))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     for bench in (bench_spec, bench_placement, bench_slurm_parse, bench_poller,
-                  bench_slurm_probe):
+                  bench_slurm_probe, bench_scheduling):
         bench(args.quick)
     print("| benchmark | result | spread |\n|---|---|---|")
     for name, result, spread in ROWS:
