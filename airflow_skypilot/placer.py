@@ -162,10 +162,13 @@ class Placer:
     # --- moving a waiting copy --------------------------------------------------------------
     def move(self, task: Task, run: RunState, handle: JobHandle, to: Offer,
              reason: str) -> tuple[JobHandle | None, bool]:
-        """Move the waiting copy ``handle`` to ``to``: only if it still waits, cancelled and
-        confirmed dead first. Returns (the copy to watch next, moved?): the same copy when it
-        started meanwhile (it stays), the new one, or None when ``to`` refused it (the caller
-        places it again from scratch)."""
+        """Move the waiting copy ``handle`` to ``to``: only if it still waits and ``to``, probed
+        again just now, still takes it as well as promised; the waiting copy is cancelled and
+        its end confirmed (else swept, as an old copy at a failover is) before the new one is
+        submitted. The place left stays blocked for the cooldown: no back and forth.
+
+        Returns (the copy to watch next, moved?): the same copy when it stays, the new one, or
+        None when ``to`` refused it (the caller places it again from scratch)."""
         backend = backend_for_handle(handle)
         try:
             status = backend.status([handle]).get(handle.job_id)
@@ -177,18 +180,41 @@ class Placer:
             self.log.info("Not moving job %s: it is %s now", handle.job_id,
                           status.state.value if status else "unknown")
             return handle, False
-        why = f"moved to {to.place_key}: {reason}"
-        sweep = self.stop_copy(run, handle, why)
-        if sweep.done_at is None:  # may still start where it is: keep watching it there
-            self.log.warning("Not moving job %s: its cancel is not confirmed", handle.job_id)
+        fresh = self._still_good(task, to)
+        if fresh is None:
             return handle, False
+        why = f"moved to {fresh.place_key}: {reason}"
+        sweep = self.stop_copy(run, handle, why)
         ended = run.close(handle, JobStatus(JobState.CANCELLED, reason=why))
-        ended.state, ended.confirmed_dead = "moved", True
-        after = backend.status([handle]).get(handle.job_id)
-        if after is not None and after.started_at:
-            self.log.warning("Job %s had started just before it was cancelled for the move",
-                             handle.job_id)
+        ended.state, ended.confirmed_dead = "moved", sweep.done_at is not None
+        if sweep.done_at is not None:
+            after = backend.status([handle]).get(handle.job_id)
+            if after is not None and after.started_at:
+                self.log.warning("Job %s had started just before it was cancelled for the "
+                                 "move", handle.job_id)
+        run.blocked.append(Blocked(ended.place, "moved away from it",
+                                   until=time.time() + self.cooldown))
         run.moves += 1
         run.attempt += 1
         self.log.warning("Job %s %s", handle.job_id, why)
-        return self.submit_at(task, run, to), True
+        return self.submit_at(task, run, fresh), True
+
+    def _still_good(self, task: Task, to: Offer) -> Offer | None:
+        """``to`` as probed again now, if it still takes the job as well as promised (other
+        jobs may have moved there since the look that chose it)."""
+        try:
+            offers = self.hook.backend(to.connection).probe(task)
+        except Exception as exc:
+            self.log.warning("Not moving: %s could not be probed again (%s)", to.connection,
+                             exc)
+            return None
+        fresh = next((o for o in offers if o.place_key == to.place_key
+                      and o.request.index == to.request.index and o.fits), None)
+        promised = to.wait_seconds or 0.0
+        if fresh is None or (to.free_now and not fresh.free_now) or (
+                not to.free_now and (fresh.wait_seconds is None
+                                     or fresh.wait_seconds > promised * 1.2 + 60)):
+            self.log.info("Not moving: %s no longer takes the job as it did", to.place_key)
+            return None
+        fresh.details.setdefault("move_reason", to.details.get("move_reason", ""))
+        return fresh

@@ -174,3 +174,40 @@ def test_the_capacity_view_carries_no_secrets_envs_or_scripts():
     assert [(c.accelerator, c.cpus) for c in again.candidates] == \
         [(c.accelerator, c.cpus) for c in task.candidates]
     assert again.config == {"slurm": {"sbatch_options": {"exclusive": True}}}
+
+
+def test_no_move_when_the_target_is_taken_before_the_move(monkeypatch):
+    """Several waiting jobs may pick one free place in one look: the move probes the target
+    again and stays where it is when the place is gone."""
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    FakeBackend.offers["c2"] = [offer("c2", "q", nodes_free=0, est_in=None)]  # taken meanwhile
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    assert info.value.trigger.handle["job_id"] == "1" and len(FakeBackend.jobs) == 1
+    assert FakeBackend.jobs["1"]["status"].state == JobState.PENDING
+
+
+def test_the_place_left_is_blocked_so_the_job_does_not_move_back():
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    spec = rebalance.ReconsiderSpec.from_dict(info.value.trigger.reconsider)
+    assert [b["place"] for b in spec.blocked] == ["c1/p"] and spec.moves == 1
+    # c2 turns out slow and c1 frees up: the job stays on c2 for the cooldown
+    FakeBackend.jobs["2"]["status"] = JobStatus(JobState.PENDING)
+    FakeBackend.offers = {"c1": [offer("c1", "p")],
+                          "c2": [offer("c2", "q", nodes_free=0, est_in=7200)]}
+    rebalance._cache.clear()
+    trigger = info.value.trigger
+
+    async def watch():
+        task = asyncio.create_task(_first(trigger))
+        await asyncio.sleep(0.3)
+        FakeBackend.jobs["2"]["status"] = JobStatus(JobState.SUCCEEDED, exit_code=0)
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(watch())["status"] == "done"
