@@ -307,8 +307,9 @@ def _count(value: Any, name: str) -> float:
     return int(value) if float(value).is_integer() else float(value)
 
 
-def _one_accelerator(text: str) -> list[tuple[str, float]]:
-    """``A100`` / ``A100:8`` / ``A100:0.5`` / ``80GB+:8`` / ``nvidia:80GB:8`` -> [(name, n)]."""
+def _one_accelerator(text: str, cloud: str | None = None) -> list[tuple[str, float]]:
+    """``A100`` / ``A100:8`` / ``A100:0.5`` / ``80GB+:8`` / ``nvidia:80GB:8`` -> [(name, n)],
+    names canonical for ``cloud`` (see :func:`accelerators.canonical`)."""
     text = text.strip()
     split = text.split(":")
     manufacturer = memory = None
@@ -322,7 +323,7 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
     elif len(split) == 1 and acc.memory_spec(split[0]):
         memory = split[0]
     elif len(split) == 1:
-        return [(_canonical(split[0]), 1)]
+        return [(_canonical(split[0], cloud), 1)]
     elif len(split) == 2:
         name, count = split
         if not name:
@@ -330,7 +331,7 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
         number = _number(count)
         if number is None:
             raise FieldError(f"{text!r} should be <name> or <name>:<count>")
-        return [(_canonical(name), _count(number, name))]
+        return [(_canonical(name, cloud), _count(number, name))]
     else:
         raise FieldError(f"{text!r} should be <name> or <name>:<count>")
     number = _number(str(count))
@@ -344,26 +345,29 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
     return [(d, _count(int(number), d)) for d in devices]
 
 
-def _canonical(name: str) -> str:
+def _canonical(name: str, cloud: str | None) -> str:
     try:
-        return acc.canonical(name)
+        return acc.canonical(name, cloud)
     except acc.AmbiguousAcceleratorError as exc:
         raise FieldError(str(exc)) from None
 
 
-def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[str, float]], str]:
+def parse_accelerators(value: Any, *, single: bool = False, cloud: str | None = None,
+                       ) -> tuple[list[tuple[str, float]], str]:
     """All SkyPilot forms -> ([(canonical name, count per node)], kind).
 
     kind is ``"one"`` (a single accelerator), ``"any_of"`` (a mapping or set: any of them,
     SkyPilot picks the cheapest) or ``"ordered"`` (a list: in the user's order).
     ``single`` is set inside ``any_of``/``ordered`` entries, where SkyPilot allows only one.
+    ``cloud`` is the candidate's cloud (our name, None for any): names are canonical for it.
+    The same accelerator with several counts (``{A100:4, A100:8}``) is several candidates, as
+    in SkyPilot (sky/resources.py ``from_yaml_config`` keeps each ``name:count`` once).
     """
     pairs: list[tuple[str, float]] = []
     if isinstance(value, str):
         # The quoted one-line set "{A100:8, H100:8}" is refused, as SkyPilot 0.14 does; the
         # unquoted form is a YAML mapping and works.
-        pairs = _one_accelerator(value)
-        kind = "one" if len(pairs) == 1 else "any_of"
+        pairs = _one_accelerator(value, cloud)
     elif isinstance(value, dict):
         if not value:
             raise FieldError("must name at least one accelerator")
@@ -373,11 +377,10 @@ def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[
             if not isinstance(name, str):
                 raise FieldError(f"accelerator names must be strings; got {name!r}")
             if count is None:
-                pairs.extend(_one_accelerator(name))
+                pairs.extend(_one_accelerator(name, cloud))
             else:
-                for dev, _ in _one_accelerator(name):
+                for dev, _ in _one_accelerator(name, cloud):
                     pairs.append((dev, _count(count, name)))
-        kind = "one" if len(pairs) == 1 else "any_of"
     elif isinstance(value, list):
         if single:
             raise FieldError("inside any_of/ordered, name one accelerator per entry, not a list")
@@ -386,15 +389,17 @@ def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[
         for item in value:
             if not isinstance(item, str):
                 raise FieldError(f"list items must be strings like 'A100:1'; got {item!r}")
-            pairs.extend(_one_accelerator(item))
-        kind = "ordered"  # even one entry: SkyPilot keeps a list as an ordered preference
+            pairs.extend(_one_accelerator(item, cloud))
     else:
         raise FieldError(
             f"must be 'NAME', 'NAME:COUNT', a mapping {{NAME: COUNT}} or a list; got {value!r}")
-    seen: dict[str, float] = {}
-    for name, count in pairs:
-        seen.setdefault(name, count)
-    return list(seen.items()), kind
+    unique = list(dict.fromkeys((name, float(count)) for name, count in pairs))
+    out = [(name, int(count) if count.is_integer() else count) for name, count in unique]
+    if isinstance(value, list):
+        kind = "ordered"  # even one entry: SkyPilot keeps a list as an ordered preference
+    else:
+        kind = "one" if len(out) == 1 else "any_of"
+    return out, kind
 
 
 # --- job recovery --------------------------------------------------------------------------

@@ -42,6 +42,12 @@ ACCELERATOR_FORMS = [
     ("MyCustomGPU:2", [("MyCustomGPU", 2)], False),
     ("{A100: null}", [("A100", 1)], False),
     ("'141GB:1'", [("H200", 1)], False),
+    # the same accelerator with several counts: each count is its own candidate (SkyPilot)
+    ("{A100:4, A100:8}", [("A100", 4), ("A100", 8)], False),
+    ("{T4: 1, T4:4, V100: 1}", [("T4", 1), ("T4", 4), ("V100", 1)], False),
+    ("{A100: 1, A100:1}", [("A100", 1)], False),
+    ("[A100:1, A100:1, L4]", [("A100", 1), ("L4", 1)], True),
+    ("[A100:8, A100:4]", [("A100", 8), ("A100", 4)], True),
 ]
 
 
@@ -50,6 +56,49 @@ def test_accelerator_forms(value, expected, ordered):
     task = _load(f"resources:\n  accelerators: {value}\nrun: x\n")
     assert [(c.accelerator, c.accelerator_count) for c in task.candidates] == expected
     assert task.ordered is ordered
+
+
+CLOUD_CANONICAL_FORMS = [
+    # (infra, name, canonical name): SkyPilot canonicalises against the catalog names that
+    # the candidate's cloud offers; none: the name as written (a cluster's label decides)
+    (None, "MI300", "MI300X"),
+    ("k8s", "MI300", "MI300"),
+    ("kubernetes/my-ctx", "mi300", "mi300"),
+    ("ssh/pool", "MI300", "MI300"),
+    ("slurm", "MI300", "MI300"),
+    ("aws", "MI300", "MI300"),
+    ("k8s", "a100", "A100"),  # an exact (case-insensitive) match wins on any cloud
+    ("slurm/alpha", "h100", "H100"),
+    ("aws", "A100-80", "A100-80GB"),  # unique among AWS's names (RunPod adds -SXM)
+    ("k8s", "MyCustomGPU", "MyCustomGPU"),
+    ("k8s", "tpu-v5p-8", "tpu-v5p-8"),
+]
+
+
+@pytest.mark.parametrize(("infra", "name", "expected"), CLOUD_CANONICAL_FORMS)
+def test_accelerator_names_are_canonical_for_the_candidates_cloud(infra, name, expected):
+    where = f"  infra: {infra}\n" if infra else ""
+    task = _load(f"resources:\n{where}  accelerators: {name}:2\nrun: x\n")
+    assert [(c.accelerator, c.accelerator_count) for c in task.candidates] == [(expected, 2)]
+
+
+def test_accelerator_names_follow_each_any_of_entrys_cloud():
+    task = _load("""
+        resources:
+          accelerators: MI300:8
+          any_of:
+            - infra: k8s
+            - infra: runpod
+            - cloud: kubernetes
+        """)
+    assert sorted((c.infra, c.accelerator) for c in task.candidates) == [
+        ("kubernetes", "MI300"), ("runpod", "MI300X")]
+
+
+def test_ambiguous_name_is_an_error_only_where_it_is_ambiguous():
+    assert "is ambiguous" in "\n".join(_errors("resources:\n  accelerators: A100-80\n"))
+    assert _cands("resources:\n  cloud: aws\n  accelerators: A100-80\n")[0][
+        "accelerator"] == "A100-80GB"
 
 
 def test_gpus_is_an_alias_of_accelerators():
