@@ -199,7 +199,9 @@ class ResourcesSpec(ResourceFields):
 _TASK_NAME = re.compile(r"^[a-zA-Z0-9]+(?:[._-]{1,2}[a-zA-Z0-9]+)*$")
 _STORAGE_KEYS = {"name", "source", "store", "persistent", "mode", "type", "config"}
 _STORAGE_MODES = ("MOUNT", "COPY", "MOUNT_CACHED")
-_STORES = ("s3", "gcs", "azure", "r2", "ibm", "oci", "nebius", "coreweave", "volume")
+_STORES = ("S3", "GCS", "AZURE", "R2", "IBM", "OCI", "NEBIUS", "COREWEAVE", "VASTDATA", "HF",
+           "VOLUME")
+_FILE_MOUNT_TYPES = ("MODEL_CHECKPOINT_RO", "MODEL_CHECKPOINT_RW", "DATASET_RO", "DATASET_RW")
 
 #: What a task's ``config:`` may override (SkyPilot's OVERRIDEABLE_CONFIG_KEYS_IN_TASK), with
 #: the type of each leaf where it is checked; ``None`` accepts any value.
@@ -372,9 +374,9 @@ class TaskSpec(_Strict):
                 if dst.endswith("/") and dst != "/":
                     raise PydanticCustomError(
                         "skypilot", f"mount path {dst!r} must not end with a slash")
-                if isinstance(src, dict):
-                    _check_storage(dst, src)
-                elif not isinstance(src, str):
+                # a storage mapping is checked once envs are filled in (storage_problem), as
+                # SkyPilot builds its Storage only after filling envs into file_mounts
+                if not isinstance(src, (dict, str)):
                     raise PydanticCustomError(
                         "skypilot",
                         f"{dst}: source must be a path/URL or a storage mapping; got {src!r}")
@@ -405,19 +407,26 @@ def _env_value(key: str, value: Any) -> str | None:
         "skypilot", f"value of {key!r} must be a string, number or boolean; got {value!r}")
 
 
-def _check_storage(dst: str, spec: dict[str, Any]) -> None:
-    """SkyPilot's storage mapping (sky/utils/schemas.py get_storage_schema), main keys."""
+def storage_problem(spec: dict[str, Any]) -> str | None:
+    """What is wrong with a storage mapping of ``file_mounts`` (SkyPilot's storage schema,
+    sky/utils/schemas.py get_storage_schema, main keys), once envs are filled in; None if
+    nothing."""
     unknown = sorted(set(spec) - _STORAGE_KEYS)
     if unknown:
-        raise PydanticCustomError("skypilot", f"{dst}: unknown storage key {unknown[0]!r}; "
-                                              f"allowed: {', '.join(sorted(_STORAGE_KEYS))}")
-    mode = spec.get("mode")
-    if mode is not None and (not isinstance(mode, str) or mode.upper() not in _STORAGE_MODES):
-        raise PydanticCustomError("skypilot", f"{dst}: mode must be one of "
-                                              f"{', '.join(_STORAGE_MODES)}; got {mode!r}")
-    store = spec.get("store")
-    if store is not None and (not isinstance(store, str) or store.lower() not in _STORES):
-        raise PydanticCustomError("skypilot", f"{dst}: unknown store {store!r}")
+        return f"unknown storage key {unknown[0]!r}; allowed: {', '.join(sorted(_STORAGE_KEYS))}"
+    for key, choices in (("store", _STORES), ("mode", _STORAGE_MODES),
+                         ("type", _FILE_MOUNT_TYPES)):
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, str)
+                                  or value.lower() not in (c.lower() for c in choices)):
+            return f"unknown {key} {value!r}; expected one of {', '.join(choices)}"
+    for key, want, what in (("name", str, "a string"), ("persistent", bool, "true or false"),
+                            ("config", dict, "a mapping")):
+        value = spec.get(key)
+        if value is not None and not isinstance(value, want):
+            return f"{key} must be {what}; got {value!r}"
     source = spec.get("source")
-    if source is not None and not isinstance(source, (str, list)):
-        raise PydanticCustomError("skypilot", f"{dst}: source must be a path/URL or a list")
+    if source is not None and not (isinstance(source, str) or isinstance(source, list) and source
+                                   and all(isinstance(x, str) for x in source)):
+        return f"source must be a path/URL or a list of them; got {source!r}"
+    return None

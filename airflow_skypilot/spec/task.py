@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
-import string
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -23,6 +23,7 @@ from airflow_skypilot.spec.model import (
     ResourceOverride,
     ResourcesSpec,
     TaskSpec,
+    storage_problem,
 )
 from airflow_skypilot.spec.source import MAX_YAML_BYTES, Source, dotted, load_yaml, too_large
 
@@ -291,6 +292,12 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
     if require_secrets:
         problems.extend(_missing(src, "secrets", secrets))
     problems.extend(_local_paths(spec, src, base_dir))
+    # SkyPilot fills envs (and inline secrets) into file_mounts, workdir, volumes and service
+    # before it reads them: a storage's `store: $STORE` is checked with STORE's value
+    substitutions = {**{k: v for k, v in envs.items() if v is not None},
+                     **{k: v for k, v in secrets.items() if v is not None}}
+    unfilled = {k for k, v in envs.items() if v is None}
+    problems.extend(_storage_problems(spec, src, substitutions, unfilled))
 
     candidates, ordered = [], False
     try:
@@ -309,7 +316,6 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
     if problems:
         raise TaskValidationError(_sorted(problems))
 
-    substitutions = {**envs, **{k: v for k, v in secrets.items() if v is not None}}
     workdir: Any = spec.workdir.model_dump() if isinstance(spec.workdir, BaseModel) \
         else spec.workdir
     return Task(
@@ -354,6 +360,31 @@ def _local_paths(spec: TaskSpec, src: Source, base_dir: str | None) -> list[Prob
     return out
 
 
+def _storage_problems(spec: TaskSpec, src: Source, env: Mapping[str, str],
+                      unfilled: set[str]) -> list[Problem]:
+    """Storage mappings of ``file_mounts``, checked once ``env`` is filled in (SkyPilot's
+    Storage.from_yaml_config runs after Task.from_yaml_config fills envs into file_mounts).
+    A mapping that still names an env with no value is not checked: that env is the problem."""
+    out = []
+    for dst, raw in (spec.file_mounts or {}).items():
+        if not isinstance(raw, dict):
+            continue
+        filled = _substitute(raw, env)
+        if unfilled and set(_env_refs(filled)) & unfilled:
+            continue
+        why = storage_problem(filled)
+        if why and filled != raw:
+            why += f" (once envs are filled in; the YAML says {_brief(raw)})"
+        if why:
+            out.append(src.problem(("file_mounts", dst), why))
+    return out
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _missing(src: Source, section: str, values: Mapping[str, Any]) -> list[Problem]:
     flag = "--env" if section == "envs" else "--secret"
     return [src.problem((section, key), (
@@ -369,10 +400,26 @@ def _override_value(value: Any) -> str | None:
     return str(value)
 
 
-def _substitute(value: Any, env: Mapping[str, str]) -> Any:
-    """SkyPilot fills ``${VAR}`` from envs into file_mounts and workdir; we do the same."""
+#: an env reference, as SkyPilot's task.py ``_fill_in_env_vars`` finds them: ``$NAME`` or
+#: ``${NAME}``
+_ENV_REF = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?")
+
+
+def _env_refs(value: Any) -> list[str]:
     if isinstance(value, str):
-        return string.Template(value).safe_substitute(env)
+        return _ENV_REF.findall(value)
+    if isinstance(value, dict):
+        return [n for k, v in value.items() for n in (*_env_refs(k), *_env_refs(v))]
+    if isinstance(value, list):
+        return [n for v in value for n in _env_refs(v)]
+    return []
+
+
+def _substitute(value: Any, env: Mapping[str, str]) -> Any:
+    """SkyPilot fills ``$VAR``/``${VAR}`` from envs into file_mounts, workdir, volumes and
+    service (keys and values; a name not in ``env`` stays as written); we do the same."""
+    if isinstance(value, str):
+        return _ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), value)
     if isinstance(value, dict):
         return {_substitute(k, env): _substitute(v, env) for k, v in value.items()}
     if isinstance(value, list):

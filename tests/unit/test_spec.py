@@ -317,6 +317,55 @@ def test_envs_fill_file_mounts_and_workdir():
     assert "/data/d1" in task.file_mounts
 
 
+STORE_YAML = """
+    envs:
+      STORE: {store}
+      BUCKET: my-bucket
+    file_mounts:
+      /data:
+        name: ${{BUCKET}}-data
+        store: $STORE
+        mode: MOUNT
+    run: x
+    """
+
+
+@pytest.mark.parametrize("store", ["s3", "GCS", "r2", "hf", "vastdata", "volume"])
+def test_storage_store_from_an_env_is_checked_with_its_value(store):
+    task = _load(STORE_YAML.format(store=store))
+    assert task.file_mounts["/data"] == {"name": "my-bucket-data", "store": store,
+                                         "mode": "MOUNT"}
+
+
+def test_storage_store_from_an_override():
+    task = _load(STORE_YAML.format(store="null"), envs={"STORE": "s3"})
+    assert task.file_mounts["/data"]["store"] == "s3"
+
+
+def test_storage_store_from_an_env_with_a_wrong_value():
+    assert _errors(STORE_YAML.format(store="nfs")) == [
+        "t.yaml:5: file_mounts./data: unknown store 'nfs'; expected one of S3, GCS, AZURE, R2, "
+        "IBM, OCI, NEBIUS, COREWEAVE, VASTDATA, HF, VOLUME (once envs are filled in; the YAML "
+        "says {'name': '${BUCKET}-data', 'store': '$STORE', 'mode': 'MOUNT'})"]
+
+
+def test_storage_store_from_a_missing_env_names_only_the_env():
+    assert _errors(STORE_YAML.format(store="null")) == [
+        "t.yaml:2: envs.STORE: has no value: supply it as an override (--env STORE=VALUE, or "
+        "the operator's envs={'STORE': ...})"]
+
+
+def test_storage_store_from_an_unknown_name_stays_as_written():
+    assert "unknown store '$NOPE'" in _errors(
+        "file_mounts:\n  /d:\n    name: b\n    store: $NOPE\n")[0]
+
+
+def test_env_references_are_filled_as_skypilot_fills_them():
+    task = _load("envs:\n  A: x\nfile_mounts:\n  /a/$A/${A}: s3://b/${A}_$A\n"
+                 "  /b: s3://b/$$A/$UNSET/${A\n")
+    assert task.file_mounts == {"/a/x/x": "s3://b/x_x", "/b": "s3://b/$x/$UNSET/x"}
+
+
 def test_secret_references_need_overrides():
     assert _load("secrets: ['secrets:HF_TOKEN']\n").missing_secrets == ["HF_TOKEN"]
     assert _errors("secrets: ['secrets:HF_TOKEN']\n", require_secrets=True) == [
@@ -436,7 +485,11 @@ ERRORS = [
     ("file_mounts:\n  /data: ./nope.txt\n", "t.yaml:2: file_mounts./data: source './nope.txt'"
                                              " does not exist"),
     ("file_mounts:\n  /data/: s3://b\n", "mount path '/data/' must not end with a slash"),
-    ("file_mounts:\n  /d:\n    mode: SYNC\n", "/d: mode must be one of MOUNT, COPY"),
+    ("file_mounts:\n  /d:\n    mode: SYNC\n", "t.yaml:2: file_mounts./d: unknown mode 'SYNC'; "
+                                             "expected one of MOUNT, COPY, MOUNT_CACHED"),
+    ("file_mounts:\n  /d:\n    store: nfs\n", "t.yaml:2: file_mounts./d: unknown store 'nfs'"),
+    ("file_mounts:\n  /d:\n    sorce: x\n", "t.yaml:2: file_mounts./d: unknown storage key"),
+    ("file_mounts:\n  /d:\n    persistent: maybe\n", "persistent must be true or false"),
     ("config:\n  jobs: {}\n", "config section 'jobs' cannot be set by a task"),
     ("config:\n  kubernetes:\n    provision_timeout: soon\n",
      "config.kubernetes.provision_timeout has the wrong type"),
