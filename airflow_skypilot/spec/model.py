@@ -211,7 +211,7 @@ CONFIG_KEYS: dict[str, dict[str, type | tuple[type, ...] | None]] = {
     "ssh": {"custom_metadata": dict, "pod_config": dict, "provision_timeout": int},
     "kubernetes": {"custom_metadata": dict, "pod_config": dict, "provision_timeout": int,
                    "dws": dict, "kueue": dict, "quota": None, "remote_identity": None,
-                   "enable_docker": bool, "set_pod_resource_limits": None},
+                   "enable_docker": None, "set_pod_resource_limits": None},
     "azure": {"remote_identity": None, "vpc_name": str},
     "gcp": {"vpc_name": str, "subnet_names": None, "managed_instance_group": dict,
             "enable_gvnic": bool, "enable_gpu_direct": bool, "placement_policy": str},
@@ -220,6 +220,30 @@ CONFIG_KEYS: dict[str, dict[str, type | tuple[type, ...] | None]] = {
     "active_workspace": None,
     "hooks": None,
 }
+
+
+def _enable_docker(value: Any) -> str | None:
+    """``config.kubernetes.enable_docker`` (SkyPilot 0.14): true/false, ``ALL``/``BUILD``, or
+    ``{mode: ALL|BUILD, cache_volume: NAME}``; what is wrong, or None."""
+    modes = ("ALL", "BUILD")
+    if isinstance(value, bool) or isinstance(value, str) and value in modes:
+        return None
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"mode", "cache_volume"})
+        if unknown:
+            return f"unknown key {unknown[0]!r}; allowed: cache_volume, mode"
+        if value.get("mode") not in modes:
+            return f"mode must be ALL or BUILD; got {value.get('mode')!r}"
+        volume = value.get("cache_volume")
+        if volume is not None and not isinstance(volume, str):
+            return f"cache_volume must be a volume name; got {volume!r}"
+        return None
+    return (f"must be true, false, ALL, BUILD or {{mode: ALL|BUILD, cache_volume: NAME}}; "
+            f"got {value!r}")
+
+
+#: leaves of ``config`` with a check of their own: (section, key) -> what is wrong, or None
+CONFIG_CHECKS = {("kubernetes", "enable_docker"): _enable_docker}
 
 
 class TaskSpec(_Strict):
@@ -298,6 +322,10 @@ class TaskSpec(_Strict):
                     raise PydanticCustomError(
                         "skypilot", f"config.{section}.{key} cannot be set by a task; allowed: "
                                     f"{', '.join(leaves)}")
+                check = CONFIG_CHECKS.get((section, key))
+                why = check(value) if check else None
+                if why:
+                    raise PydanticCustomError("skypilot", f"config.{section}.{key} {why}")
                 want = leaves[key]
                 if want is not None and (isinstance(value, bool) and want is int
                                          or not isinstance(value, want)):

@@ -306,13 +306,6 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         problems.extend(exc.problems)
 
     num_nodes = spec.num_nodes or 1
-    for cand in candidates:
-        if cand.accelerator and num_nodes > 1 and not float(cand.accelerator_count).is_integer():
-            problems.append(src.problem(
-                ("resources", "accelerators"),
-                "fractional accelerators cannot be used with num_nodes > 1"))
-            break
-
     if problems:
         raise TaskValidationError(_sorted(problems))
 

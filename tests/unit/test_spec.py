@@ -501,8 +501,15 @@ ERRORS = [
                                 "supported"),
     ("name: [a\n", "t.yaml:2:1: YAML syntax error:"),
     ("resources:\n  cpus: 1\n   memory: 2\n", "t.yaml:3:"),
-    ("num_nodes: 2\nresources:\n  accelerators: A100:0.5\n",
-     "fractional accelerators cannot be used with num_nodes > 1"),
+    ("config:\n  kubernetes:\n    enable_docker: build\n",
+     "config.kubernetes.enable_docker must be true, false, ALL, BUILD or {mode: ALL|BUILD, "
+     "cache_volume: NAME}; got 'build'"),
+    ("config:\n  kubernetes:\n    enable_docker: {cache_volume: v}\n",
+     "config.kubernetes.enable_docker mode must be ALL or BUILD; got None"),
+    ("config:\n  kubernetes:\n    enable_docker: {mode: ALL, size: 1}\n",
+     "config.kubernetes.enable_docker unknown key 'size'"),
+    ("config:\n  kubernetes:\n    enable_docker: {mode: ALL, cache_volume: 3}\n",
+     "cache_volume must be a volume name; got 3"),
 ]
 
 
@@ -522,6 +529,18 @@ def test_every_problem_is_reported_at_once():
           A: null
         """)
     assert [e.split(":")[1] for e in errors] == ["1", "3", "4", "6"]
+
+
+@pytest.mark.parametrize("value", ["true", "false", "ALL", "BUILD", "{mode: BUILD}",
+                                   "{mode: ALL, cache_volume: docker-cache}"])
+def test_kubernetes_enable_docker_forms(value):
+    task = _load(f"config:\n  kubernetes:\n    enable_docker: {value}\nrun: x\n")
+    assert "enable_docker" in task.config["kubernetes"]
+
+
+def test_fractional_accelerators_on_several_nodes():
+    task = _load("num_nodes: 2\nresources:\n  accelerators: T4:0.5\nrun: x\n")
+    assert (task.num_nodes, task.candidates[0].accelerator_count) == (2, 0.5)
 
 
 def test_override_supplies_a_null_env():
