@@ -274,7 +274,8 @@ class TaskSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _service_and_pool(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("service") and data.get("pool"):
+        if isinstance(data, dict) and data.get("service") is not None \
+                and data.get("pool") is not None:
             raise PydanticCustomError("skypilot", "cannot set both 'service' and 'pool'")
         return data
 

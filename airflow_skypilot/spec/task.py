@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from airflow_skypilot.spec import checks
+from airflow_skypilot.spec import checks, service
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
 from airflow_skypilot.spec.model import (
@@ -29,8 +29,10 @@ from airflow_skypilot.spec.source import MAX_YAML_BYTES, Source, dotted, load_ya
 
 #: Top-level keys SkyPilot accepts that a batch job here does not use; they load with a warning.
 IGNORED_KEYS = {
-    "service": "SkyServe services are not run by airflow-skypilot; 'service' is ignored",
-    "pool": "worker pools are not used by airflow-skypilot; 'pool' is ignored",
+    "service": "SkyServe services are not run by airflow-skypilot; 'service' is checked as "
+               "SkyPilot checks it, then ignored",
+    "pool": "worker pools are not used by airflow-skypilot; 'pool' is checked as SkyPilot "
+            "checks it, then ignored",
     "event_callback": "'event_callback' is ignored; use Airflow callbacks instead",
     "inputs": "'inputs' (experimental in SkyPilot) is ignored",
     "outputs": "'outputs' (experimental in SkyPilot) is ignored",
@@ -298,6 +300,7 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
                      **{k: v for k, v in secrets.items() if v is not None}}
     unfilled = {k for k, v in envs.items() if v is None}
     problems.extend(_storage_problems(spec, src, substitutions, unfilled))
+    problems.extend(_service_problems(spec, src, substitutions, unfilled))
 
     candidates, ordered = [], False
     try:
@@ -371,6 +374,16 @@ def _storage_problems(spec: TaskSpec, src: Source, env: Mapping[str, str],
         if why:
             out.append(src.problem(("file_mounts", dst), why))
     return out
+
+
+def _service_problems(spec: TaskSpec, src: Source, env: Mapping[str, str],
+                      unfilled: set[str]) -> list[Problem]:
+    """``service`` (envs filled in) and ``pool`` as SkyPilot checks them; both are then
+    ignored (see IGNORED_KEYS)."""
+    filled = _substitute(spec.service, env) if spec.service is not None else None
+    if filled is not None and unfilled and set(_env_refs(filled)) & unfilled:
+        return []
+    return [src.problem(path, why) for path, why in service.problems(filled, spec.pool)]
 
 
 def _brief(value: Any) -> str:

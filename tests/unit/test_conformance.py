@@ -35,8 +35,6 @@ DIFFERENCES: dict[str, tuple[bool, str]] = {
     "env_list_value.yaml": (False, "an env value that is a list is refused"),
     # Secret names become environment variables; SkyPilot does not check them.
     "sec_invalid_key_name.yaml": (False, "a secret must be a valid environment variable name"),
-    # We ignore 'service' (not a batch job), so we do not validate its schema either.
-    "svc_unknown_key.yaml": (True, "'service' is ignored with a warning, not validated"),
     # Kubernetes label syntax is checked by the Kubernetes backend when it builds the Job.
     "labels_k8s_invalid_value.yaml": (True, "label syntax is checked by the backend at submit"),
     # Local paths: SkyPilot resolves relative paths against the shell's CWD; we resolve them

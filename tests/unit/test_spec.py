@@ -381,7 +381,103 @@ def test_ignored_keys_warn_with_line():
     task = _load("run: x\nservice:\n  readiness_probe: /\n")
     assert [str(w) for w in task.warnings] == [
         "t.yaml:2: service: SkyServe services are not run by airflow-skypilot; "
-        "'service' is ignored"]
+        "'service' is checked as SkyPilot checks it, then ignored"]
+
+
+# --- service / pool: checked as SkyPilot checks them, then ignored -------------------------
+
+SERVICES_ACCEPTED = [
+    "service: {}\n",
+    "service:\n  readiness_probe: /health\n  replicas: 2\n",
+    "service:\n  readiness_probe:\n    path: /v1/models\n    initial_delay_seconds: 1800\n"
+    "    post_data: {model: m, max_tokens: 1}\n    headers: {Authorization: Bearer x}\n"
+    "  replicas: 1\n  ports: 8080\n",
+    "service:\n  readiness_probe: {path: /, post_data: '{\"a\": 1}'}\n",
+    "service:\n  replica_policy: {min_replicas: 1, max_replicas: 3, "
+    "target_qps_per_replica: 2.5}\n",
+    "service:\n  replica_policy: {min_replicas: 2}\n",
+    "service:\n  replica_policy: {min_replicas: 2, max_replicas: 2, num_overprovision: 1, "
+    "dynamic_ondemand_fallback: true, spot_placer: DYNAMIC_FALLBACK}\n",
+    "service:\n  load_balancing_policy: round_robin\n  load_balancer: "
+    "{stream_timeout_seconds: 60}\n",
+    "service:\n  load_balancing_policy: instance_aware_least_load\n  replica_policy:\n"
+    "    min_replicas: 1\n    max_replicas: 4\n    target_qps_per_replica: {H100: 10, "
+    "'A100:1': 5}\n",
+    "service:\n  tls: {keyfile: k.pem, certfile: c.pem}\n",
+    "service:\n  replicas: null\n",
+    "service:\n  pool: {workers: 2}\n",
+    "pool: {workers: 2}\n",
+    "pool: {min_workers: 1, max_workers: 3, queue_length_threshold: 2, "
+    "upscale_delay_seconds: 30}\n",
+]
+
+
+@pytest.mark.parametrize("text", SERVICES_ACCEPTED)
+def test_service_and_pool_forms_load_and_are_ignored(text):
+    task = _load(text + "run: x\n")
+    assert any("then ignored" in str(w) for w in task.warnings)
+
+
+SERVICES_REFUSED = [
+    ("service:\n  replica: 2\n", "t.yaml:2: service.replica: unknown field 'replica'; did you "
+                                  "mean 'replicas'?"),
+    ("service:\n  replica_policy:\n    min_replicas: 0\n    max_replicas: 2\n",
+     "t.yaml:2: service.replica_policy: min_replicas (0) and max_replicas (2) differ but "
+     "target_qps_per_replica is not set"),
+    ("service:\n  replicas: 1\n  replica_policy: {min_replicas: 1}\n",
+     "give either 'replicas' or 'replica_policy', not both"),
+    ("service:\n  replica_policy: {max_replicas: 1}\n", "'min_replicas' is required"),
+    ("service:\n  replica_policy: {min_replicas: -1}\n",
+     "t.yaml:2: service.replica_policy.min_replicas: must be >= 0; got -1"),
+    ("service:\n  replica_policy: {min_replicas: 3, max_replicas: 1, "
+     "target_qps_per_replica: 1}\n", "max_replicas (1) must be >= min_replicas (3)"),
+    ("service:\n  replica_policy: {min_replicas: 1, target_qps_per_replica: 1}\n",
+     "max_replicas must be set where target_qps_per_replica is"),
+    ("service:\n  replicas: two\n", "t.yaml:2: service.replicas: must be a whole number"),
+    ("service:\n  readiness_probe: health\n", "the readiness path must start with '/'"),
+    ("service:\n  readiness_probe: {initial_delay_seconds: 5}\n", "'path' is required"),
+    ("service:\n  readiness_probe: {path: /, post_data: '{bad'}\n",
+     "service.readiness_probe.post_data: is not valid JSON text"),
+    ("service:\n  ports: 70000\n", "service.ports: must be between 1 and 65535"),
+    ("service:\n  load_balancing_policy: fastest\n", "must be one of round_robin"),
+    ("service:\n  load_balancing_policy: LEAST_LOAD\n", "unknown load balancing policy "
+                                                          "'LEAST_LOAD' (names are lower case)"),
+    ("service:\n  replica_policy: {min_replicas: 1, max_replicas: 2, "
+     "target_qps_per_replica: {H100: 1}}\n", "needs 'instance_aware_least_load'"),
+    ("service:\n  load_balancing_policy: instance_aware_least_load\n",
+     "needs a target_qps_per_replica per accelerator"),
+    ("service:\n  replica_policy: {min_replicas: 1, max_replicas: 2, "
+     "target_qps_per_replica: {h100: 1}}\n", "keys must be accelerators like 'H100'"),
+    ("service:\n  tls: {keyfile: k.pem}\n", "'certfile' is required"),
+    ("service:\n  replicas: 1\n  workers: 1\n", "give either 'replicas' or 'workers'"),
+    ("service:\n  pool: {workers: 1}\n  replicas: 1\n", "a pool takes 'workers', not "
+                                                         "'replicas'"),
+    ("service:\n  pool: {workers: 1}\n  ports: 8080\n", "ports is not supported for a pool"),
+    ("pool: {}\n", "t.yaml:1: pool: set 'workers', or both 'min_workers' and 'max_workers'"),
+    ("pool: {min_workers: 1}\n", "'max_workers' must be set with 'min_workers'"),
+    ("pool: {min_workers: 3, max_workers: 1}\n", "min_workers (3) must be <= max_workers (1)"),
+    ("pool: {workers: 1, queue_length_threshold: 2}\n",
+     "'max_workers' must be set with 'queue_length_threshold'"),
+    ("pool: {workers: -1}\n", "t.yaml:1: pool.workers: must be >= 0; got -1"),
+    ("pool: {wrkers: 1}\n", "pool.wrkers: unknown field 'wrkers'; did you mean 'workers'?"),
+    ("service: {}\npool: {}\n", "cannot set both 'service' and 'pool'"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), SERVICES_REFUSED)
+def test_service_and_pool_are_refused_where_skypilot_refuses_them(text, expected):
+    errors = _errors(text + "run: x\n")
+    assert any(e.startswith(expected) or expected in e for e in errors), errors
+
+
+def test_service_gets_envs_filled_in_before_it_is_checked():
+    text = "envs:\n  PROBE: /health\nservice:\n  readiness_probe: $PROBE\nrun: x\n"
+    _load(text)
+    assert "must start with '/'" in _errors(text, envs={"PROBE": "health"})[0]
+    # an env with no value is the problem, not the service that uses it
+    assert _errors("envs:\n  P: null\nservice:\n  readiness_probe: $P\n") == [
+        "t.yaml:2: envs.P: has no value: supply it as an override (--env P=VALUE, or the "
+        "operator's envs={'P': ...})"]
 
 
 def test_a_task_without_resources_is_a_cpu_task():
