@@ -222,6 +222,25 @@ def parse_image_id(value: Any) -> str | dict[str, str] | None:
     raise FieldError(f"must be a string or a mapping of region to image; got {value!r}")
 
 
+#: clouds whose every image is a container image: SkyPilot's Kubernetes (and SSH node pools,
+#: a Kubernetes too) read a bare ``image_id: repo/img:tag`` as ``docker:repo/img:tag``
+CONTAINER_CLOUDS = ("kubernetes", "ssh")
+
+
+def as_container_image(image_id: str | dict[str, str] | None) -> str | dict[str, str] | None:
+    """``image_id`` of a candidate on a :data:`CONTAINER_CLOUDS` cloud, each image with the
+    ``docker:`` prefix (sky/resources.py ``_maybe_add_docker_prefix_to_image_id``)."""
+    def prefixed(image: str) -> str:
+        image = image.strip()
+        return image if image.startswith("docker:") else f"docker:{image}"
+
+    if isinstance(image_id, str):
+        return prefixed(image_id)
+    if isinstance(image_id, dict):
+        return {k: prefixed(v) for k, v in image_id.items()}
+    return image_id
+
+
 def docker_image(image_id: str | dict[str, str] | None) -> str | None:
     """The container image named by ``image_id: docker:<image>``, else None."""
     if isinstance(image_id, str) and image_id.startswith("docker:"):

@@ -491,10 +491,14 @@ def _requests(spec: ResourceFields, pairs: list[tuple[str, float]]) -> list[Reso
         infra = None
     if infra is None and any(name.startswith("tpu-") for name, _ in pairs):
         infra = "gcp"  # as SkyPilot: a TPU name without a cloud means GCP
+    cloud = infra.split("/")[0] if infra else None
+    image_id = spec.image_id
+    if cloud in f.CONTAINER_CLOUDS:
+        image_id = f.as_container_image(image_id)
     common = dict(
         cpus=spec.cpus, memory=spec.memory, use_spot=bool(spec.use_spot), infra=infra,
         instance_type=spec.instance_type, disk_size=spec.disk_size,
-        disk_tier=spec.disk_tier, image_id=spec.image_id, ports=spec.ports or (),
+        disk_tier=spec.disk_tier, image_id=image_id, ports=spec.ports or (),
         labels=dict(spec.labels or {}), max_hourly_cost=spec.max_hourly_cost,
         priority=spec.priority,
         job_recovery=spec.job_recovery or f.parse_job_recovery(None),
