@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from airflow_skypilot.spec import checks, service
+from airflow_skypilot.spec import checks, instance_types
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
+from airflow_skypilot.spec.fill import service_problems, storage_problems, substitute
 from airflow_skypilot.spec.model import (
     ResourceFields,
     ResourceOverride,
     ResourcesSpec,
     TaskSpec,
-    storage_problem,
 )
 from airflow_skypilot.spec.source import MAX_YAML_BYTES, Source, dotted, load_yaml, too_large
 
@@ -299,8 +298,8 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
     substitutions = {**{k: v for k, v in envs.items() if v is not None},
                      **{k: v for k, v in secrets.items() if v is not None}}
     unfilled = {k for k, v in envs.items() if v is None}
-    problems.extend(_storage_problems(spec, src, substitutions, unfilled))
-    problems.extend(_service_problems(spec, src, substitutions, unfilled))
+    problems.extend(storage_problems(spec, src, substitutions, unfilled))
+    problems.extend(service_problems(spec, src, substitutions, unfilled))
 
     candidates, ordered = [], False
     try:
@@ -322,9 +321,9 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         envs={k: v for k, v in envs.items() if v is not None},
         secrets=_SecretDict({k: v for k, v in secrets.items() if v is not None}),
         missing_secrets=sorted(k for k, v in secrets.items() if v is None),
-        workdir=_substitute(workdir, substitutions),
-        file_mounts=_substitute(dict(spec.file_mounts or {}), substitutions),
-        volumes=_substitute(dict(spec.volumes or {}), substitutions),
+        workdir=substitute(workdir, substitutions),
+        file_mounts=substitute(dict(spec.file_mounts or {}), substitutions),
+        volumes=substitute(dict(spec.volumes or {}), substitutions),
         setup=spec.setup,
         run=spec.run,
         config=dict(spec.config or {}),
@@ -356,41 +355,6 @@ def _local_paths(spec: TaskSpec, src: Source, base_dir: str | None) -> list[Prob
     return out
 
 
-def _storage_problems(spec: TaskSpec, src: Source, env: Mapping[str, str],
-                      unfilled: set[str]) -> list[Problem]:
-    """Storage mappings of ``file_mounts``, checked once ``env`` is filled in (SkyPilot's
-    Storage.from_yaml_config runs after Task.from_yaml_config fills envs into file_mounts).
-    A mapping that still names an env with no value is not checked: that env is the problem."""
-    out = []
-    for dst, raw in (spec.file_mounts or {}).items():
-        if not isinstance(raw, dict):
-            continue
-        filled = _substitute(raw, env)
-        if unfilled and set(_env_refs(filled)) & unfilled:
-            continue
-        why = storage_problem(filled)
-        if why and filled != raw:
-            why += f" (once envs are filled in; the YAML says {_brief(raw)})"
-        if why:
-            out.append(src.problem(("file_mounts", dst), why))
-    return out
-
-
-def _service_problems(spec: TaskSpec, src: Source, env: Mapping[str, str],
-                      unfilled: set[str]) -> list[Problem]:
-    """``service`` (envs filled in) and ``pool`` as SkyPilot checks them; both are then
-    ignored (see IGNORED_KEYS)."""
-    filled = _substitute(spec.service, env) if spec.service is not None else None
-    if filled is not None and unfilled and set(_env_refs(filled)) & unfilled:
-        return []
-    return [src.problem(path, why) for path, why in service.problems(filled, spec.pool)]
-
-
-def _brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
 def _missing(src: Source, section: str, values: Mapping[str, Any]) -> list[Problem]:
     flag = "--env" if section == "envs" else "--secret"
     return [src.problem((section, key), (
@@ -404,33 +368,6 @@ def _override_value(value: Any) -> str | None:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-#: an env reference, as SkyPilot's task.py ``_fill_in_env_vars`` finds them: ``$NAME`` or
-#: ``${NAME}``
-_ENV_REF = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?")
-
-
-def _env_refs(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return _ENV_REF.findall(value)
-    if isinstance(value, dict):
-        return [n for k, v in value.items() for n in (*_env_refs(k), *_env_refs(v))]
-    if isinstance(value, list):
-        return [n for v in value for n in _env_refs(v)]
-    return []
-
-
-def _substitute(value: Any, env: Mapping[str, str]) -> Any:
-    """SkyPilot fills ``$VAR``/``${VAR}`` from envs into file_mounts, workdir, volumes and
-    service (keys and values; a name not in ``env`` stays as written); we do the same."""
-    if isinstance(value, str):
-        return _ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), value)
-    if isinstance(value, dict):
-        return {_substitute(k, env): _substitute(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_substitute(v, env) for v in value]
-    return value
 
 
 def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
@@ -492,6 +429,8 @@ def _requests(spec: ResourceFields, pairs: list[tuple[str, float]]) -> list[Reso
     if infra is None and any(name.startswith("tpu-") for name, _ in pairs):
         infra = "gcp"  # as SkyPilot: a TPU name without a cloud means GCP
     cloud = infra.split("/")[0] if infra else None
+    if not pairs and (carried := instance_types.accelerator_of(cloud, spec.instance_type)):
+        pairs = [carried]  # SkyPilot: Resources.accelerators from its catalog, cloud known
     image_id = spec.image_id
     if cloud in f.CONTAINER_CLOUDS:
         image_id = f.as_container_image(image_id)
