@@ -292,7 +292,8 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         secrets[str(key)] = _override_value(value)
     if require_secrets:
         problems.extend(_missing(src, "secrets", secrets))
-    problems.extend(_local_paths(spec, src, base_dir))
+    local_paths = _local_paths(spec, src, base_dir)
+    problems.extend(local_paths)
     # SkyPilot fills envs (and inline secrets) into file_mounts, workdir, volumes and service
     # before it reads them: a storage's `store: $STORE` is checked with STORE's value
     substitutions = {**{k: v for k, v in envs.items() if v is not None},
@@ -309,7 +310,14 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
 
     num_nodes = spec.num_nodes or 1
     if problems:
-        raise TaskValidationError(_sorted(problems))
+        problems = _sorted(problems)
+        if len(local_paths) == len(problems):
+            # Say so: in a DAG folder or a copied YAML this is the usual, and only, problem
+            where = f"{base_dir}, the YAML file's folder" if base_dir else os.getcwd()
+            problems.append(Problem(path="", file=src.file, message=(
+                "nothing else is wrong with the task: only the local paths above are missing "
+                f"(relative paths start at {where})")))
+        raise TaskValidationError(problems)
 
     workdir: Any = spec.workdir.model_dump() if isinstance(spec.workdir, BaseModel) \
         else spec.workdir

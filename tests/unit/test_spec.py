@@ -300,6 +300,29 @@ def test_local_workdir_and_mounts_are_relative_to_the_yaml(tmp_path):
     assert task.resolved_workdir() == str(tmp_path / "src")
 
 
+def test_missing_local_paths_say_they_are_the_only_problem(tmp_path, capsys):
+    from airflow_skypilot import cli
+
+    path = tmp_path / "task.yaml"
+    path.write_text("workdir: src\nfile_mounts:\n  /d.txt: ./d.txt\n  /b: s3://b\nrun: x\n")
+    expected = [
+        f"{path}:1: workdir: 'src' is not a directory (relative paths start at {tmp_path})",
+        f"{path}:3: file_mounts./d.txt: source './d.txt' does not exist (relative paths start "
+        f"at {tmp_path})",
+        f"{path}: nothing else is wrong with the task: only the local paths above are missing "
+        f"(relative paths start at {tmp_path}, the YAML file's folder)"]
+    with pytest.raises(TaskValidationError) as info:
+        load_task(str(path))
+    assert [str(p) for p in info.value.problems] == expected
+    assert cli.main(["validate", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == expected
+    # with another problem, no such note
+    path.write_text("workdir: src\nenvs:\n  A: null\nrun: x\n")
+    with pytest.raises(TaskValidationError) as info:
+        load_task(str(path))
+    assert [p.path for p in info.value.problems] == ["workdir", "envs.A"]
+
+
 def test_workdir_git_form():
     task = _load("workdir:\n  url: https://github.com/x/y\n  ref: main\n")
     assert task.workdir == {"url": "https://github.com/x/y", "ref": "main"}
