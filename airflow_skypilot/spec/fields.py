@@ -326,9 +326,9 @@ def _count(value: Any, name: str) -> float:
     return int(value) if float(value).is_integer() else float(value)
 
 
-def _one_accelerator(text: str, cloud: str | None = None) -> list[tuple[str, float]]:
-    """``A100`` / ``A100:8`` / ``A100:0.5`` / ``80GB+:8`` / ``nvidia:80GB:8`` -> [(name, n)],
-    names canonical for ``cloud`` (see :func:`accelerators.canonical`)."""
+def _one_accelerator(text: str) -> list[tuple[str, float]]:
+    """``A100`` / ``A100:8`` / ``A100:0.5`` / ``80GB+:8`` / ``nvidia:80GB:8`` -> [(name, n)];
+    a name as written (``tpu-*`` lower-case), memory sizes as the catalog's devices."""
     text = text.strip()
     split = text.split(":")
     manufacturer = memory = None
@@ -342,7 +342,7 @@ def _one_accelerator(text: str, cloud: str | None = None) -> list[tuple[str, flo
     elif len(split) == 1 and acc.memory_spec(split[0]):
         memory = split[0]
     elif len(split) == 1:
-        return [(_canonical(split[0], cloud), 1)]
+        return [(_as_written(split[0]), 1)]
     elif len(split) == 2:
         name, count = split
         if not name:
@@ -350,7 +350,7 @@ def _one_accelerator(text: str, cloud: str | None = None) -> list[tuple[str, flo
         number = _number(count)
         if number is None:
             raise FieldError(f"{text!r} should be <name> or <name>:<count>")
-        return [(_canonical(name, cloud), _count(number, name))]
+        return [(_as_written(name), _count(number, name))]
     else:
         raise FieldError(f"{text!r} should be <name> or <name>:<count>")
     number = _number(str(count))
@@ -364,21 +364,19 @@ def _one_accelerator(text: str, cloud: str | None = None) -> list[tuple[str, flo
     return [(d, _count(int(number), d)) for d in devices]
 
 
-def _canonical(name: str, cloud: str | None) -> str:
-    try:
-        return acc.canonical(name, cloud)
-    except acc.AmbiguousAcceleratorError as exc:
-        raise FieldError(str(exc)) from None
+def _as_written(name: str) -> str:
+    """SkyPilot keeps a name as written until it canonicalises it for a candidate's cloud
+    (:func:`accelerators.canonical`); a TPU name is lower-case from the start (its cloud)."""
+    return name.lower() if name.lower().startswith("tpu-") else name
 
 
-def parse_accelerators(value: Any, *, single: bool = False, cloud: str | None = None,
+def parse_accelerators(value: Any, *, single: bool = False,
                        ) -> tuple[list[tuple[str, float]], str]:
-    """All SkyPilot forms -> ([(canonical name, count per node)], kind).
+    """All SkyPilot forms -> ([(name as written, count per node)], kind).
 
     kind is ``"one"`` (a single accelerator), ``"any_of"`` (a mapping or set: any of them,
     SkyPilot picks the cheapest) or ``"ordered"`` (a list: in the user's order).
     ``single`` is set inside ``any_of``/``ordered`` entries, where SkyPilot allows only one.
-    ``cloud`` is the candidate's cloud (our name, None for any): names are canonical for it.
     The same accelerator with several counts (``{A100:4, A100:8}``) is several candidates, as
     in SkyPilot (sky/resources.py ``from_yaml_config`` keeps each ``name:count`` once).
     """
@@ -386,7 +384,7 @@ def parse_accelerators(value: Any, *, single: bool = False, cloud: str | None = 
     if isinstance(value, str):
         # The quoted one-line set "{A100:8, H100:8}" is refused, as SkyPilot 0.14 does; the
         # unquoted form is a YAML mapping and works.
-        pairs = _one_accelerator(value, cloud)
+        pairs = _one_accelerator(value)
     elif isinstance(value, dict):
         if not value:
             raise FieldError("must name at least one accelerator")
@@ -396,9 +394,9 @@ def parse_accelerators(value: Any, *, single: bool = False, cloud: str | None = 
             if not isinstance(name, str):
                 raise FieldError(f"accelerator names must be strings; got {name!r}")
             if count is None:
-                pairs.extend(_one_accelerator(name, cloud))
+                pairs.extend(_one_accelerator(name))
             else:
-                for dev, _ in _one_accelerator(name, cloud):
+                for dev, _ in _one_accelerator(name):
                     pairs.append((dev, _count(count, name)))
     elif isinstance(value, list):
         if single:
@@ -408,7 +406,7 @@ def parse_accelerators(value: Any, *, single: bool = False, cloud: str | None = 
         for item in value:
             if not isinstance(item, str):
                 raise FieldError(f"list items must be strings like 'A100:1'; got {item!r}")
-            pairs.extend(_one_accelerator(item, cloud))
+            pairs.extend(_one_accelerator(item))
     else:
         raise FieldError(
             f"must be 'NAME', 'NAME:COUNT', a mapping {{NAME: COUNT}} or a list; got {value!r}")

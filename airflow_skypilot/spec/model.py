@@ -122,10 +122,9 @@ class ResourceFields(_Strict):
         if v is None and info.field_name not in ("ports", "autostop", "image_id"):
             return None
         if info.field_name == "accelerators":
-            # names are canonical for the candidate's cloud (infra/cloud come first, so they
-            # are in info.data), as SkyPilot's Resources canonicalises them with its cloud
-            return _wrap(f.parse_accelerators, v, single=cls.single_accelerator,
-                         cloud=_cloud_of(info.data.get("infra"), info.data.get("cloud")))
+            # names as written: each candidate canonicalises them for its own cloud, once
+            # any_of/ordered entries are merged (spec/task.py)
+            return _wrap(f.parse_accelerators, v, single=cls.single_accelerator)
         return _wrap(_PARSERS[info.field_name], v)
 
     @field_validator("max_hourly_cost", mode="before")
@@ -154,14 +153,6 @@ class ResourceFields(_Strict):
                     "skypilot", f"TPU accelerators ({tpus[0]}) need GCP or Kubernetes; "
                                 f"got cloud {cloud!r}")
         return self
-
-
-def _cloud_of(infra: Any, cloud: Any) -> str | None:
-    """The cloud of a resource (our lower-case name), None when any cloud may take it."""
-    first = infra.split("/")[0] if isinstance(infra, str) else cloud
-    if not isinstance(first, str) or first in ("", "*"):
-        return None
-    return first.lower()
 
 
 class ResourceOverride(ResourceFields):

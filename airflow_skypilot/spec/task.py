@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import checks, instance_types
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
@@ -383,6 +384,7 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
     if raw is None:
         return [ResourceRequest(index=0)], False
     raw = dict(raw)
+    base_acc: tuple[Any, ...] = ("resources", "gpus" if "gpus" in raw else "accelerators")
     if "gpus" in raw:
         raw["accelerators"] = raw.pop("gpus")
     base_spec = ResourcesSpec.model_validate(raw)
@@ -392,13 +394,16 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
     is_ordered = False
     if entries is None:
         pairs, kind = base_spec.accelerators or ([], "one")
-        out.extend(_requests(base_spec, pairs))
+        out.extend(_requests(base_spec, pairs, src, base_acc))
         is_ordered = kind == "ordered"
     else:
         key = "any_of" if any_of is not None else "ordered"
         is_ordered = key == "ordered"
         for i, entry in enumerate(entries):
             entry = dict(entry)
+            acc_where = base_acc
+            if "gpus" in entry or "accelerators" in entry:
+                acc_where = ("resources", key, i, "gpus" if "gpus" in entry else "accelerators")
             if "gpus" in entry:
                 entry["accelerators"] = entry.pop("gpus")
             merged = {**raw}
@@ -421,7 +426,7 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
                     _pydantic_problems(exc, src, ResourcesSpec, merged,
                                        prefix=("resources", key, i))) from None
             pairs, _ = spec.accelerators or ([], "one")
-            out.extend(_requests(spec, pairs))
+            out.extend(_requests(spec, pairs, src, acc_where))
     # Drop exact duplicates (SkyPilot keeps candidates in a set or list of unique Resources).
     unique: list[ResourceRequest] = []
     for req in out:
@@ -430,13 +435,21 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
     return unique, is_ordered
 
 
-def _requests(spec: ResourceFields, pairs: list[tuple[str, float]]) -> list[ResourceRequest]:
+def _requests(spec: ResourceFields, pairs: list[tuple[str, float]], src: Source,
+              acc_where: tuple[Any, ...]) -> list[ResourceRequest]:
+    """The candidates of one merged resource spec: one per accelerator, each named as
+    SkyPilot's Resources canonicalises it for the candidate's cloud (MI300 stays MI300 on
+    Kubernetes, whose labels decide; it is MI300X where any cloud may take it)."""
     infra = spec.infra or f.infra_from_legacy(spec.cloud, spec.region, spec.zone)
     if infra == "*":
         infra = None
     if infra is None and any(name.startswith("tpu-") for name, _ in pairs):
         infra = "gcp"  # as SkyPilot: a TPU name without a cloud means GCP
     cloud = infra.split("/")[0] if infra else None
+    try:
+        pairs = [(acc.canonical(name, cloud), count) for name, count in pairs]
+    except acc.AmbiguousAcceleratorError as exc:
+        raise TaskValidationError([src.problem(acc_where, str(exc))]) from None
     if not pairs and (carried := instance_types.accelerator_of(cloud, spec.instance_type)):
         pairs = [carried]  # SkyPilot: Resources.accelerators from its catalog, cloud known
     image_id = spec.image_id

@@ -96,9 +96,22 @@ def test_accelerator_names_follow_each_any_of_entrys_cloud():
 
 
 def test_ambiguous_name_is_an_error_only_where_it_is_ambiguous():
-    assert "is ambiguous" in "\n".join(_errors("resources:\n  accelerators: A100-80\n"))
+    assert _errors("resources:\n  gpus: A100-80\n") == [
+        "t.yaml:2: resources.gpus: accelerator name 'A100-80' is ambiguous; choose one of "
+        "['A100-80GB', 'A100-80GB-SXM']"]
     assert _cands("resources:\n  cloud: aws\n  accelerators: A100-80\n")[0][
         "accelerator"] == "A100-80GB"
+    # each merged candidate decides with its own cloud, the base's or the entry's
+    task = _load("resources:\n  cloud: aws\n  any_of:\n    - accelerators: A100-80\n")
+    assert [c.accelerator for c in task.candidates] == ["A100-80GB"]
+    task = _load("resources:\n  accelerators: A100-80\n  any_of:\n    - infra: aws\n"
+                 "    - cloud: gcp\n")
+    assert sorted((c.infra, c.accelerator) for c in task.candidates) == [
+        ("aws", "A100-80GB"), ("gcp", "A100-80GB")]
+    assert _errors("resources:\n  any_of:\n    - infra: aws\n    - infra: runpod\n"
+                   "      accelerators: A100-80\n") == [
+        "t.yaml:5: resources.any_of[1].accelerators: accelerator name 'A100-80' is ambiguous; "
+        "choose one of ['A100-80GB', 'A100-80GB-SXM']"]
 
 
 def test_gpus_is_an_alias_of_accelerators():
