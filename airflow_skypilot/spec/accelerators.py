@@ -239,6 +239,11 @@ def canonical_from_label(value: str) -> str:
 
 def same_accelerator(requested: str, offered_label: str) -> bool:
     """Does a backend GPU label satisfy a requested (canonical or custom) accelerator name?"""
-    want = canonical(requested)
+    try:
+        want = canonical(requested)
+    except AmbiguousAcceleratorError:
+        # kept as written for a cloud none of whose catalog names it matches (e.g. RTXA on
+        # Kubernetes): a cluster's own label may say it
+        want = requested
     have = canonical_from_label(offered_label)
     return want.lower() == have.lower() or _squash(want) == _squash(offered_label)

@@ -82,6 +82,15 @@ def test_accelerator_names_are_canonical_for_the_candidates_cloud(infra, name, e
     assert [(c.accelerator, c.accelerator_count) for c in task.candidates] == [(expected, 2)]
 
 
+def test_a_name_ambiguous_elsewhere_is_a_custom_name_on_a_cluster():
+    from airflow_skypilot.spec.accelerators import same_accelerator
+
+    task = _load("resources:\n  infra: k8s\n  accelerators: RTXA:1\n")
+    assert task.candidates[0].accelerator == "RTXA"
+    assert same_accelerator("RTXA", "RTXA") and not same_accelerator("RTXA", "NVIDIA-A100")
+    assert same_accelerator("MI300", "AMD-Instinct-MI300X")
+
+
 def test_accelerator_names_follow_each_any_of_entrys_cloud():
     task = _load("""
         resources:
