@@ -55,17 +55,83 @@ GPUS: dict[str, tuple[str, float]] = {
     "Trainium2": ("AWS", 96),
 }
 
-#: SkyPilot's canonical accelerator names (catalog v8, common/accelerators.csv), which is what
-#: it canonicalises against, offline. ``tpu-*`` names are separate (always lower-case).
-CATALOG_NAMES = (
-    "A10", "A100", "A100-80GB", "A100-80GB-SXM", "A10G", "A30", "A40", "A4000", "A6000", "A800",
-    "B200", "GH200", "GTX1660S", "Gaudi HL-205", "H100", "H100-MEGA", "H100-NVL", "H100-NVLINK",
-    "H100-SXM", "H200", "H200-SXM", "K80", "L4", "L40", "L40S", "M4000", "M60", "MI300X", "P100",
-    "P4", "P4000", "RTX3060", "RTX3070", "RTX3080", "RTX3090", "RTX4000-Ada", "RTX4090",
-    "RTX5060", "RTX5090", "RTX6000", "RTX6000-Ada", "RTX6000Ada", "RTXA4000", "RTXA4500",
-    "RTXA5000", "RTXA6000", "RTXPRO6000S", "RTXPRO6000WS", "Radeon MI25", "Radeon Pro V520",
-    "T4", "T4g", "V100", "V100-32GB",
-)
+#: SkyPilot's canonical accelerator names and the clouds that offer each (catalog v8,
+#: common/accelerators.csv, as embedded in tests/conformance/generate_verdicts.py), which is
+#: what it canonicalises against, offline. ``tpu-*`` names are separate (always lower-case).
+#: The clouds are spelled as in that file (SkyPilot compares them case-sensitively with its
+#: clouds' names, so its 'Nebius' never matches the file's 'nebius').
+CATALOG: dict[str, tuple[str, ...]] = {
+    "A10": ("Azure", "Lambda", "OCI"),
+    "A100": ("AWS", "Azure", "Cudo", "GCP", "Lambda", "OCI", "PrimeIntellect", "Seeweb",
+             "Vast"),
+    "A100-80GB": ("AWS", "Azure", "GCP", "Lambda", "OCI", "Paperspace", "PrimeIntellect",
+                  "RunPod", "scp"),
+    "A100-80GB-SXM": ("RunPod",),
+    "A10G": ("AWS",),
+    "A30": ("Seeweb",),
+    "A40": ("Cudo", "RunPod", "Vast"),
+    "A4000": ("Paperspace", "PrimeIntellect"),
+    "A6000": ("Lambda", "PrimeIntellect"),
+    "A800": ("Cudo",),
+    "B200": ("AWS", "Lambda", "PrimeIntellect", "RunPod", "nebius"),
+    "GH200": ("Lambda",),
+    "GTX1660S": ("Vast",),
+    "Gaudi HL-205": ("AWS",),
+    "H100": ("AWS", "Azure", "DO", "GCP", "Hyperbolic", "Lambda", "OCI", "Paperspace",
+             "PrimeIntellect", "RunPod", "Seeweb", "Vast", "nebius"),
+    "H100-MEGA": ("GCP",),
+    "H100-NVL": ("RunPod",),
+    "H100-NVLINK": ("Fluidstack",),
+    "H100-SXM": ("Cudo", "RunPod"),
+    "H200": ("AWS", "GCP", "OCI", "PrimeIntellect", "Seeweb", "Vast", "nebius"),
+    "H200-SXM": ("RunPod",),
+    "K80": ("Azure",),
+    "L4": ("AWS", "GCP", "RunPod", "Seeweb"),
+    "L40": ("PrimeIntellect", "RunPod"),
+    "L40S": ("AWS", "Cudo", "OCI", "PrimeIntellect", "RunPod", "Seeweb", "Vast", "nebius"),
+    "M4000": ("Paperspace",),
+    "M60": ("Azure",),
+    "MI300X": ("RunPod",),
+    "P100": ("GCP", "OCI"),
+    "P4": ("GCP",),
+    "P4000": ("Paperspace",),
+    "RTX3060": ("Vast",),
+    "RTX3070": ("Vast",),
+    "RTX3080": ("Vast",),
+    "RTX3090": ("RunPod", "Vast"),
+    "RTX4000-Ada": ("RunPod",),
+    "RTX4090": ("RunPod", "Vast"),
+    "RTX5060": ("Vast",),
+    "RTX5090": ("Vast",),
+    "RTX6000": ("Lambda", "Seeweb"),
+    "RTX6000-Ada": ("RunPod", "Vast"),
+    "RTX6000Ada": ("PrimeIntellect",),
+    "RTXA4000": ("RunPod",),
+    "RTXA4500": ("RunPod",),
+    "RTXA5000": ("Cudo", "RunPod"),
+    "RTXA6000": ("Cudo", "RunPod", "Seeweb", "Vast"),
+    "RTXPRO6000S": ("Vast",),
+    "RTXPRO6000WS": ("Vast",),
+    "Radeon MI25": ("Azure",),
+    "Radeon Pro V520": ("AWS",),
+    "T4": ("AWS", "Azure", "GCP"),
+    "T4g": ("AWS",),
+    "V100": ("AWS", "Azure", "Cudo", "GCP", "IBM", "Lambda", "OCI", "Paperspace",
+             "PrimeIntellect", "Vast"),
+    "V100-32GB": ("AWS", "Azure", "Paperspace", "scp"),
+}
+CATALOG_NAMES = tuple(CATALOG)
+
+#: our cloud names (the first part of ``infra``) -> SkyPilot's names of its clouds (``str(cloud)``)
+SKYPILOT_CLOUD_NAMES = {
+    "aws": "AWS", "azure": "Azure", "gcp": "GCP", "ibm": "IBM", "lambda": "Lambda", "scp": "SCP",
+    "oci": "OCI", "kubernetes": "Kubernetes", "runpod": "RunPod", "vast": "Vast",
+    "vsphere": "vSphere", "cudo": "Cudo", "fluidstack": "Fluidstack",
+    "paperspace": "Paperspace", "primeintellect": "PrimeIntellect", "do": "DO",
+    "nebius": "Nebius", "ssh": "SSH", "slurm": "Slurm", "hyperbolic": "Hyperbolic",
+    "seeweb": "Seeweb", "shadeform": "Shadeform", "yotta": "Yotta", "mithril": "Mithril",
+    "verda": "Verda",
+}
 _CATALOG_LOWER = {name.lower(): name for name in CATALOG_NAMES}
 _BY_LOWER = {name.lower(): name for name in (*GPUS, *CATALOG_NAMES)}
 # Longest names first, so "A100-80GB" is tried before "A100" and "L40S" before "L40".
@@ -77,12 +143,16 @@ class AmbiguousAcceleratorError(ValueError):
     """A partial name matches several catalog names (SkyPilot refuses these too)."""
 
 
-def canonical(name: str) -> str:
-    """SkyPilot's spelling of an accelerator name (sky/utils/accelerator_registry.py).
+def canonical(name: str, cloud: str | None = None) -> str:
+    """SkyPilot's spelling of an accelerator name for a candidate on ``cloud`` (our cloud name,
+    e.g. ``kubernetes``; None: any cloud), as sky/utils/accelerator_registry.py
+    ``canonicalize_accelerator_name`` does offline.
 
-    ``tpu-*`` lower-case; an exact case-insensitive catalog match wins; else a unique
-    case-insensitive substring (regex) match (``MI300`` -> ``MI300X``); several matches are an
-    error; no match keeps the name as written (a custom accelerator, e.g. on Kubernetes).
+    ``tpu-*`` lower-case; an exact case-insensitive catalog match wins; else the catalog
+    names that contain it (case-insensitive regex search) *and that the cloud offers*: one is
+    the name (``MI300`` -> ``MI300X`` for any cloud), several are an error; none keeps the name
+    as written (a custom accelerator: ``MI300`` stays ``MI300`` on Kubernetes, whose labels
+    decide, as no catalog cloud of MI300X is Kubernetes).
     """
     if name.lower().startswith("tpu-"):
         return name.lower()
@@ -92,7 +162,9 @@ def canonical(name: str) -> str:
         pattern = re.compile(name, re.IGNORECASE)
     except re.error:
         pattern = re.compile(re.escape(name), re.IGNORECASE)
-    matches = [n for n in CATALOG_NAMES if pattern.search(n)]
+    sky_cloud = SKYPILOT_CLOUD_NAMES.get(cloud.lower(), cloud) if cloud else None
+    matches = [n for n, clouds in CATALOG.items()
+               if pattern.search(n) and (sky_cloud is None or sky_cloud in clouds)]
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
@@ -167,6 +239,11 @@ def canonical_from_label(value: str) -> str:
 
 def same_accelerator(requested: str, offered_label: str) -> bool:
     """Does a backend GPU label satisfy a requested (canonical or custom) accelerator name?"""
-    want = canonical(requested)
+    try:
+        want = canonical(requested)
+    except AmbiguousAcceleratorError:
+        # kept as written for a cloud none of whose catalog names it matches (e.g. RTXA on
+        # Kubernetes): a cluster's own label may say it
+        want = requested
     have = canonical_from_label(offered_label)
     return want.lower() == have.lower() or _squash(want) == _squash(offered_label)

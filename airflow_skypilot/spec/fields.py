@@ -222,6 +222,25 @@ def parse_image_id(value: Any) -> str | dict[str, str] | None:
     raise FieldError(f"must be a string or a mapping of region to image; got {value!r}")
 
 
+#: clouds whose every image is a container image: SkyPilot's Kubernetes (and SSH node pools,
+#: a Kubernetes too) read a bare ``image_id: repo/img:tag`` as ``docker:repo/img:tag``
+CONTAINER_CLOUDS = ("kubernetes", "ssh")
+
+
+def as_container_image(image_id: str | dict[str, str] | None) -> str | dict[str, str] | None:
+    """``image_id`` of a candidate on a :data:`CONTAINER_CLOUDS` cloud, each image with the
+    ``docker:`` prefix (sky/resources.py ``_maybe_add_docker_prefix_to_image_id``)."""
+    def prefixed(image: str) -> str:
+        image = image.strip()
+        return image if image.startswith("docker:") else f"docker:{image}"
+
+    if isinstance(image_id, str):
+        return prefixed(image_id)
+    if isinstance(image_id, dict):
+        return {k: prefixed(v) for k, v in image_id.items()}
+    return image_id
+
+
 def docker_image(image_id: str | dict[str, str] | None) -> str | None:
     """The container image named by ``image_id: docker:<image>``, else None."""
     if isinstance(image_id, str) and image_id.startswith("docker:"):
@@ -308,7 +327,8 @@ def _count(value: Any, name: str) -> float:
 
 
 def _one_accelerator(text: str) -> list[tuple[str, float]]:
-    """``A100`` / ``A100:8`` / ``A100:0.5`` / ``80GB+:8`` / ``nvidia:80GB:8`` -> [(name, n)]."""
+    """``A100`` / ``A100:8`` / ``A100:0.5`` / ``80GB+:8`` / ``nvidia:80GB:8`` -> [(name, n)];
+    a name as written (``tpu-*`` lower-case), memory sizes as the catalog's devices."""
     text = text.strip()
     split = text.split(":")
     manufacturer = memory = None
@@ -322,7 +342,7 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
     elif len(split) == 1 and acc.memory_spec(split[0]):
         memory = split[0]
     elif len(split) == 1:
-        return [(_canonical(split[0]), 1)]
+        return [(_as_written(split[0]), 1)]
     elif len(split) == 2:
         name, count = split
         if not name:
@@ -330,7 +350,7 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
         number = _number(count)
         if number is None:
             raise FieldError(f"{text!r} should be <name> or <name>:<count>")
-        return [(_canonical(name), _count(number, name))]
+        return [(_as_written(name), _count(number, name))]
     else:
         raise FieldError(f"{text!r} should be <name> or <name>:<count>")
     number = _number(str(count))
@@ -344,26 +364,27 @@ def _one_accelerator(text: str) -> list[tuple[str, float]]:
     return [(d, _count(int(number), d)) for d in devices]
 
 
-def _canonical(name: str) -> str:
-    try:
-        return acc.canonical(name)
-    except acc.AmbiguousAcceleratorError as exc:
-        raise FieldError(str(exc)) from None
+def _as_written(name: str) -> str:
+    """SkyPilot keeps a name as written until it canonicalises it for a candidate's cloud
+    (:func:`accelerators.canonical`); a TPU name is lower-case from the start (its cloud)."""
+    return name.lower() if name.lower().startswith("tpu-") else name
 
 
-def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[str, float]], str]:
-    """All SkyPilot forms -> ([(canonical name, count per node)], kind).
+def parse_accelerators(value: Any, *, single: bool = False,
+                       ) -> tuple[list[tuple[str, float]], str]:
+    """All SkyPilot forms -> ([(name as written, count per node)], kind).
 
     kind is ``"one"`` (a single accelerator), ``"any_of"`` (a mapping or set: any of them,
     SkyPilot picks the cheapest) or ``"ordered"`` (a list: in the user's order).
     ``single`` is set inside ``any_of``/``ordered`` entries, where SkyPilot allows only one.
+    The same accelerator with several counts (``{A100:4, A100:8}``) is several candidates, as
+    in SkyPilot (sky/resources.py ``from_yaml_config`` keeps each ``name:count`` once).
     """
     pairs: list[tuple[str, float]] = []
     if isinstance(value, str):
         # The quoted one-line set "{A100:8, H100:8}" is refused, as SkyPilot 0.14 does; the
         # unquoted form is a YAML mapping and works.
         pairs = _one_accelerator(value)
-        kind = "one" if len(pairs) == 1 else "any_of"
     elif isinstance(value, dict):
         if not value:
             raise FieldError("must name at least one accelerator")
@@ -377,7 +398,6 @@ def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[
             else:
                 for dev, _ in _one_accelerator(name):
                     pairs.append((dev, _count(count, name)))
-        kind = "one" if len(pairs) == 1 else "any_of"
     elif isinstance(value, list):
         if single:
             raise FieldError("inside any_of/ordered, name one accelerator per entry, not a list")
@@ -387,14 +407,16 @@ def parse_accelerators(value: Any, *, single: bool = False) -> tuple[list[tuple[
             if not isinstance(item, str):
                 raise FieldError(f"list items must be strings like 'A100:1'; got {item!r}")
             pairs.extend(_one_accelerator(item))
-        kind = "ordered"  # even one entry: SkyPilot keeps a list as an ordered preference
     else:
         raise FieldError(
             f"must be 'NAME', 'NAME:COUNT', a mapping {{NAME: COUNT}} or a list; got {value!r}")
-    seen: dict[str, float] = {}
-    for name, count in pairs:
-        seen.setdefault(name, count)
-    return list(seen.items()), kind
+    unique = list(dict.fromkeys((name, float(count)) for name, count in pairs))
+    out = [(name, int(count) if count.is_integer() else count) for name, count in unique]
+    if isinstance(value, list):
+        kind = "ordered"  # even one entry: SkyPilot keeps a list as an ordered preference
+    else:
+        kind = "one" if len(out) == 1 else "any_of"
+    return out, kind
 
 
 # --- job recovery --------------------------------------------------------------------------

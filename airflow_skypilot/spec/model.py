@@ -122,6 +122,8 @@ class ResourceFields(_Strict):
         if v is None and info.field_name not in ("ports", "autostop", "image_id"):
             return None
         if info.field_name == "accelerators":
+            # names as written: each candidate canonicalises them for its own cloud, once
+            # any_of/ordered entries are merged (spec/task.py)
             return _wrap(f.parse_accelerators, v, single=cls.single_accelerator)
         return _wrap(_PARSERS[info.field_name], v)
 
@@ -188,7 +190,9 @@ class ResourcesSpec(ResourceFields):
 _TASK_NAME = re.compile(r"^[a-zA-Z0-9]+(?:[._-]{1,2}[a-zA-Z0-9]+)*$")
 _STORAGE_KEYS = {"name", "source", "store", "persistent", "mode", "type", "config"}
 _STORAGE_MODES = ("MOUNT", "COPY", "MOUNT_CACHED")
-_STORES = ("s3", "gcs", "azure", "r2", "ibm", "oci", "nebius", "coreweave", "volume")
+_STORES = ("S3", "GCS", "AZURE", "R2", "IBM", "OCI", "NEBIUS", "COREWEAVE", "VASTDATA", "HF",
+           "VOLUME")
+_FILE_MOUNT_TYPES = ("MODEL_CHECKPOINT_RO", "MODEL_CHECKPOINT_RW", "DATASET_RO", "DATASET_RW")
 
 #: What a task's ``config:`` may override (SkyPilot's OVERRIDEABLE_CONFIG_KEYS_IN_TASK), with
 #: the type of each leaf where it is checked; ``None`` accepts any value.
@@ -198,7 +202,7 @@ CONFIG_KEYS: dict[str, dict[str, type | tuple[type, ...] | None]] = {
     "ssh": {"custom_metadata": dict, "pod_config": dict, "provision_timeout": int},
     "kubernetes": {"custom_metadata": dict, "pod_config": dict, "provision_timeout": int,
                    "dws": dict, "kueue": dict, "quota": None, "remote_identity": None,
-                   "enable_docker": bool, "set_pod_resource_limits": None},
+                   "enable_docker": None, "set_pod_resource_limits": None},
     "azure": {"remote_identity": None, "vpc_name": str},
     "gcp": {"vpc_name": str, "subnet_names": None, "managed_instance_group": dict,
             "enable_gvnic": bool, "enable_gpu_direct": bool, "placement_policy": str},
@@ -207,6 +211,30 @@ CONFIG_KEYS: dict[str, dict[str, type | tuple[type, ...] | None]] = {
     "active_workspace": None,
     "hooks": None,
 }
+
+
+def _enable_docker(value: Any) -> str | None:
+    """``config.kubernetes.enable_docker`` (SkyPilot 0.14): true/false, ``ALL``/``BUILD``, or
+    ``{mode: ALL|BUILD, cache_volume: NAME}``; what is wrong, or None."""
+    modes = ("ALL", "BUILD")
+    if isinstance(value, bool) or isinstance(value, str) and value in modes:
+        return None
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"mode", "cache_volume"})
+        if unknown:
+            return f"unknown key {unknown[0]!r}; allowed: cache_volume, mode"
+        if value.get("mode") not in modes:
+            return f"mode must be ALL or BUILD; got {value.get('mode')!r}"
+        volume = value.get("cache_volume")
+        if volume is not None and not isinstance(volume, str):
+            return f"cache_volume must be a volume name; got {volume!r}"
+        return None
+    return (f"must be true, false, ALL, BUILD or {{mode: ALL|BUILD, cache_volume: NAME}}; "
+            f"got {value!r}")
+
+
+#: leaves of ``config`` with a check of their own: (section, key) -> what is wrong, or None
+CONFIG_CHECKS = {("kubernetes", "enable_docker"): _enable_docker}
 
 
 class TaskSpec(_Strict):
@@ -237,7 +265,8 @@ class TaskSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _service_and_pool(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("service") and data.get("pool"):
+        if isinstance(data, dict) and data.get("service") is not None \
+                and data.get("pool") is not None:
             raise PydanticCustomError("skypilot", "cannot set both 'service' and 'pool'")
         return data
 
@@ -285,6 +314,10 @@ class TaskSpec(_Strict):
                     raise PydanticCustomError(
                         "skypilot", f"config.{section}.{key} cannot be set by a task; allowed: "
                                     f"{', '.join(leaves)}")
+                check = CONFIG_CHECKS.get((section, key))
+                why = check(value) if check else None
+                if why:
+                    raise PydanticCustomError("skypilot", f"config.{section}.{key} {why}")
                 want = leaves[key]
                 if want is not None and (isinstance(value, bool) and want is int
                                          or not isinstance(value, want)):
@@ -361,9 +394,9 @@ class TaskSpec(_Strict):
                 if dst.endswith("/") and dst != "/":
                     raise PydanticCustomError(
                         "skypilot", f"mount path {dst!r} must not end with a slash")
-                if isinstance(src, dict):
-                    _check_storage(dst, src)
-                elif not isinstance(src, str):
+                # a storage mapping is checked once envs are filled in (storage_problem), as
+                # SkyPilot builds its Storage only after filling envs into file_mounts
+                if not isinstance(src, (dict, str)):
                     raise PydanticCustomError(
                         "skypilot",
                         f"{dst}: source must be a path/URL or a storage mapping; got {src!r}")
@@ -394,19 +427,26 @@ def _env_value(key: str, value: Any) -> str | None:
         "skypilot", f"value of {key!r} must be a string, number or boolean; got {value!r}")
 
 
-def _check_storage(dst: str, spec: dict[str, Any]) -> None:
-    """SkyPilot's storage mapping (sky/utils/schemas.py get_storage_schema), main keys."""
+def storage_problem(spec: dict[str, Any]) -> str | None:
+    """What is wrong with a storage mapping of ``file_mounts`` (SkyPilot's storage schema,
+    sky/utils/schemas.py get_storage_schema, main keys), once envs are filled in; None if
+    nothing."""
     unknown = sorted(set(spec) - _STORAGE_KEYS)
     if unknown:
-        raise PydanticCustomError("skypilot", f"{dst}: unknown storage key {unknown[0]!r}; "
-                                              f"allowed: {', '.join(sorted(_STORAGE_KEYS))}")
-    mode = spec.get("mode")
-    if mode is not None and (not isinstance(mode, str) or mode.upper() not in _STORAGE_MODES):
-        raise PydanticCustomError("skypilot", f"{dst}: mode must be one of "
-                                              f"{', '.join(_STORAGE_MODES)}; got {mode!r}")
-    store = spec.get("store")
-    if store is not None and (not isinstance(store, str) or store.lower() not in _STORES):
-        raise PydanticCustomError("skypilot", f"{dst}: unknown store {store!r}")
+        return f"unknown storage key {unknown[0]!r}; allowed: {', '.join(sorted(_STORAGE_KEYS))}"
+    for key, choices in (("store", _STORES), ("mode", _STORAGE_MODES),
+                         ("type", _FILE_MOUNT_TYPES)):
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, str)
+                                  or value.lower() not in (c.lower() for c in choices)):
+            return f"unknown {key} {value!r}; expected one of {', '.join(choices)}"
+    for key, want, what in (("name", str, "a string"), ("persistent", bool, "true or false"),
+                            ("config", dict, "a mapping")):
+        value = spec.get(key)
+        if value is not None and not isinstance(value, want):
+            return f"{key} must be {what}; got {value!r}"
     source = spec.get("source")
-    if source is not None and not isinstance(source, (str, list)):
-        raise PydanticCustomError("skypilot", f"{dst}: source must be a path/URL or a list")
+    if source is not None and not (isinstance(source, str) or isinstance(source, list) and source
+                                   and all(isinstance(x, str) for x in source)):
+        return f"source must be a path/URL or a list of them; got {source!r}"
+    return None

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import difflib
 import os
-import string
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from airflow_skypilot.spec import checks
+from airflow_skypilot.spec import accelerators as acc
+from airflow_skypilot.spec import checks, instance_types
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
+from airflow_skypilot.spec.fill import service_problems, storage_problems, substitute
 from airflow_skypilot.spec.model import (
     ResourceFields,
     ResourceOverride,
@@ -28,8 +29,10 @@ from airflow_skypilot.spec.source import MAX_YAML_BYTES, Source, dotted, load_ya
 
 #: Top-level keys SkyPilot accepts that a batch job here does not use; they load with a warning.
 IGNORED_KEYS = {
-    "service": "SkyServe services are not run by airflow-skypilot; 'service' is ignored",
-    "pool": "worker pools are not used by airflow-skypilot; 'pool' is ignored",
+    "service": "SkyServe services are not run by airflow-skypilot; 'service' is checked as "
+               "SkyPilot checks it, then ignored",
+    "pool": "worker pools are not used by airflow-skypilot; 'pool' is checked as SkyPilot "
+            "checks it, then ignored",
     "event_callback": "'event_callback' is ignored; use Airflow callbacks instead",
     "inputs": "'inputs' (experimental in SkyPilot) is ignored",
     "outputs": "'outputs' (experimental in SkyPilot) is ignored",
@@ -314,7 +317,15 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         secrets[str(key)] = _override_value(value)
     if require_secrets:
         problems.extend(_missing(src, "secrets", secrets))
-    problems.extend(_local_paths(spec, src, base_dir))
+    local_paths = _local_paths(spec, src, base_dir)
+    problems.extend(local_paths)
+    # SkyPilot fills envs (and inline secrets) into file_mounts, workdir, volumes and service
+    # before it reads them: a storage's `store: $STORE` is checked with STORE's value
+    substitutions = {**{k: v for k, v in envs.items() if v is not None},
+                     **{k: v for k, v in secrets.items() if v is not None}}
+    unfilled = {k for k, v in envs.items() if v is None}
+    problems.extend(storage_problems(spec, src, substitutions, unfilled))
+    problems.extend(service_problems(spec, src, substitutions, unfilled))
 
     candidates, ordered = [], False
     try:
@@ -323,17 +334,16 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         problems.extend(exc.problems)
 
     num_nodes = spec.num_nodes or 1
-    for cand in candidates:
-        if cand.accelerator and num_nodes > 1 and not float(cand.accelerator_count).is_integer():
-            problems.append(src.problem(
-                ("resources", "accelerators"),
-                "fractional accelerators cannot be used with num_nodes > 1"))
-            break
-
     if problems:
-        raise TaskValidationError(_sorted(problems))
+        problems = _sorted(problems)
+        if len(local_paths) == len(problems):
+            # Say so: in a DAG folder or a copied YAML this is the usual, and only, problem
+            where = f"{base_dir}, the YAML file's folder" if base_dir else os.getcwd()
+            problems.append(Problem(path="", file=src.file, message=(
+                "nothing else is wrong with the task: only the local paths above are missing "
+                f"(relative paths start at {where})")))
+        raise TaskValidationError(problems)
 
-    substitutions = {**envs, **{k: v for k, v in secrets.items() if v is not None}}
     workdir: Any = spec.workdir.model_dump() if isinstance(spec.workdir, BaseModel) \
         else spec.workdir
     return Task(
@@ -344,9 +354,9 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         envs={k: v for k, v in envs.items() if v is not None},
         secrets=_SecretDict({k: v for k, v in secrets.items() if v is not None}),
         missing_secrets=sorted(k for k, v in secrets.items() if v is None),
-        workdir=_substitute(workdir, substitutions),
-        file_mounts=_substitute(dict(spec.file_mounts or {}), substitutions),
-        volumes=_substitute(dict(spec.volumes or {}), substitutions),
+        workdir=substitute(workdir, substitutions),
+        file_mounts=substitute(dict(spec.file_mounts or {}), substitutions),
+        volumes=substitute(dict(spec.volumes or {}), substitutions),
         setup=spec.setup,
         run=spec.run,
         config=dict(spec.config or {}),
@@ -393,22 +403,12 @@ def _override_value(value: Any) -> str | None:
     return str(value)
 
 
-def _substitute(value: Any, env: Mapping[str, str]) -> Any:
-    """SkyPilot fills ``${VAR}`` from envs into file_mounts and workdir; we do the same."""
-    if isinstance(value, str):
-        return string.Template(value).safe_substitute(env)
-    if isinstance(value, dict):
-        return {_substitute(k, env): _substitute(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_substitute(v, env) for v in value]
-    return value
-
-
 def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
     """The candidates of ``resources:`` as SkyPilot expands them (any_of/ordered/accelerators)."""
     if raw is None:
         return [ResourceRequest(index=0)], False
     raw = dict(raw)
+    base_acc: tuple[Any, ...] = ("resources", "gpus" if "gpus" in raw else "accelerators")
     if "gpus" in raw:
         raw["accelerators"] = raw.pop("gpus")
     base_spec = ResourcesSpec.model_validate(raw)
@@ -418,13 +418,16 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
     is_ordered = False
     if entries is None:
         pairs, kind = base_spec.accelerators or ([], "one")
-        out.extend(_requests(base_spec, pairs))
+        out.extend(_requests(base_spec, pairs, src, base_acc))
         is_ordered = kind == "ordered"
     else:
         key = "any_of" if any_of is not None else "ordered"
         is_ordered = key == "ordered"
         for i, entry in enumerate(entries):
             entry = dict(entry)
+            acc_where = base_acc
+            if "gpus" in entry or "accelerators" in entry:
+                acc_where = ("resources", key, i, "gpus" if "gpus" in entry else "accelerators")
             if "gpus" in entry:
                 entry["accelerators"] = entry.pop("gpus")
             merged = {**raw}
@@ -447,7 +450,7 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
                     _pydantic_problems(exc, src, ResourcesSpec, merged,
                                        prefix=("resources", key, i))) from None
             pairs, _ = spec.accelerators or ([], "one")
-            out.extend(_requests(spec, pairs))
+            out.extend(_requests(spec, pairs, src, acc_where))
     # Drop exact duplicates (SkyPilot keeps candidates in a set or list of unique Resources).
     unique: list[ResourceRequest] = []
     for req in out:
@@ -456,16 +459,30 @@ def _expand(raw: Any, src: Source) -> tuple[list[ResourceRequest], bool]:
     return unique, is_ordered
 
 
-def _requests(spec: ResourceFields, pairs: list[tuple[str, float]]) -> list[ResourceRequest]:
+def _requests(spec: ResourceFields, pairs: list[tuple[str, float]], src: Source,
+              acc_where: tuple[Any, ...]) -> list[ResourceRequest]:
+    """The candidates of one merged resource spec: one per accelerator, each named as
+    SkyPilot's Resources canonicalises it for the candidate's cloud (MI300 stays MI300 on
+    Kubernetes, whose labels decide; it is MI300X where any cloud may take it)."""
     infra = spec.infra or f.infra_from_legacy(spec.cloud, spec.region, spec.zone)
     if infra == "*":
         infra = None
     if infra is None and any(name.startswith("tpu-") for name, _ in pairs):
         infra = "gcp"  # as SkyPilot: a TPU name without a cloud means GCP
+    cloud = infra.split("/")[0] if infra else None
+    try:
+        pairs = [(acc.canonical(name, cloud), count) for name, count in pairs]
+    except acc.AmbiguousAcceleratorError as exc:
+        raise TaskValidationError([src.problem(acc_where, str(exc))]) from None
+    if not pairs and (carried := instance_types.accelerator_of(cloud, spec.instance_type)):
+        pairs = [carried]  # SkyPilot: Resources.accelerators from its catalog, cloud known
+    image_id = spec.image_id
+    if cloud in f.CONTAINER_CLOUDS:
+        image_id = f.as_container_image(image_id)
     common = dict(
         cpus=spec.cpus, memory=spec.memory, use_spot=bool(spec.use_spot), infra=infra,
         instance_type=spec.instance_type, disk_size=spec.disk_size,
-        disk_tier=spec.disk_tier, image_id=spec.image_id, ports=spec.ports or (),
+        disk_tier=spec.disk_tier, image_id=image_id, ports=spec.ports or (),
         labels=dict(spec.labels or {}), max_hourly_cost=spec.max_hourly_cost,
         priority=spec.priority,
         job_recovery=spec.job_recovery or f.parse_job_recovery(None),

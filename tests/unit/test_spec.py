@@ -42,6 +42,12 @@ ACCELERATOR_FORMS = [
     ("MyCustomGPU:2", [("MyCustomGPU", 2)], False),
     ("{A100: null}", [("A100", 1)], False),
     ("'141GB:1'", [("H200", 1)], False),
+    # the same accelerator with several counts: each count is its own candidate (SkyPilot)
+    ("{A100:4, A100:8}", [("A100", 4), ("A100", 8)], False),
+    ("{T4: 1, T4:4, V100: 1}", [("T4", 1), ("T4", 4), ("V100", 1)], False),
+    ("{A100: 1, A100:1}", [("A100", 1)], False),
+    ("[A100:1, A100:1, L4]", [("A100", 1), ("L4", 1)], True),
+    ("[A100:8, A100:4]", [("A100", 8), ("A100", 4)], True),
 ]
 
 
@@ -50,6 +56,71 @@ def test_accelerator_forms(value, expected, ordered):
     task = _load(f"resources:\n  accelerators: {value}\nrun: x\n")
     assert [(c.accelerator, c.accelerator_count) for c in task.candidates] == expected
     assert task.ordered is ordered
+
+
+CLOUD_CANONICAL_FORMS = [
+    # (infra, name, canonical name): SkyPilot canonicalises against the catalog names that
+    # the candidate's cloud offers; none: the name as written (a cluster's label decides)
+    (None, "MI300", "MI300X"),
+    ("k8s", "MI300", "MI300"),
+    ("kubernetes/my-ctx", "mi300", "mi300"),
+    ("ssh/pool", "MI300", "MI300"),
+    ("slurm", "MI300", "MI300"),
+    ("aws", "MI300", "MI300"),
+    ("k8s", "a100", "A100"),  # an exact (case-insensitive) match wins on any cloud
+    ("slurm/alpha", "h100", "H100"),
+    ("aws", "A100-80", "A100-80GB"),  # unique among AWS's names (RunPod adds -SXM)
+    ("k8s", "MyCustomGPU", "MyCustomGPU"),
+    ("k8s", "tpu-v5p-8", "tpu-v5p-8"),
+]
+
+
+@pytest.mark.parametrize(("infra", "name", "expected"), CLOUD_CANONICAL_FORMS)
+def test_accelerator_names_are_canonical_for_the_candidates_cloud(infra, name, expected):
+    where = f"  infra: {infra}\n" if infra else ""
+    task = _load(f"resources:\n{where}  accelerators: {name}:2\nrun: x\n")
+    assert [(c.accelerator, c.accelerator_count) for c in task.candidates] == [(expected, 2)]
+
+
+def test_a_name_ambiguous_elsewhere_is_a_custom_name_on_a_cluster():
+    from airflow_skypilot.spec.accelerators import same_accelerator
+
+    task = _load("resources:\n  infra: k8s\n  accelerators: RTXA:1\n")
+    assert task.candidates[0].accelerator == "RTXA"
+    assert same_accelerator("RTXA", "RTXA") and not same_accelerator("RTXA", "NVIDIA-A100")
+    assert same_accelerator("MI300", "AMD-Instinct-MI300X")
+
+
+def test_accelerator_names_follow_each_any_of_entrys_cloud():
+    task = _load("""
+        resources:
+          accelerators: MI300:8
+          any_of:
+            - infra: k8s
+            - infra: runpod
+            - cloud: kubernetes
+        """)
+    assert sorted((c.infra, c.accelerator) for c in task.candidates) == [
+        ("kubernetes", "MI300"), ("runpod", "MI300X")]
+
+
+def test_ambiguous_name_is_an_error_only_where_it_is_ambiguous():
+    assert _errors("resources:\n  gpus: A100-80\n") == [
+        "t.yaml:2: resources.gpus: accelerator name 'A100-80' is ambiguous; choose one of "
+        "['A100-80GB', 'A100-80GB-SXM']"]
+    assert _cands("resources:\n  cloud: aws\n  accelerators: A100-80\n")[0][
+        "accelerator"] == "A100-80GB"
+    # each merged candidate decides with its own cloud, the base's or the entry's
+    task = _load("resources:\n  cloud: aws\n  any_of:\n    - accelerators: A100-80\n")
+    assert [c.accelerator for c in task.candidates] == ["A100-80GB"]
+    task = _load("resources:\n  accelerators: A100-80\n  any_of:\n    - infra: aws\n"
+                 "    - cloud: gcp\n")
+    assert sorted((c.infra, c.accelerator) for c in task.candidates) == [
+        ("aws", "A100-80GB"), ("gcp", "A100-80GB")]
+    assert _errors("resources:\n  any_of:\n    - infra: aws\n    - infra: runpod\n"
+                   "      accelerators: A100-80\n") == [
+        "t.yaml:5: resources.any_of[1].accelerators: accelerator name 'A100-80' is ambiguous; "
+        "choose one of ['A100-80GB', 'A100-80GB-SXM']"]
 
 
 def test_gpus_is_an_alias_of_accelerators():
@@ -251,6 +322,29 @@ def test_local_workdir_and_mounts_are_relative_to_the_yaml(tmp_path):
     assert task.resolved_workdir() == str(tmp_path / "src")
 
 
+def test_missing_local_paths_say_they_are_the_only_problem(tmp_path, capsys):
+    from airflow_skypilot import cli
+
+    path = tmp_path / "task.yaml"
+    path.write_text("workdir: src\nfile_mounts:\n  /d.txt: ./d.txt\n  /b: s3://b\nrun: x\n")
+    expected = [
+        f"{path}:1: workdir: 'src' is not a directory (relative paths start at {tmp_path})",
+        f"{path}:3: file_mounts./d.txt: source './d.txt' does not exist (relative paths start "
+        f"at {tmp_path})",
+        f"{path}: nothing else is wrong with the task: only the local paths above are missing "
+        f"(relative paths start at {tmp_path}, the YAML file's folder)"]
+    with pytest.raises(TaskValidationError) as info:
+        load_task(str(path))
+    assert [str(p) for p in info.value.problems] == expected
+    assert cli.main(["validate", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == expected
+    # with another problem, no such note
+    path.write_text("workdir: src\nenvs:\n  A: null\nrun: x\n")
+    with pytest.raises(TaskValidationError) as info:
+        load_task(str(path))
+    assert [p.path for p in info.value.problems] == ["workdir", "envs.A"]
+
+
 def test_workdir_git_form():
     task = _load("workdir:\n  url: https://github.com/x/y\n  ref: main\n")
     assert task.workdir == {"url": "https://github.com/x/y", "ref": "main"}
@@ -268,6 +362,55 @@ def test_envs_fill_file_mounts_and_workdir():
     assert "/data/d1" in task.file_mounts
 
 
+STORE_YAML = """
+    envs:
+      STORE: {store}
+      BUCKET: my-bucket
+    file_mounts:
+      /data:
+        name: ${{BUCKET}}-data
+        store: $STORE
+        mode: MOUNT
+    run: x
+    """
+
+
+@pytest.mark.parametrize("store", ["s3", "GCS", "r2", "hf", "vastdata", "volume"])
+def test_storage_store_from_an_env_is_checked_with_its_value(store):
+    task = _load(STORE_YAML.format(store=store))
+    assert task.file_mounts["/data"] == {"name": "my-bucket-data", "store": store,
+                                         "mode": "MOUNT"}
+
+
+def test_storage_store_from_an_override():
+    task = _load(STORE_YAML.format(store="null"), envs={"STORE": "s3"})
+    assert task.file_mounts["/data"]["store"] == "s3"
+
+
+def test_storage_store_from_an_env_with_a_wrong_value():
+    assert _errors(STORE_YAML.format(store="nfs")) == [
+        "t.yaml:5: file_mounts./data: unknown store 'nfs'; expected one of S3, GCS, AZURE, R2, "
+        "IBM, OCI, NEBIUS, COREWEAVE, VASTDATA, HF, VOLUME (once envs are filled in; the YAML "
+        "says {'name': '${BUCKET}-data', 'store': '$STORE', 'mode': 'MOUNT'})"]
+
+
+def test_storage_store_from_a_missing_env_names_only_the_env():
+    assert _errors(STORE_YAML.format(store="null")) == [
+        "t.yaml:2: envs.STORE: has no value: supply it as an override (--env STORE=VALUE, or "
+        "the operator's envs={'STORE': ...})"]
+
+
+def test_storage_store_from_an_unknown_name_stays_as_written():
+    assert "unknown store '$NOPE'" in _errors(
+        "file_mounts:\n  /d:\n    name: b\n    store: $NOPE\n")[0]
+
+
+def test_env_references_are_filled_as_skypilot_fills_them():
+    task = _load("envs:\n  A: x\nfile_mounts:\n  /a/$A/${A}: s3://b/${A}_$A\n"
+                 "  /b: s3://b/$$A/$UNSET/${A\n")
+    assert task.file_mounts == {"/a/x/x": "s3://b/x_x", "/b": "s3://b/$x/$UNSET/x"}
+
+
 def test_secret_references_need_overrides():
     assert _load("secrets: ['secrets:HF_TOKEN']\n").missing_secrets == ["HF_TOKEN"]
     assert _errors("secrets: ['secrets:HF_TOKEN']\n", require_secrets=True) == [
@@ -283,7 +426,103 @@ def test_ignored_keys_warn_with_line():
     task = _load("run: x\nservice:\n  readiness_probe: /\n")
     assert [str(w) for w in task.warnings] == [
         "t.yaml:2: service: SkyServe services are not run by airflow-skypilot; "
-        "'service' is ignored"]
+        "'service' is checked as SkyPilot checks it, then ignored"]
+
+
+# --- service / pool: checked as SkyPilot checks them, then ignored -------------------------
+
+SERVICES_ACCEPTED = [
+    "service: {}\n",
+    "service:\n  readiness_probe: /health\n  replicas: 2\n",
+    "service:\n  readiness_probe:\n    path: /v1/models\n    initial_delay_seconds: 1800\n"
+    "    post_data: {model: m, max_tokens: 1}\n    headers: {Authorization: Bearer x}\n"
+    "  replicas: 1\n  ports: 8080\n",
+    "service:\n  readiness_probe: {path: /, post_data: '{\"a\": 1}'}\n",
+    "service:\n  replica_policy: {min_replicas: 1, max_replicas: 3, "
+    "target_qps_per_replica: 2.5}\n",
+    "service:\n  replica_policy: {min_replicas: 2}\n",
+    "service:\n  replica_policy: {min_replicas: 2, max_replicas: 2, num_overprovision: 1, "
+    "dynamic_ondemand_fallback: true, spot_placer: DYNAMIC_FALLBACK}\n",
+    "service:\n  load_balancing_policy: round_robin\n  load_balancer: "
+    "{stream_timeout_seconds: 60}\n",
+    "service:\n  load_balancing_policy: instance_aware_least_load\n  replica_policy:\n"
+    "    min_replicas: 1\n    max_replicas: 4\n    target_qps_per_replica: {H100: 10, "
+    "'A100:1': 5}\n",
+    "service:\n  tls: {keyfile: k.pem, certfile: c.pem}\n",
+    "service:\n  replicas: null\n",
+    "service:\n  pool: {workers: 2}\n",
+    "pool: {workers: 2}\n",
+    "pool: {min_workers: 1, max_workers: 3, queue_length_threshold: 2, "
+    "upscale_delay_seconds: 30}\n",
+]
+
+
+@pytest.mark.parametrize("text", SERVICES_ACCEPTED)
+def test_service_and_pool_forms_load_and_are_ignored(text):
+    task = _load(text + "run: x\n")
+    assert any("then ignored" in str(w) for w in task.warnings)
+
+
+SERVICES_REFUSED = [
+    ("service:\n  replica: 2\n", "t.yaml:2: service.replica: unknown field 'replica'; did you "
+                                  "mean 'replicas'?"),
+    ("service:\n  replica_policy:\n    min_replicas: 0\n    max_replicas: 2\n",
+     "t.yaml:2: service.replica_policy: min_replicas (0) and max_replicas (2) differ but "
+     "target_qps_per_replica is not set"),
+    ("service:\n  replicas: 1\n  replica_policy: {min_replicas: 1}\n",
+     "give either 'replicas' or 'replica_policy', not both"),
+    ("service:\n  replica_policy: {max_replicas: 1}\n", "'min_replicas' is required"),
+    ("service:\n  replica_policy: {min_replicas: -1}\n",
+     "t.yaml:2: service.replica_policy.min_replicas: must be >= 0; got -1"),
+    ("service:\n  replica_policy: {min_replicas: 3, max_replicas: 1, "
+     "target_qps_per_replica: 1}\n", "max_replicas (1) must be >= min_replicas (3)"),
+    ("service:\n  replica_policy: {min_replicas: 1, target_qps_per_replica: 1}\n",
+     "max_replicas must be set where target_qps_per_replica is"),
+    ("service:\n  replicas: two\n", "t.yaml:2: service.replicas: must be a whole number"),
+    ("service:\n  readiness_probe: health\n", "the readiness path must start with '/'"),
+    ("service:\n  readiness_probe: {initial_delay_seconds: 5}\n", "'path' is required"),
+    ("service:\n  readiness_probe: {path: /, post_data: '{bad'}\n",
+     "service.readiness_probe.post_data: is not valid JSON text"),
+    ("service:\n  ports: 70000\n", "service.ports: must be between 1 and 65535"),
+    ("service:\n  load_balancing_policy: fastest\n", "must be one of round_robin"),
+    ("service:\n  load_balancing_policy: LEAST_LOAD\n", "unknown load balancing policy "
+                                                          "'LEAST_LOAD' (names are lower case)"),
+    ("service:\n  replica_policy: {min_replicas: 1, max_replicas: 2, "
+     "target_qps_per_replica: {H100: 1}}\n", "needs 'instance_aware_least_load'"),
+    ("service:\n  load_balancing_policy: instance_aware_least_load\n",
+     "needs a target_qps_per_replica per accelerator"),
+    ("service:\n  replica_policy: {min_replicas: 1, max_replicas: 2, "
+     "target_qps_per_replica: {h100: 1}}\n", "keys must be accelerators like 'H100'"),
+    ("service:\n  tls: {keyfile: k.pem}\n", "'certfile' is required"),
+    ("service:\n  replicas: 1\n  workers: 1\n", "give either 'replicas' or 'workers'"),
+    ("service:\n  pool: {workers: 1}\n  replicas: 1\n", "a pool takes 'workers', not "
+                                                         "'replicas'"),
+    ("service:\n  pool: {workers: 1}\n  ports: 8080\n", "ports is not supported for a pool"),
+    ("pool: {}\n", "t.yaml:1: pool: set 'workers', or both 'min_workers' and 'max_workers'"),
+    ("pool: {min_workers: 1}\n", "'max_workers' must be set with 'min_workers'"),
+    ("pool: {min_workers: 3, max_workers: 1}\n", "min_workers (3) must be <= max_workers (1)"),
+    ("pool: {workers: 1, queue_length_threshold: 2}\n",
+     "'max_workers' must be set with 'queue_length_threshold'"),
+    ("pool: {workers: -1}\n", "t.yaml:1: pool.workers: must be >= 0; got -1"),
+    ("pool: {wrkers: 1}\n", "pool.wrkers: unknown field 'wrkers'; did you mean 'workers'?"),
+    ("service: {}\npool: {}\n", "cannot set both 'service' and 'pool'"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), SERVICES_REFUSED)
+def test_service_and_pool_are_refused_where_skypilot_refuses_them(text, expected):
+    errors = _errors(text + "run: x\n")
+    assert any(e.startswith(expected) or expected in e for e in errors), errors
+
+
+def test_service_gets_envs_filled_in_before_it_is_checked():
+    text = "envs:\n  PROBE: /health\nservice:\n  readiness_probe: $PROBE\nrun: x\n"
+    _load(text)
+    assert "must start with '/'" in _errors(text, envs={"PROBE": "health"})[0]
+    # an env with no value is the problem, not the service that uses it
+    assert _errors("envs:\n  P: null\nservice:\n  readiness_probe: $P\n") == [
+        "t.yaml:2: envs.P: has no value: supply it as an override (--env P=VALUE, or the "
+        "operator's envs={'P': ...})"]
 
 
 def test_a_task_without_resources_is_a_cpu_task():
@@ -387,7 +626,11 @@ ERRORS = [
     ("file_mounts:\n  /data: ./nope.txt\n", "t.yaml:2: file_mounts./data: source './nope.txt'"
                                              " does not exist"),
     ("file_mounts:\n  /data/: s3://b\n", "mount path '/data/' must not end with a slash"),
-    ("file_mounts:\n  /d:\n    mode: SYNC\n", "/d: mode must be one of MOUNT, COPY"),
+    ("file_mounts:\n  /d:\n    mode: SYNC\n", "t.yaml:2: file_mounts./d: unknown mode 'SYNC'; "
+                                             "expected one of MOUNT, COPY, MOUNT_CACHED"),
+    ("file_mounts:\n  /d:\n    store: nfs\n", "t.yaml:2: file_mounts./d: unknown store 'nfs'"),
+    ("file_mounts:\n  /d:\n    sorce: x\n", "t.yaml:2: file_mounts./d: unknown storage key"),
+    ("file_mounts:\n  /d:\n    persistent: maybe\n", "persistent must be true or false"),
     ("config:\n  jobs: {}\n", "config section 'jobs' cannot be set by a task"),
     ("config:\n  kubernetes:\n    provision_timeout: soon\n",
      "config.kubernetes.provision_timeout has the wrong type"),
@@ -399,8 +642,15 @@ ERRORS = [
                                 "supported"),
     ("name: [a\n", "t.yaml:2:1: YAML syntax error:"),
     ("resources:\n  cpus: 1\n   memory: 2\n", "t.yaml:3:"),
-    ("num_nodes: 2\nresources:\n  accelerators: A100:0.5\n",
-     "fractional accelerators cannot be used with num_nodes > 1"),
+    ("config:\n  kubernetes:\n    enable_docker: build\n",
+     "config.kubernetes.enable_docker must be true, false, ALL, BUILD or {mode: ALL|BUILD, "
+     "cache_volume: NAME}; got 'build'"),
+    ("config:\n  kubernetes:\n    enable_docker: {cache_volume: v}\n",
+     "config.kubernetes.enable_docker mode must be ALL or BUILD; got None"),
+    ("config:\n  kubernetes:\n    enable_docker: {mode: ALL, size: 1}\n",
+     "config.kubernetes.enable_docker unknown key 'size'"),
+    ("config:\n  kubernetes:\n    enable_docker: {mode: ALL, cache_volume: 3}\n",
+     "cache_volume must be a volume name; got 3"),
 ]
 
 
@@ -420,6 +670,18 @@ def test_every_problem_is_reported_at_once():
           A: null
         """)
     assert [e.split(":")[1] for e in errors] == ["1", "3", "4", "6"]
+
+
+@pytest.mark.parametrize("value", ["true", "false", "ALL", "BUILD", "{mode: BUILD}",
+                                   "{mode: ALL, cache_volume: docker-cache}"])
+def test_kubernetes_enable_docker_forms(value):
+    task = _load(f"config:\n  kubernetes:\n    enable_docker: {value}\nrun: x\n")
+    assert "enable_docker" in task.config["kubernetes"]
+
+
+def test_fractional_accelerators_on_several_nodes():
+    task = _load("num_nodes: 2\nresources:\n  accelerators: T4:0.5\nrun: x\n")
+    assert (task.num_nodes, task.candidates[0].accelerator_count) == (2, 0.5)
 
 
 def test_override_supplies_a_null_env():

@@ -23,7 +23,7 @@ from typing import Any
 
 from airflow_skypilot.backends.aws.clients import AwsClients, client_error
 from airflow_skypilot.spec import accelerators as acc
-from airflow_skypilot.spec import fields
+from airflow_skypilot.spec import fields, instance_types
 from airflow_skypilot.spec.task import ResourceRequest
 
 CATALOG_TTL = 3600.0
@@ -186,7 +186,10 @@ def suitable_types(catalog: Mapping[str, InstanceTypeInfo], req: ResourceRequest
         info = catalog.get(req.instance_type)
         if info is None:
             return [], f"unknown EC2 instance type {req.instance_type}"
-        if req.accelerator:
+        # the accelerator the loader derived from this very type (SkyPilot's catalog: also
+        # Inferentia/Trainium/FPGAs, which GpuInfo does not list) needs no second look
+        carried = instance_types.accelerator_of("aws", req.instance_type)
+        if req.accelerator and (req.accelerator, req.accelerator_count) != carried:
             if not gpu_matches(req.accelerator, info):
                 have = f"{count_text(info.gpus)} x {info.gpu}" if info.gpu else "no GPU"
                 return [], f"{info.name} has {have}, not {req.accelerator}"

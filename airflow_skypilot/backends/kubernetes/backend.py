@@ -61,6 +61,9 @@ class KubernetesBackend(Backend):
     conn_types = ("kubernetes",)
     unsupported_features = {
         Feature.INSTANCE_TYPE: "a cloud VM type, not a Kubernetes resource",
+        Feature.MACHINE_IMAGE: "not a container image: write image_id: docker:<image> (a bare "
+                               "image is a container image only on a candidate with infra: "
+                               "kubernetes, as in SkyPilot)",
         Feature.FRACTIONAL_GPUS: f"Kubernetes allocates whole GPUs ({GPU_RESOURCE} is an "
                                  "integer)",
         Feature.GIT_WORKDIR: "a git workdir is not cloned on Kubernetes; use a local workdir",

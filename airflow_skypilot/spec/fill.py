@@ -1,0 +1,81 @@
+"""Envs filled into the task, as SkyPilot fills them, and what is checked only after.
+
+SkyPilot's Task.from_yaml_config (sky/task.py ``_fill_in_env_vars``) fills the task's envs and
+inline secrets into ``file_mounts`` (keys and values: paths, bucket names and stores),
+``workdir``, ``volumes`` and ``service`` before it reads them: a storage's ``store: $STORE``
+is checked with STORE's value, a service's readiness probe with its filled-in path. We fill
+the same fields with the same rule (``$NAME`` or ``${NAME}``; a name without a value stays as
+written) and check storages and the service afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from airflow_skypilot.spec import service
+from airflow_skypilot.spec.errors import Problem
+from airflow_skypilot.spec.model import TaskSpec, storage_problem
+from airflow_skypilot.spec.source import Source
+
+#: an env reference, as SkyPilot's ``_fill_in_env_vars`` finds them: ``$NAME`` or ``${NAME}``
+ENV_REF = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?")
+
+
+def env_refs(value: Any) -> list[str]:
+    """The env names ``value`` refers to (keys and values, nested)."""
+    if isinstance(value, str):
+        return ENV_REF.findall(value)
+    if isinstance(value, dict):
+        return [n for k, v in value.items() for n in (*env_refs(k), *env_refs(v))]
+    if isinstance(value, list):
+        return [n for v in value for n in env_refs(v)]
+    return []
+
+
+def substitute(value: Any, env: Mapping[str, str]) -> Any:
+    """``value`` with ``$VAR``/``${VAR}`` filled in from ``env`` (keys and values, nested);
+    a name not in ``env`` stays as written."""
+    if isinstance(value, str):
+        return ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), value)
+    if isinstance(value, dict):
+        return {substitute(k, env): substitute(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [substitute(v, env) for v in value]
+    return value
+
+
+def storage_problems(spec: TaskSpec, src: Source, env: Mapping[str, str],
+                     unfilled: set[str]) -> list[Problem]:
+    """Storage mappings of ``file_mounts``, checked once ``env`` is filled in (SkyPilot's
+    Storage.from_yaml_config runs after the fill). A mapping that still names an env in
+    ``unfilled`` (no value) is not checked: that env is the problem, reported on its own."""
+    out = []
+    for dst, raw in (spec.file_mounts or {}).items():
+        if not isinstance(raw, dict):
+            continue
+        filled = substitute(raw, env)
+        if unfilled and set(env_refs(filled)) & unfilled:
+            continue
+        why = storage_problem(filled)
+        if why and filled != raw:
+            why += f" (once envs are filled in; the YAML says {_brief(raw)})"
+        if why:
+            out.append(src.problem(("file_mounts", dst), why))
+    return out
+
+
+def service_problems(spec: TaskSpec, src: Source, env: Mapping[str, str],
+                     unfilled: set[str]) -> list[Problem]:
+    """``service`` (envs filled in) and ``pool`` as SkyPilot checks them
+    (:mod:`airflow_skypilot.spec.service`); both are then ignored with a warning."""
+    filled = substitute(spec.service, env) if spec.service is not None else None
+    if filled is not None and unfilled and set(env_refs(filled)) & unfilled:
+        return []
+    return [src.problem(path, why) for path, why in service.problems(filled, spec.pool)]
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
