@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
@@ -42,6 +44,23 @@ def _slurm_jobs(slurm) -> dict[str, tuple[str, str]]:
             job_id, name, state = line.split("|")
             jobs[name] = (job_id, state)
     return jobs
+
+
+#: the jobs page's entries, read from the Airflow DB as the api-server reads them (authorization,
+#: the api-server's part, is tested with a real api-server in tests/integration)
+JOBS_PAGE = """
+import json, sys
+from airflow_skypilot.plugins import jobs
+jobs.readable_dag_ids = lambda user: {sys.argv[1]}
+jobs.can_read_job = lambda *args: True
+print(json.dumps(jobs.group_sweeps(jobs.list_jobs(None, dag_id=sys.argv[1])), default=str))
+"""
+
+
+def _jobs_page(airflow, dag_id: str) -> list[dict]:
+    out = subprocess.run([sys.executable, "-c", JOBS_PAGE, dag_id], env=airflow.env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_a_decorated_task_runs_its_upstreams_value_and_returned_resources(airflow_slurm, slurm):
@@ -89,6 +108,16 @@ def test_a_mapped_sweep_runs_every_instance_as_its_own_job(airflow_slurm, slurm)
             assert jobs[result["job_name"]] == (result["job_id"], "COMPLETED")
     assert {sweep[m]["return_value"]["task_id"].split("_train_")[1].split("_")[0]
             for m in sweep} == {"0", "1", "2", "3"}  # the map index is in SKYPILOT_TASK_ID
+
+    # the jobs page: one group per sweep, its instances in map-index order
+    page = {e["jobs"][0]["task_id"]: e for e in _jobs_page(airflow_slurm, "e2e_sweep")}
+    assert set(page) == {"train", "classic"}
+    for task_id, group in (("train", sweep), ("classic", classic)):
+        summary = page[task_id]["sweep"]
+        assert (summary["size"], summary["states"], summary["attempts"]) == \
+            (len(group), [["success", len(group)]], len(group))
+        assert [(j["map_index"], j["job_id"]) for j in page[task_id]["jobs"]] == \
+            [(m, group[m]["return_value"]["job_id"]) for m in sorted(group)]
 
     best = run.result("best")  # picked downstream from what each job wrote
     assert best["lr"] == 0.01 and best["loss"] == 0
