@@ -275,3 +275,50 @@ def test_the_ui_pages_read_db_connections_and_list_the_jobs(deployment, slurm):
         jobs = c.get("/skypilot/api/jobs").json()["jobs"]
     job = next(j for j in jobs if j["run_id"] == run_id)
     assert job["dag_id"] == DAG_ID and job["connection"].startswith("slurm_"), job
+
+
+def test_a_training_steps_asset_event_triggers_the_dag_scheduled_on_it(deployment):
+    # tests/e2e/dags/e2e_taskflow.py: a @task.skypilot with the asset as its outlet, and a DAG
+    # scheduled on that asset that returns the extras of the events that triggered it
+    producer, consumer = "e2e_asset_train", "e2e_asset_evaluate"
+    wait_until(lambda: all(deployment.api("GET", f"/dags/{d}").status_code == 200
+                           for d in (producer, consumer)), 90, 1, what="the asset DAGs parsed")
+    run_id = deployment.trigger({}, dag_id=producer)
+
+    def ti(dag_id: str, run: str, task_id: str) -> dict[str, Any]:
+        r = deployment.api("GET", f"/dags/{dag_id}/dagRuns/{run}/taskInstances/{task_id}")
+        return r.json() if r.status_code == 200 else {}
+
+    def xcom(dag_id: str, run: str, task_id: str) -> Any:
+        r = deployment.api("GET", f"/dags/{dag_id}/dagRuns/{run}/taskInstances/{task_id}/"
+                                  "xcomEntries/return_value")
+        value = r.json()["value"] if r.status_code == 200 else None
+        return json.loads(value) if isinstance(value, str) else value
+
+    wait_until(lambda: ti(producer, run_id, "train_model").get("state") in ("success", "failed"),
+               240, 1, what=f"{producer} done\n{deployment.logs()}")
+    assert ti(producer, run_id, "train_model")["state"] == "success", deployment.logs()
+    result = xcom(producer, run_id, "train_model")
+
+    # the asset event, as the REST API lists it, carries where and how the job ran
+    events = deployment.api("GET", "/assets/events", params={
+        "source_dag_id": producer, "source_run_id": run_id}).json()["asset_events"]
+    assert len(events) == 1, events
+    extra = events[0]["extra"]
+    assert {k: extra[k] for k in ("connection", "location", "job_id", "skypilot_task_id",
+                                  "attempts", "gpu_hours", "cost")} == {
+        "connection": result["connection"], "location": result["location"],
+        "job_id": result["job_id"], "skypilot_task_id": result["task_id"], "attempts": 1,
+        "gpu_hours": result["gpu_hours"], "cost": result["cost"]}
+
+    # ... and the scheduler starts the DAG scheduled on the asset, which sees those extras
+    def triggered() -> str | None:
+        runs = deployment.api("GET", f"/dags/{consumer}/dagRuns").json()["dag_runs"]
+        return next((r["dag_run_id"] for r in runs if r["run_type"] == "asset_triggered"), None)
+    consumer_run = wait_until(triggered, 120, 1, what=f"a {consumer} run\n{deployment.logs()}")
+    wait_until(lambda: ti(consumer, consumer_run, "evaluate").get("state") in ("success",
+                                                                              "failed"),
+               120, 1, what=f"{consumer} done")
+    seen = xcom(consumer, consumer_run, "evaluate")
+    assert [e["job_id"] for e in seen] == [result["job_id"]], seen
+    assert seen[0] == extra

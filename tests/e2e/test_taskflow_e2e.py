@@ -106,6 +106,9 @@ def test_a_mapped_sweep_runs_every_instance_as_its_own_job(airflow_slurm, slurm)
         assert all(ti["skypilot_placement"]["chosen"] for ti in group.values())
         for result in results:
             assert jobs[result["job_name"]] == (result["job_id"], "COMPLETED")
+            # the envs reached the job (the classic form's are templated per instance)
+            with open(f"{out}/{result['task_id']}.json") as fh:
+                assert json.load(fh)["loss"] >= 0
     assert {sweep[m]["return_value"]["task_id"].split("_train_")[1].split("_")[0]
             for m in sweep} == {"0", "1", "2", "3"}  # the map index is in SKYPILOT_TASK_ID
 

@@ -39,6 +39,7 @@ envs:
   LR: null
   OUT_DIR: null
 run: |
+  set -euo pipefail
   loss=$(awk -v lr="$LR" 'BEGIN {printf "%.6f", (log(lr) - log(0.01))^2}')
   echo "lr=$LR loss=$loss"
   printf '{"lr": %s, "loss": %s}' "$LR" "$loss" > "$OUT_DIR/$SKYPILOT_TASK_ID.json"
