@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import yaml
 from airflow.sdk.bases.decorator import (
     DecoratedOperator,
     TaskDecorator,
@@ -169,6 +170,9 @@ class SkyPilotDecoratedOperator(DecoratedOperator, SkyPilotOperator):
                         {"run": returned}, "base": src, "folder": folder}
         self.task = merged
         self.overwrite_rtif_after_execution = True
+        self.log.info("%s() returned %s; the task:\n%s", self._name,
+                      "the run script" if isinstance(returned, str) else
+                      f"the fields {', '.join(map(str, returned))}", self._shown(merged))
         digest = self._digest(merged)
         if self._expected_digest and digest != self._expected_digest:
             self.log.warning("%s() returned a different task than at this try's first call "
@@ -177,11 +181,24 @@ class SkyPilotDecoratedOperator(DecoratedOperator, SkyPilotOperator):
         self._digest_now = digest
 
     @staticmethod
-    def _digest(merged: Mapping[str, Any]) -> str:
+    def _without_secrets(merged: Mapping[str, Any]) -> dict[str, Any]:
+        secrets = merged.get("secrets")
+        if isinstance(secrets, Mapping):
+            return {**merged, "secrets": {k: "***" for k in secrets}}
+        return dict(merged)
+
+    @classmethod
+    def _shown(cls, merged: Mapping[str, Any]) -> str:
+        """The merged task as YAML for the log, secret values left out (and masked anyway)."""
+        try:
+            return yaml.safe_dump(cls._without_secrets(merged), sort_keys=False).rstrip()
+        except yaml.YAMLError:
+            return json.dumps(cls._without_secrets(merged), indent=2, default=repr)
+
+    @classmethod
+    def _digest(cls, merged: Mapping[str, Any]) -> str:
         """A digest of the task without its secret values (it travels in the run state)."""
-        shown = {**merged, "secrets": sorted(merged.get("secrets") or {})} \
-            if isinstance(merged.get("secrets"), Mapping) else dict(merged)
-        text = json.dumps(shown, sort_keys=True, default=repr)
+        text = json.dumps(cls._without_secrets(merged), sort_keys=True, default=repr)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def _load_task(self, spec: Any, envs: Mapping[str, Any], secrets: Mapping[str, Any]) -> Task:

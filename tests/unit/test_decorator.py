@@ -188,12 +188,15 @@ def test_an_exception_in_the_function_is_the_tasks_error():
 
 
 # --- secrets ---------------------------------------------------------------------------------
-def test_returned_secrets_are_masked_before_anything_can_show_them(monkeypatch):
+def test_returned_secrets_are_masked_before_anything_can_show_them(monkeypatch, capsys):
     masked = []
     monkeypatch.setattr("airflow_skypilot.operators.skypilot.mask_secret", masked.append)
     op = _decorated(lambda: {"secrets": {"TOKEN": "s3cr3t-token"}, "run": "use $TOKEN"})
     deferred, _ = _run(op)
     assert "s3cr3t-token" in masked
+    log = capsys.readouterr().out  # the merged task is logged, without the secret's value
+    assert "<lambda>() returned the fields secrets, run; the task:" in log
+    assert "TOKEN: '***'" in log and "s3cr3t-token" not in log
     assert "s3cr3t-token" not in json.dumps(deferred.trigger.serialize(), default=str)
     assert "s3cr3t-token" not in json.dumps(deferred.kwargs, default=str)
 
