@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from airflow_skypilot.links import job_path
 from tests.e2e.conftest import E2E_DAGS, REPO, wait_until
 
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
@@ -299,19 +300,16 @@ def test_a_training_steps_asset_event_triggers_the_dag_scheduled_on_it(deploymen
                240, 1, what=f"{producer} done\n{deployment.logs()}")
     assert ti(producer, run_id, "train_model")["state"] == "success", deployment.logs()
     result = xcom(producer, run_id, "train_model")
+    # the decorated task is the operator: its extra link and its row on the jobs page
+    links = deployment.api("GET", f"/dags/{producer}/dagRuns/{run_id}/taskInstances/"
+                                  "train_model/links").json()["extra_links"]
+    assert links["SkyPilot job"] == deployment.url + job_path(producer, run_id, "train_model")
+    jobs = httpx.get(f"{deployment.url}/skypilot/api/jobs", params={"dag_id": producer},
+                     headers={"Authorization": f"Bearer {deployment.token}"}, timeout=30)
+    (row,) = [j for j in jobs.json()["jobs"] if j["run_id"] == run_id]
+    assert (row["operator"], row["job_id"]) == ("SkyPilotDecoratedOperator", result["job_id"])
 
-    # the asset event, as the REST API lists it, carries where and how the job ran
-    events = deployment.api("GET", "/assets/events", params={
-        "source_dag_id": producer, "source_run_id": run_id}).json()["asset_events"]
-    assert len(events) == 1, events
-    extra = events[0]["extra"]
-    assert {k: extra[k] for k in ("connection", "location", "job_id", "skypilot_task_id",
-                                  "attempts", "gpu_hours", "cost")} == {
-        "connection": result["connection"], "location": result["location"],
-        "job_id": result["job_id"], "skypilot_task_id": result["task_id"], "attempts": 1,
-        "gpu_hours": result["gpu_hours"], "cost": result["cost"]}
-
-    # ... and the scheduler starts the DAG scheduled on the asset, which sees those extras
+    # the scheduler starts the DAG scheduled on the asset, which sees the event's extra
     def triggered() -> str | None:
         runs = deployment.api("GET", f"/dags/{consumer}/dagRuns").json()["dag_runs"]
         return next((r["dag_run_id"] for r in runs if r["run_type"] == "asset_triggered"), None)
@@ -321,4 +319,20 @@ def test_a_training_steps_asset_event_triggers_the_dag_scheduled_on_it(deploymen
                120, 1, what=f"{consumer} done")
     seen = xcom(consumer, consumer_run, "evaluate")
     assert [e["job_id"] for e in seen] == [result["job_id"]], seen
+
+    # the asset event, as the REST API lists it, carries where and how the job ran (asked once
+    # the run it created has started: Airflow 3.3.2 answers 500 while that run is only queued,
+    # its DagRunAssetReference.start_date being required)
+    r = deployment.api("GET", "/assets/events", params={
+        "source_dag_id": producer, "source_run_id": run_id})
+    assert r.status_code == 200, (r.status_code, r.text)
+    (event,) = r.json()["asset_events"]
+    extra = event["extra"]
+    assert {k: extra[k] for k in ("connection", "location", "job_id", "skypilot_task_id",
+                                  "attempts", "gpu_hours", "cost")} == {
+        "connection": result["connection"], "location": result["location"],
+        "job_id": result["job_id"], "skypilot_task_id": result["task_id"], "attempts": 1,
+        "gpu_hours": result["gpu_hours"], "cost": result["cost"]}
     assert seen[0] == extra
+    assert [(d["dag_id"], d["run_id"]) for d in event["created_dagruns"]] == [
+        (consumer, consumer_run)]
