@@ -103,7 +103,8 @@ class SkyPilotDecoratedOperator(DecoratedOperator, SkyPilotOperator):
     }
     custom_operator_name: str = "@task.skypilot"
     # set per instance once the function has run: the rendered ``task`` then shows the merged
-    # task (secret values masked); a resumed try that did not call it keeps that record
+    # task (secret values masked). Airflow renders a resumed try's fields again from the DAG:
+    # after a deferral the field shows the base task, and the log has the merged one
     overwrite_rtif_after_execution: bool = False
 
     def __init__(self, *, python_callable: Callable, op_args: Collection[Any] | None = None,
