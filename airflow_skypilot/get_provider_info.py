@@ -56,6 +56,11 @@ def get_provider_info() -> dict[str, Any]:
             }
         ],
         "extra-links": ["airflow_skypilot.links.skypilot.SkyPilotJobLink"],
+        # @task.skypilot
+        "task-decorators": [
+            {"class-name": "airflow_skypilot.decorators.skypilot.skypilot_task",
+             "name": "skypilot"},
+        ],
         # No "plugins": the UI plugin loads through its `airflow.plugins` entry point, which
         # Airflow reads in every mode. Provider-declared plugins load only with eager provider
         # discovery ([core] lazy_discover_providers = False), and there a plugin declared both

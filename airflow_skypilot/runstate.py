@@ -223,6 +223,9 @@ class RunState:
     last_plan: str = ""  # the summary of the last placement that chose nothing
     sweeps: list[Sweep] = field(default_factory=list)  # copies still to confirm dead
     places: list[str] = field(default_factory=list)  # where the task fit at the last placement
+    #: ``@task.skypilot``: a digest of the task its function returned at this try's first call
+    #: (it is called again after a deferral; a different answer is reported)
+    spec_digest: str = ""
 
     @property
     def job_name(self) -> str:
@@ -308,3 +311,22 @@ class RunState:
         state.blocked = [Blocked.from_dict(b) for b in blocked
                          if isinstance(b, Mapping) and b.get("place")]
         return state
+
+
+#: the result's fields an asset event's extra carries (``asset_extra``)
+ASSET_EXTRA_FIELDS = ("state", "connection", "location", "infra", "backend", "job_id",
+                      "job_name", "gpu_hours", "cost")
+
+
+def asset_extra(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Where and how a task's job ran, for the asset events of its outlets: from the operator's
+    result (or, not waiting for the job, its handle). ``skypilot_task_id`` is the job's
+    ``SKYPILOT_TASK_ID`` (its checkpoint key); ``attempts``, how many jobs it took."""
+    extra = {k: result[k] for k in ASSET_EXTRA_FIELDS if result.get(k) is not None}
+    if result.get("task_id"):
+        extra["skypilot_task_id"] = result["task_id"]
+    if isinstance(result.get("attempts"), list):
+        extra["attempts"] = len(result["attempts"])
+        extra["places"] = [f"{a.get('connection')}/{a.get('location')}"
+                           for a in result["attempts"] if isinstance(a, Mapping)]
+    return extra

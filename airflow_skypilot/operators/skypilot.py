@@ -23,7 +23,7 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import AssetAlias, BaseOperator
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
@@ -35,7 +35,7 @@ from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.links import SkyPilotJobLink
 from airflow_skypilot.placer import Placer
-from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, RunState
+from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, RunState, asset_extra
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.spec.secrets import secret_values
 from airflow_skypilot.triggers.skypilot import (
@@ -237,13 +237,18 @@ class SkyPilotOperator(BaseOperator):
                 raise AirflowFailException(f"{name} must be a mapping after templating; got "
                                            f"{type(value).__name__}")
         try:
-            task = load_task(spec, envs=envs, secrets=secrets, require_secrets=True)
+            task = self._load_task(spec, envs, secrets)
         except TaskValidationError as exc:
             raise AirflowFailException(f"invalid SkyPilot task:\n{exc}") from None
         self._mask_secrets(task.secrets.values())
         for warning in task.warnings:
             self.log.warning("%s", warning)
         return task
+
+    def _load_task(self, spec: Any, envs: Mapping[str, Any], secrets: Mapping[str, Any]) -> Task:
+        """Validate the rendered task with its overrides (``@task.skypilot`` loads its merged
+        task with where each field came from); raises TaskValidationError."""
+        return load_task(spec, envs=envs, secrets=secrets, require_secrets=True)
 
     def _new_run(self, context: Context) -> RunState:
         """A fresh run state for this try: its task instance's identity and job-name prefix."""
@@ -299,6 +304,8 @@ class SkyPilotOperator(BaseOperator):
             if not self.wait_for_completion:
                 self.log.info("Not waiting for job %s (wait_for_completion=False)",
                               handle.job_id)
+                self._describe_outlets(context, asset_extra(
+                    {**handle.to_dict(), "state": "submitted", "task_id": run.task_env_id}))
                 return handle.to_dict()
             if self.deferrable:
                 self._defer_to_watch(context, handle, run, task)
@@ -507,7 +514,19 @@ class SkyPilotOperator(BaseOperator):
         result = run.result(final)
         if handle is not None:
             self._push(context, XCOM_HANDLE, handle.to_dict())
+        self._describe_outlets(context, asset_extra(result))
         return result
+
+    def _describe_outlets(self, context: Context, extra: dict[str, Any]) -> None:
+        """Where and how the job ran, as the extra of the asset events of the task's outlets
+        (Airflow emits them when the task succeeds); an asset alias names no asset: skipped."""
+        events = context.get("outlet_events") if self.outlets else None
+        for outlet in self.outlets if events is not None else ():
+            try:
+                if not isinstance(outlet, AssetAlias):
+                    events[outlet].extra.update(extra)
+            except Exception as exc:  # the job succeeded: the task does not fail over this
+                self.log.warning("Could not set the asset event's extra for %s: %s", outlet, exc)
 
     def _cleanup(self, handle: JobHandle) -> None:
         try:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseXCom
@@ -192,6 +193,61 @@ def list_jobs(user: Any, limit: int = 100, dag_id: str | None = None) -> list[di
                 for ti in tis]
 
 
+def group_sweeps(jobs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The jobs list as the page shows it: a sweep (several mapped instances of one task in one
+    DAG run) is one entry, where its newest instance comes, with its instances in map-index
+    order and a summary; every other job is an entry of its own (``sweep`` None)."""
+    entries: list[dict[str, Any]] = []
+    mapped: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for job in jobs:
+        index = job.get("map_index")
+        if index is None or index < 0:
+            entries.append({"sweep": None, "jobs": [job]})
+            continue
+        key = (job["dag_id"], job["run_id"], job["task_id"])
+        if key not in mapped:
+            mapped[key] = {"sweep": None, "jobs": []}
+            entries.append(mapped[key])
+        mapped[key]["jobs"].append(job)
+    for entry in mapped.values():
+        entry["jobs"].sort(key=lambda j: j["map_index"])
+        if len(entry["jobs"]) > 1:
+            entry["sweep"] = sweep_summary(entry["jobs"])
+    return entries
+
+
+def sweep_summary(members: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One line for a sweep: its size, states, where its jobs run, and the totals."""
+    first = members[0]
+    places = Counter(j["connection"] for j in members if j.get("connection"))
+    starts = [j["start_date"] for j in members if j.get("start_date")]
+    known = [j for j in members if j.get("gpu_hours") is not None]
+    return {
+        "dag_id": first["dag_id"], "run_id": first["run_id"], "task_id": first["task_id"],
+        "size": len(members), "map_indexes": [j["map_index"] for j in members],
+        "states": sorted(Counter(j["state"] for j in members).items()),
+        "places": sorted(places.items(), key=lambda p: (-p[1], p[0])),
+        "attempts": sum(j.get("attempts") or 0 for j in members),
+        "gpu_hours": round(sum(j["gpu_hours"] for j in known), 6) if known else None,
+        "cost": round(sum(j.get("cost") or 0 for j in known), 6) if known else None,
+        "start_date": min(starts) if starts else None,
+    }
+
+
+def _siblings(session: Any, ti: Any) -> list[dict[str, Any]]:
+    """The other instances of a mapped task in its run (its sweep), in map-index order."""
+    from airflow.models.taskinstance import TaskInstance as TI
+    from sqlalchemy import select
+
+    if ti.map_index is None or ti.map_index < 0:
+        return []
+    rows = session.execute(select(TI.map_index, TI.state).where(
+        TI.dag_id == ti.dag_id, TI.run_id == ti.run_id, TI.task_id == ti.task_id,
+        TI.map_index >= 0).order_by(TI.map_index))
+    return [{"map_index": index, "state": str(getattr(state, "value", state) or "none")}
+            for index, state in rows]
+
+
 def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str, Any] | None:
     """Everything the job page shows for one task instance; None if there is no such TI."""
     from airflow.models.taskinstance import TaskInstance as TI
@@ -220,6 +276,7 @@ def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str
             "result": {k: v for k, v in result.items() if k != "attempts"} if result else None,
             "attempts": attempts,
             "attempts_source": source,
+            "sweep": _siblings(session, ti),
         }
 
 

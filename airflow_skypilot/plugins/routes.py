@@ -24,7 +24,7 @@ from airflow_skypilot.links.skypilot import PLUGIN_PREFIX, job_path
 from airflow_skypilot.plugins.auth import UserDep, can_read_job, team_names, user_name
 from airflow_skypilot.plugins.capacity import capacity_for, requested_connections
 from airflow_skypilot.plugins.formatting import TEMPLATES
-from airflow_skypilot.plugins.jobs import list_jobs, load_job
+from airflow_skypilot.plugins.jobs import group_sweeps, list_jobs, load_job
 
 
 # --- request helpers ----------------------------------------------------------------------------
@@ -121,7 +121,8 @@ def api_jobs(request: Request, user: UserDep,
              limit: Annotated[int, Query(ge=1, le=500)] = 100,
              dag_id: str | None = None) -> JSONResponse:
     jobs = [_with_links(request, j) for j in list_jobs(user, limit, dag_id)]
-    return JSONResponse({"jobs": jobs, "total_entries": len(jobs)})
+    sweeps = [e["sweep"] for e in group_sweeps(jobs) if e["sweep"]]
+    return JSONResponse({"jobs": jobs, "total_entries": len(jobs), "sweeps": sweeps})
 
 
 @app.get("/jobs", response_class=HTMLResponse)
@@ -133,7 +134,8 @@ def jobs_page(request: Request, user: UserDep,
     for job in jobs:
         counts[job["state"]] = counts.get(job["state"], 0) + 1
     return _render(request, "jobs.html", title="SkyPilot jobs", page="jobs", jobs=jobs,
-                   counts=sorted(counts.items()), limit=limit, dag_id=dag_id,
+                   entries=group_sweeps(jobs), counts=sorted(counts.items()), limit=limit,
+                   dag_id=dag_id,
                    user_name=user_name(user))
 
 
@@ -166,6 +168,8 @@ def job_page(request: Request, user: UserDep, dag_id: str, run_id: str, task_id:
     index_ = parse_map_index(map_index)
     job = _job_or_error(user, dag_id, run_id, task_id, index_)
     ti = _with_links(request, job["task_instance"])
+    for sibling in job.get("sweep") or []:
+        sibling["url"] = _job_path(request, dag_id, run_id, task_id, sibling["map_index"])
     return _render(request, "job.html", title=f"{task_id} · {dag_id}", page="job", job=job,
                    ti=ti, user_name=user_name(user),
                    json_url=f"{_prefix(request)}/api"

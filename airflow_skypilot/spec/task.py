@@ -216,6 +216,7 @@ def load_task(
     *,
     file: str | None = None,
     require_secrets: bool = False,
+    base_dir: str | None = None,
 ) -> Task:
     """Load and validate a task from a YAML path, YAML text or a dict.
 
@@ -223,15 +224,15 @@ def load_task(
     an env left without a value is an error. A secret left without a value is a reference to
     be supplied when the task runs (as SkyPilot's managed secrets): an error only with
     ``require_secrets`` (the operator, before it submits). Raises TaskValidationError.
+    ``base_dir``: where a dict's relative ``workdir``/``file_mounts`` paths start (a YAML
+    file's own folder is used for a file).
     """
-    base_dir = None
     if isinstance(task, Mapping):
         src = Source(data=dict(task), file=file or "<dict>")
     else:
         text, name = read_task_text(task)
         file = file or name
-        if name != "<inline>":
-            base_dir = os.path.dirname(os.path.abspath(name))
+        base_dir = os.path.dirname(os.path.abspath(name)) if name != "<inline>" else None
         sources = load_yaml(text, file=file)
         if len(sources) > 1:
             second = sources[1]

@@ -31,6 +31,7 @@ import pytest
 
 from airflow_skypilot import identity
 from airflow_skypilot.identity import TaskKey
+from airflow_skypilot.links import job_path
 from tests.e2e.conftest import (
     E2E_DAGS,
     REPO,
@@ -487,3 +488,63 @@ def test_a_deleted_runs_jobs_are_not_adopted_by_the_run_recreated_under_its_id(d
     assert f"Job {second['job_id']} ({prefix}c0-t1-a1) on {second['connection']} is left " \
         "alone: submitted before this run started" in log, log[-4000:]
     assert len({j for _, j, _ in _jobs(slurm, prefix)}) == 3
+
+
+def test_a_training_steps_asset_event_triggers_the_dag_scheduled_on_it(deployment):
+    # tests/e2e/dags/e2e_taskflow.py: a @task.skypilot with the asset as its outlet, and a DAG
+    # scheduled on that asset that returns the extras of the events that triggered it
+    producer, consumer = "e2e_asset_train", "e2e_asset_evaluate"
+    wait_until(lambda: all(deployment.api("GET", f"/dags/{d}").status_code == 200
+                           for d in (producer, consumer)), 90, 1, what="the asset DAGs parsed")
+    run_id = deployment.trigger({}, dag_id=producer)
+
+    def ti(dag_id: str, run: str, task_id: str) -> dict[str, Any]:
+        r = deployment.api("GET", f"/dags/{dag_id}/dagRuns/{run}/taskInstances/{task_id}")
+        return r.json() if r.status_code == 200 else {}
+
+    def xcom(dag_id: str, run: str, task_id: str) -> Any:
+        r = deployment.api("GET", f"/dags/{dag_id}/dagRuns/{run}/taskInstances/{task_id}/"
+                                  "xcomEntries/return_value")
+        value = r.json()["value"] if r.status_code == 200 else None
+        return json.loads(value) if isinstance(value, str) else value
+
+    wait_until(lambda: ti(producer, run_id, "train_model").get("state") in ("success", "failed"),
+               240, 1, what=f"{producer} done\n{deployment.logs()}")
+    assert ti(producer, run_id, "train_model")["state"] == "success", deployment.logs()
+    result = xcom(producer, run_id, "train_model")
+    # the decorated task is the operator: its extra link and its row on the jobs page
+    links = deployment.api("GET", f"/dags/{producer}/dagRuns/{run_id}/taskInstances/"
+                                  "train_model/links").json()["extra_links"]
+    assert links["SkyPilot job"] == deployment.url + job_path(producer, run_id, "train_model")
+    jobs = httpx.get(f"{deployment.url}/skypilot/api/jobs", params={"dag_id": producer},
+                     headers={"Authorization": f"Bearer {deployment.token}"}, timeout=30)
+    (row,) = [j for j in jobs.json()["jobs"] if j["run_id"] == run_id]
+    assert (row["operator"], row["job_id"]) == ("SkyPilotDecoratedOperator", result["job_id"])
+
+    # the scheduler starts the DAG scheduled on the asset, which sees the event's extra
+    def triggered() -> str | None:
+        runs = deployment.api("GET", f"/dags/{consumer}/dagRuns").json()["dag_runs"]
+        return next((r["dag_run_id"] for r in runs if r["run_type"] == "asset_triggered"), None)
+    consumer_run = wait_until(triggered, 120, 1, what=f"a {consumer} run\n{deployment.logs()}")
+    wait_until(lambda: ti(consumer, consumer_run, "evaluate").get("state") in ("success",
+                                                                              "failed"),
+               120, 1, what=f"{consumer} done")
+    seen = xcom(consumer, consumer_run, "evaluate")
+    assert [e["job_id"] for e in seen] == [result["job_id"]], seen
+
+    # the asset event, as the REST API lists it, carries where and how the job ran (asked once
+    # the run it created has started: Airflow 3.3.2 answers 500 while that run is only queued,
+    # its DagRunAssetReference.start_date being required)
+    r = deployment.api("GET", "/assets/events", params={
+        "source_dag_id": producer, "source_run_id": run_id})
+    assert r.status_code == 200, (r.status_code, r.text)
+    (event,) = r.json()["asset_events"]
+    extra = event["extra"]
+    assert {k: extra[k] for k in ("connection", "location", "job_id", "skypilot_task_id",
+                                  "attempts", "gpu_hours", "cost")} == {
+        "connection": result["connection"], "location": result["location"],
+        "job_id": result["job_id"], "skypilot_task_id": result["task_id"], "attempts": 1,
+        "gpu_hours": result["gpu_hours"], "cost": result["cost"]}
+    assert seen[0] == extra
+    assert [(d["dag_id"], d["run_id"]) for d in event["created_dagruns"]] == [
+        (consumer, consumer_run)]
