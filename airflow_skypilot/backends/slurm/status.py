@@ -1,6 +1,7 @@
 """Where watched jobs are: one command for all of a connection's jobs, and its parser.
 
-The status script asks ``squeue -t all -u $USER`` (jobs still in the queue or just finished),
+The status script asks ``squeue -t all -u $USER`` (jobs still in the queue or just finished;
+a pending job's StartTime is its own estimated start, ``JobStatus.est_start``),
 ``sacct`` where accounting exists, and each job's ``exit_code`` file (written by the job itself)
 for jobs that already left the queue. Slurm states map to ours by SkyPilot's rule: the
 allocation is gone (node failure, preemption) -> infra; the program exited non-zero -> user.
@@ -78,6 +79,7 @@ def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0) -> 
     lines = [
         bounded(slurm_timeout),
         'printf "@@tz\\n%s\\n" "$(date +%z)"',
+        'printf "@@now\\n%s\\n" "$(date +%s)"',
         "echo @@squeue",
         f"_t {EPOCH_TIMES} squeue -h -t all -u \"$USER\" -o '%i|%j|%T|%r|%N|%S|%e'",
         rc_line("squeue"),
@@ -101,6 +103,7 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
     of who is authoritative)."""
     sec = parse_sections(output)
     offset = _utc_offset((sec.get("tz") or [""])[0])
+    now = epoch((sec.get("now") or [""])[0])
     squeue_rc = section_rc(sec, "squeue")
     answered = squeue_rc == 0
     queue: dict[str, list[str]] = {}
@@ -125,7 +128,7 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
         if jid in queue:
             # id|name|state|reason|nodes|start|end
             _, _, raw, reason, nodes, start, end = (queue[jid] + [""] * 7)[:7]
-            out[jid] = _status_from(raw, reason, exit_code, nodes, start, end, offset)
+            out[jid] = _status_from(raw, reason, exit_code, nodes, start, end, offset, now)
         elif jid in accounted:
             _, raw, code, start, end = (accounted[jid] + [""] * 5)[:5]
             sacct_code = parse_int(code.split(":")[0], None) if code else None  # type: ignore[arg-type]
@@ -171,8 +174,13 @@ def epoch(text: str, utc_offset: float | None = None) -> float | None:
     return float(calendar.timegm(parsed)) - utc_offset
 
 
+#: a pending job's StartTime this far in the past is stale (a requeued job's last start)
+_STALE_START_S = 300.0
+
+
 def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start: str,
-                 end: str, utc_offset: float | None = None) -> JobStatus:
+                 end: str, utc_offset: float | None = None,
+                 now: float | None = None) -> JobStatus:
     words = raw.upper().split()
     if not words:  # sacct can print an empty State: the job is known, its state is not
         return JobStatus(JobState.UNKNOWN, reason="Slurm gave no state for the job",
@@ -200,7 +208,14 @@ def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start
         state, text = JobState.FAILED, f"exit code {exit_code}"
     if state == JobState.UNKNOWN:
         text = f"unknown Slurm state {raw}"
-    return JobStatus(state, reason=text, exit_code=exit_code,
+    est_start = None
+    if state == JobState.PENDING:
+        # squeue's StartTime of a pending job: when backfill plans to start it (its own
+        # place in the queue, the same time ``squeue --start`` shows); none when unplanned
+        est_start = epoch(start, utc_offset)
+        if est_start is not None and now is not None:
+            est_start = None if est_start < now - _STALE_START_S else max(est_start, now)
+    return JobStatus(state, reason=text, exit_code=exit_code, est_start=est_start,
                      started_at=epoch(start, utc_offset) if state != JobState.PENDING else None,
                      ended_at=epoch(end, utc_offset) if state.terminal else None,
                      nodes=[n for n in nodes.split(",") if n and n != "(null)"] if nodes else [],
