@@ -290,3 +290,17 @@ def test_a_pending_jobs_own_start_is_its_status_est_start():
     assert got["8"].est_start is None  # not planned yet
     assert got["9"].est_start is None  # a stale start (a requeued job's last one)
     assert got["10"].est_start is None and got["10"].started_at == NOW - 60
+
+
+def test_a_pending_jobs_own_start_is_discounted_as_the_probes_estimates_are():
+    history = _history(30, 0.5)
+    out = "\n".join(["@@tz", "+0000", "@@now", str(NOW), "@@squeue",
+                     f"7|n|PENDING|Resources||{NOW + 1800}|N/A", "@@squeue_rc", "0",
+                     "@@sacct", "@@sacct_rc", "1", "@@exits", "@@history", *history])
+    assert parse_status(out, [_handle("7")])["7"].est_start == NOW + 900
+    from airflow_skypilot.backends.slurm.status import status_script
+
+    script = status_script([_handle("7")], history_file="~/.airflow-skypilot/h-alpha")
+    assert script.endswith('echo @@history\ncat "$HOME"/.airflow-skypilot/h-alpha 2>/dev/null\n'
+                           "true")
+    assert "sacct -a" not in script  # the probe refreshes the history, the poll only reads it

@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient
@@ -62,8 +63,13 @@ def epoch(text: str | None) -> float | None:
     """An API timestamp (RFC 3339) as epoch seconds; None when absent or unreadable."""
     if not text:
         return None
+    return _epoch(str(text))
+
+
+@lru_cache(maxsize=8192)  # a probe reads the same stamps again (pods' starts, our runs)
+def _epoch(text: str) -> float | None:
     try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
 

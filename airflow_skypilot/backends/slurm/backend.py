@@ -210,7 +210,8 @@ class SlurmBackend(Backend):
 
     # --- status ------------------------------------------------------------------------------
     def _status_script(self, handles: list[JobHandle]) -> str:
-        return jobstatus.status_script(handles, self.settings.slurm_timeout)
+        return jobstatus.status_script(handles, self.settings.slurm_timeout,
+                                       history_file=self._history_file())
 
     def _statuses(self, out: str, err: str, handles: list[JobHandle]) -> dict[str, JobStatus]:
         if jobstatus.ANSWERED not in out:

@@ -22,8 +22,15 @@ import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 
-from airflow_skypilot.backends.slurm.queue import PendingJob, duration_s, parse_pending
+from airflow_skypilot.backends.slurm.queue import (
+    Discount,
+    PendingJob,
+    duration_s,
+    history_ratio,
+    parse_pending,
+)
 from airflow_skypilot.backends.slurm.shell import (
     bounded,
     parse_int,
@@ -120,8 +127,18 @@ class ClusterState:
     #: finished jobs ``elapsed s|limit s|state`` (None: the history could not be read)
     history: list[str] | None = None
 
+    @cached_property
+    def discount(self) -> Discount | None:
+        """How jobs really end here (None: no history read)."""
+        return None if self.history is None else _discount(tuple(self.history))
+
     def nodes_in(self, partition: str) -> list[NodeInfo]:
         return [n for n in self.nodes.values() if partition in n.partitions]
+
+
+@lru_cache(maxsize=16)  # the login node keeps one history for 15 minutes: probes repeat it
+def _discount(history: tuple[str, ...]) -> Discount:
+    return history_ratio(history)
 
 
 PROBE_SCRIPT = r"""

@@ -33,7 +33,6 @@ from airflow_skypilot.backends.slurm.queue import (
     Room,
     duration_s,
     duration_text,
-    history_ratio,
     hold,
 )
 from airflow_skypilot.backends.slurm.settings import (
@@ -80,7 +79,7 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
     backend's :meth:`~airflow_skypilot.backends.base.Backend.unsupported`.
     """
     out = []
-    discount = history_ratio(state.history) if state.history is not None else None
+    discount = state.discount
     for req in task.candidates:
         if not applies(req, settings):
             continue

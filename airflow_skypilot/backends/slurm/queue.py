@@ -320,15 +320,13 @@ def history_ratio(lines: Iterable[str], *, min_jobs: int = HISTORY_MIN_JOBS,
     None when fewer than ``min_jobs`` jobs ended on their own (not NODE_FAIL, PREEMPTED...)."""
     ratios = []
     for line in lines:
-        parts = line.strip().split("|")
-        if len(parts) < 2:
-            continue
+        first, _, rest = line.partition("|")
+        second, _, state = rest.partition("|")
         try:
-            elapsed, limit = float(parts[0]), float(parts[1])
+            elapsed, limit = float(first), float(second)
         except ValueError:
             continue
-        state = parts[2].split()[0].upper() if len(parts) > 2 and parts[2].strip() else ""
-        if elapsed <= 0 or limit <= 0 or state.startswith(_NOT_AN_END):
+        if elapsed <= 0 or limit <= 0 or state.lstrip().upper().startswith(_NOT_AN_END):
             continue
         ratios.append(min(1.0, elapsed / limit))
     if len(ratios) < min_jobs:
