@@ -180,7 +180,7 @@ def _take(slot: Slot, need: Mapping[str, float], sign: float = -1.0) -> None:
 
 def _bind(slots: Sequence[Slot], pod: PodInfo) -> Slot | None:
     """Where the scheduler may put ``pod`` now (tightest GPU fit), taking its room; None."""
-    fits = [s for s in slots if admits(s, pod) and _room(s, pod.requests)]
+    fits = [s for s in slots if _room(s, pod.requests) and admits(s, pod)]
     if not fits:
         return None
     best = min(fits, key=lambda s: (s.free.get(GPU_RESOURCE, 0.0), s.free.get("cpu", 0.0),
@@ -236,7 +236,7 @@ class Estimate:
 
 def estimate(slots: Sequence[Slot], running: Iterable[PodInfo], taken: Taken,
              job: Sequence[PodInfo], runs: Sequence[float], now: float) -> Estimate:
-    """When ``job`` (its pods, each to bind) could start on ``slots`` (free room now, after
+    """When ``job`` (its pods, alike, one per node) could start on ``slots`` (free room now, after
     ``taken``: the pending work bound now, and what still waits, in queue order), as running
     pods end and the waiting work binds first. Work bound in the model ends after the median
     run of ours."""
@@ -271,19 +271,25 @@ def estimate(slots: Sequence[Slot], running: Iterable[PodInfo], taken: Taken,
     for pod, node in taken.pods:
         ends_at(now + typical_run, node, pod.requests)
     by_name = {s.name: s for s in slots}
-    queue = list(taken.left)
+    queue = [p for p in taken.left if any(admits(s, p) for s in slots)]
+    wants = job[0].requests if job else {}
+    homes = [sl for sl in slots if job and admits(sl, job[0])]
     t = now
     while True:
-        left = []
+        left: list[PodInfo] = []
+        unfit: set[tuple] = set()  # within one step room only shrinks
         for pod in queue:  # the work ahead binds first, as room frees
-            slot = _bind(slots, pod)
+            key = (tuple(sorted(pod.requests.items())), tuple(sorted(pod.selector.items())),
+                   repr(pod.tolerations))
+            slot = None if key in unfit else _bind(slots, pod)
             if slot is None:
+                unfit.add(key)
                 left.append(pod)
             else:
                 ends_at(t + typical_run, slot.name, pod.requests)
         queue = left
-        trial = [Slot(s.name, s.labels, s.taints, dict(s.free), s.usable) for s in slots]
-        if all(_bind(trial, p) is not None for p in job):
+        # the job's pods are alike and go one per node (a multi-node job's anti-affinity)
+        if sum(1 for sl in homes if _room(sl, wants)) >= len(job):
             break
         if not ends:
             why = []

@@ -263,6 +263,14 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
                 out.gpus += rooms[n].gpus.get(gres_type, 0)
                 out.jobs.append(f"(planned on {n})")
             rooms[n] = Room({t: 0 for t in rooms[n].gpus}, 0, 0)
+    # nodes with a CPU left, per partition: where a job without a plan may still start now
+    # (on a busy cluster, few: thousands of pending jobs do not each scan every node)
+    open_in: dict[str, list[str]] = {}
+    for n, parts in node_partitions.items():
+        if n in rooms and rooms[n].cpus > 0:
+            for part in parts:
+                open_in.setdefault(part, []).append(n)
+    unfit: set[tuple] = set()
     for job in sorted(pending, key=lambda j: (-j.priority, _int(j.job_id.split("_")[0], 0))):
         if not job.runnable:
             continue
@@ -273,11 +281,15 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
         elif job.start is not None and job.start > now + 5:
             continue  # planned for later, on nodes Slurm does not name: cannot say which
         else:  # no plan yet: it takes what fits it now, if anything (best fit by GPUs)
-            where = [n for n, parts in node_partitions.items() if n in rooms
-                     and set(parts) & set(job.partitions)]
+            shape = (tuple(job.partitions), tuple(sorted(job.gpus.items())),
+                     job.cpus_per_node, job.mem_mb, job.nodes)
+            if shape in unfit:
+                continue  # rooms only shrink: what did not fit an earlier job does not now
+            where = {n for part in job.partitions for n in open_in.get(part, ())}
             fit = sorted((n for n in where if _fits(rooms[n], job)),
                          key=lambda n: (sum(rooms[n].gpus.values()), rooms[n].cpus, n))
             if len(fit) < job.nodes:
+                unfit.add(shape)
                 continue
             chosen = fit[:job.nodes]
         held_here = 0
