@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,7 +166,7 @@ def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__CORE__PARALLELISM": "8",  # a sweep of 8 places at once
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
@@ -548,3 +549,49 @@ def test_a_training_steps_asset_event_triggers_the_dag_scheduled_on_it(deploymen
     assert seen[0] == extra
     assert [(d["dag_id"], d["run_id"]) for d in event["created_dagruns"]] == [
         (consumer, consumer_run)]
+
+
+def test_a_sweep_placing_at_once_spreads_over_the_places_with_free_gpus(deployment, slurm):
+    """Eight mapped members, each on 1 GPU of either cluster, scheduled at once: 3 A100 are free
+    on alpha and 5 H100 on beta. Each member goes where a GPU is free for it (the ledger of
+    placements made moments ago: ``ledger.py``), so none queues behind a sweep-mate and none
+    moves; the user code of each ran once. (Whether the eight probes overlap is up to the
+    scheduler; tests/unit/test_ledger.py makes them overlap and shows the herd without it.)"""
+    from tests.e2e.test_slurm_e2e import _fill
+
+    wait_until(lambda: deployment.api("GET", "/dags/e2e_spread").status_code == 200, 90, 1,
+               what="e2e_spread parsed")
+    fillers = [*_fill(slurm, "alpha", "gpu:a100:4", 1), *_fill(slurm, "alpha", "gpu:a100:1", 1),
+               *_fill(slurm, "beta", "gpu:h100:3", 1)]
+    task = (E2E_DAGS / "tasks" / "counted_gpu.yaml").read_text().replace(
+        "{A100: 4, H100: 4}", "{A100: 1, H100: 1}")
+    counter = f"{shared_dir()}/counter"
+    run_id = deployment.trigger({"task": task, "envs": {"COUNTER": counter,
+                                                        "WORK_SECONDS": "20"}},
+                                dag_id="e2e_spread")
+    path = f"/dags/e2e_spread/dagRuns/{run_id}/taskInstances/run"
+
+    def done() -> list[dict[str, Any]] | None:
+        tis = deployment.api("GET", f"{path}/listMapped").json().get("task_instances", [])
+        return tis if len(tis) == 8 and all(t["state"] in ("success", "failed")
+                                            for t in tis) else None
+    tis = wait_until(done, 300, 1, what=f"the sweep done\n{deployment.logs()}")
+    try:
+        assert [t["state"] for t in tis] == ["success"] * 8, deployment.logs()
+        results = []
+        for i in range(8):
+            r = deployment.api("GET", f"{path}/xcomEntries/return_value",
+                               params={"map_index": i})
+            value = r.json()["value"]
+            results.append(json.loads(value) if isinstance(value, str) else value)
+        assert Counter(r["connection"] for r in results) == {"slurm_beta": 5,
+                                                              "slurm_alpha": 3}, results
+        for r in results:
+            (attempt,) = r["attempts"]  # nobody queued behind a sweep-mate and moved
+            # started as soon as Slurm schedules it: no sweep-mate's 20 s ahead of it
+            assert attempt["started_at"] - attempt["submitted_at"] < 15, attempt
+        for i in range(8):
+            assert_ran_once(f"{counter}-{i}")
+    finally:
+        slurm.run("alpha", "scancel", *fillers[:2])
+        slurm.run("beta", "scancel", fillers[2])
