@@ -33,7 +33,8 @@ XCOM_WATCH = "skypilot_watch"
 MAX_LOOKS = 8
 #: one attempt as ``execute_complete``'s result lists it (README: ``attempts: [...]``)
 RESULT_ATTEMPT_FIELDS = ("connection", "location", "job_id", "state", "reason", "exit_code",
-                         "submitted_at", "started_at", "ended_at", "adopted", "confirmed_dead")
+                         "submitted_at", "started_at", "ended_at", "adopted", "confirmed_dead",
+                         "gpus", "price_per_hour")
 #: one attempt as the UI shows it (from the result, or from a deferred task's state)
 UI_ATTEMPT_FIELDS = ("connection", "location", "job_id", "job_name", "state", "reason",
                      "exit_code", "submitted_at", "started_at", "ended_at", "adopted", "gpus",
