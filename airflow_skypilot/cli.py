@@ -98,35 +98,16 @@ def cmd_show_gpus(args: argparse.Namespace) -> int:
 
 def _group_zones(rows: list[Any]) -> list[Any]:
     """For people: zones of one region with the same numbers share a row
-    (``us-east-1/{a,b,c}``); ``--json`` keeps one row per zone."""
+    (``us-east-1/{a,b,c}``, :mod:`airflow_skypilot.zones`); ``--json`` keeps one row per zone."""
     from dataclasses import replace
 
-    groups: dict[tuple, list[Any]] = {}
-    order: list[tuple] = []
-    for r in rows:
-        region, sep, zone = r.location.partition("/")
-        if not sep or r.error or "/" in zone:
-            key = (id(r),)
-        else:
-            key = (r.connection, region, r.accelerator, r.free, r.total, r.pending,
-                   r.price_per_hour)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(r)
-    out = []
-    for key in order:
-        members = groups[key]
-        if len(members) == 1:
-            out.append(members[0])
-            continue
-        region = members[0].location.split("/")[0]
-        zones = [m.location.split("/", 1)[1] for m in members]
-        short = [z[len(region):] if z.startswith(region) else z for z in zones]
-        out.append(replace(members[0], location=f"{region}/{{{','.join(short)}}}"))
-    return sorted(out, key=lambda r: (rows.index(next(x for x in rows
-                                                       if x.connection == r.connection)),
-                                      r.accelerator or "", r.location))
+    from airflow_skypilot import zones
+
+    out = [replace(g.first, location=g.location) if g.grouped else g.first
+           for g in zones.group(rows, zones.capacity_key)]
+    order = list(dict.fromkeys(r.connection for r in rows))
+    return sorted(out, key=lambda r: (order.index(r.connection), r.accelerator or "",
+                                      r.location))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

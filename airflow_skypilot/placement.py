@@ -311,6 +311,16 @@ def _no_fit_summary(rows: list[Row]) -> str:
     return ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
 
 
+@dataclass
+class Reconsideration:
+    """One look at a waiting job: where to move it (``move_to``, None: it stays), the best
+    other place seen (None: none could take it), and why it moves or stays, in words."""
+
+    move_to: Offer | None
+    best: Offer | None
+    why: str
+
+
 def reconsider(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = False,
                blocked: Iterable[Blocked] = (), waited_s: float = 0.0, moves: int = 0,
                max_moves: int = MAX_MOVES, now: float | None = None) -> Offer | None:
@@ -319,7 +329,7 @@ def reconsider(current: Offer, offers: list[Offer], policy: str, *, ordered: boo
     ``current`` is the waiting job's own place as just re-probed (its estimated start counts
     its position in that queue); ``offers`` are fresh offers elsewhere (the current place among
     them is ignored). Pure: the caller acts on the answer; the reason is the returned offer's
-    ``details["move_reason"]``.
+    ``details["move_reason"]``. :func:`judge` also says why a job stays.
 
     Rules: never after ``max_moves`` moves, and never when the current place can start the job
     now. A place that can start it now wins over a queue (under ``cheapest`` only if it costs no
@@ -329,32 +339,54 @@ def reconsider(current: Offer, offers: list[Offer], policy: str, *, ordered: boo
     ``ordered`` candidates a move never goes to a later candidate than the current one.
     ``waited_s`` (how long the job has waited) only shows in the reason.
     """
-    if moves >= max_moves or current.free_now:
-        return None
+    return judge(current, offers, policy, ordered=ordered, blocked=blocked, waited_s=waited_s,
+                 moves=moves, max_moves=max_moves, now=now).move_to
+
+
+def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = False,
+          blocked: Iterable[Blocked] = (), waited_s: float = 0.0, moves: int = 0,
+          max_moves: int = MAX_MOVES, now: float | None = None) -> Reconsideration:
+    """:func:`reconsider`, with the best other place and why the job moves or stays."""
+    if moves >= max_moves:
+        return Reconsideration(None, None, f"moved {moves} time(s) already (max_moves "
+                                           f"{max_moves})")
+    if current.free_now:
+        return Reconsideration(None, None, "its place can start it now")
     here = current.place_key
-    others = [o for o in offers if o.place_key != here
-              and not (ordered and o.request.index > current.request.index)
+    elsewhere = [o for o in offers if o.place_key != here]
+    others = [o for o in elsewhere
+              if not (ordered and o.request.index > current.request.index)
               and not (policy == "cheapest" and o.price_per_hour > current.price_per_hour)]
     if not others:
-        return None
+        if elsewhere:
+            return Reconsideration(None, None, "the other places " + (
+                "cost more (policy cheapest)" if policy == "cheapest"
+                else "come later in your order"))
+        return Reconsideration(None, None, "no other place takes it")
     best = rank(others, policy, ordered=ordered, blocked=blocked, now=now).chosen
     if best is None:
-        return None
+        return Reconsideration(None, None,
+                               "every other place is blocked, over budget or does not fit")
     wait_here = current.wait_seconds
     waited = f"waited {_duration(waited_s)}; " if waited_s else ""
+    there = f"{best.connection}/{best.location}"
     if best.free_now:
-        why = (f"{waited}{best.connection}/{best.location} can start it now; here "
+        why = (f"{waited}{there} can start it now; here "
                f"{'no start estimate' if wait_here is None else 'est. in ' + _duration(wait_here)}")
     else:
         wait_there = best.wait_seconds
         if wait_here is None or wait_there is None:
-            return None  # two guesses without numbers: no clear margin
+            # two guesses without numbers: no clear margin
+            return Reconsideration(None, best, f"no clear margin: {there} "
+                                   f"{_start_text(best)}, here {_start_text(current)}")
         gain = wait_here - wait_there
         if gain < max(MOVE_GAIN_MIN_S, MOVE_GAIN_SHARE * wait_here):
-            return None
-        why = (f"{waited}{best.connection}/{best.location} est. in {_duration(wait_there)} "
+            return Reconsideration(None, best, (
+                f"{there} est. in {_duration(wait_there)} vs here in {_duration(wait_here)}: "
+                f"saves {_duration(max(gain, 0))}, under half the wait or 2 min"))
+        why = (f"{waited}{there} est. in {_duration(wait_there)} "
                f"vs here in {_duration(wait_here)}")
     if best.price_per_hour > current.price_per_hour:
         why += f"; {_price_text(best.price_per_hour)} vs {_price_text(current.price_per_hour)}"
     moved = replace(best, details={**best.details, "move_reason": why})
-    return moved
+    return Reconsideration(moved, best, why)

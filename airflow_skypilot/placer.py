@@ -22,7 +22,7 @@ from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook, fail_on_config_errors
 from airflow_skypilot.ledger import PlacementLedger, hold
-from airflow_skypilot.runstate import Attempt, Blocked, RunState, Sweep
+from airflow_skypilot.runstate import Attempt, Blocked, Look, RunState, Sweep
 from airflow_skypilot.spec import Task
 
 #: submissions refused in a row (each place then blocked) before one placement gives up
@@ -184,19 +184,28 @@ class Placer:
         Returns (the copy to watch next, moved?): the same copy when it stays, the new one, or
         None when ``to`` refused it (the caller places it again from scratch)."""
         backend = backend_for_handle(handle)
+
+        def refused(why: str) -> tuple[JobHandle, bool]:
+            now = time.time()
+            run.note_look(Look(first_at=now, last_at=now, place=f"{handle.connection}/"
+                               f"{handle.location}", best=to.place_key,
+                               best_price_per_hour=to.price_per_hour,
+                               outcome="move refused", why=why))
+            return handle, False
+
         try:
             status = backend.status([handle]).get(handle.job_id)
         except Exception as exc:  # could not ask: do not move what may have started
             self.log.warning("Not moving job %s: %s could not be asked (%s)", handle.job_id,
                              handle.connection, exc)
-            return handle, False
+            return refused(f"{handle.connection} could not be asked about the job: {exc}")
         if status is None or status.state != JobState.PENDING:
-            self.log.info("Not moving job %s: it is %s now", handle.job_id,
-                          status.state.value if status else "unknown")
-            return handle, False
+            state = status.state.value if status else "unknown"
+            self.log.info("Not moving job %s: it is %s now", handle.job_id, state)
+            return refused(f"the job is {state} now")
         fresh = self._still_good(task, run, to)
         if fresh is None:
-            return handle, False
+            return refused(f"{to.place_key}, probed again, no longer takes it as it did")
         why = f"moved to {fresh.place_key}: {reason}"
         sweep = self.stop_copy(run, handle, why)
         ended = run.close(handle, JobStatus(JobState.CANCELLED, reason=why))

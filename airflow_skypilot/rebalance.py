@@ -7,6 +7,11 @@ start estimate where the backend gives one), and leaves the decision to the pure
 ``placement.reconsider``. The trigger never submits: a move is an event, and the operator
 cancels the waiting copy, confirms it never started, and submits at the new place.
 
+Every look is recorded, moved or not: :func:`adecide` answers with a :class:`Decision`, whose
+``look`` (a :class:`~airflow_skypilot.runstate.Look`: where the job waits, its estimated start,
+the best other place and why it stayed) goes into the run state's last looks and the
+``skypilot_watch`` XCom, for the job page.
+
 Probes are shared: every waiting job of one shape on one connection, in one triggerer, reads one
 probe per ``interval`` (the cache below), as status polls are shared per connection.
 """
@@ -24,7 +29,7 @@ from typing import Any
 
 from airflow_skypilot import placement
 from airflow_skypilot.backends.base import JobHandle, JobStatus, Offer
-from airflow_skypilot.runstate import Blocked
+from airflow_skypilot.runstate import Blocked, Look
 from airflow_skypilot.spec.task import Task
 
 
@@ -92,12 +97,36 @@ def _current(offers: list[Offer], handle: JobHandle, status: JobStatus) -> Offer
     return current
 
 
-async def adecide(spec: ReconsiderSpec, handle: JobHandle,
-                  status: JobStatus) -> Offer | None:
-    """The offer to move the waiting job to, or None to stay (see ``placement.reconsider``).
+@dataclass
+class Decision:
+    """A look at a waiting job: where to move it (None: it stays) and what the look saw."""
+
+    move_to: Offer | None
+    look: Look
+
+
+def look_of(verdict: placement.Reconsideration, current: Offer | None, handle: JobHandle,
+            at: float) -> Look:
+    """The record of one look (see :class:`~airflow_skypilot.runstate.Look`)."""
+    best = verdict.move_to or verdict.best
+    return Look(
+        first_at=at, last_at=at, place=f"{handle.connection}/{handle.location}",
+        est_start=current.est_start if current is not None else None,
+        price_per_hour=current.price_per_hour if current is not None else None,
+        best=best.place_key if best is not None else "",
+        best_start=(at if best.free_now else best.est_start) if best is not None else None,
+        best_price_per_hour=best.price_per_hour if best is not None else None,
+        outcome="moved" if verdict.move_to is not None else "stayed", why=verdict.why)
+
+
+async def adecide(spec: ReconsiderSpec, handle: JobHandle, status: JobStatus) -> Decision:
+    """Whether to move the waiting job (see ``placement.judge``), and the look's record.
     Connections that cannot be asked now are left out of this round."""
+    at = time.time()
     if spec.moves >= spec.max_moves:
-        return None
+        return Decision(None, look_of(placement.Reconsideration(
+            None, None, f"moved {spec.moves} time(s) already (max_moves {spec.max_moves})"),
+            None, handle, at))
     task = Task.from_capacity_view(spec.task)
     key = hashlib.sha256(json.dumps(spec.task, sort_keys=True).encode()).hexdigest()[:16]
     calls = [asyncio.wait_for(asyncio.to_thread(_probe, c, task, key, spec.interval / 2),
@@ -106,16 +135,23 @@ async def adecide(spec: ReconsiderSpec, handle: JobHandle,
     offers = [o for r in results if isinstance(r, list) for o in r]
     current = _current(offers, handle, status)
     if current is None:
-        return None
+        failed = [c for c, r in zip(spec.connections, results, strict=True)
+                  if not isinstance(r, list)]
+        why = (f"{handle.connection} could not be probed" if handle.connection in failed
+               else f"{handle.connection}/{handle.location} was not in the probe")
+        look = look_of(placement.Reconsideration(None, None, why), None, handle, at)
+        look.outcome = "no look"
+        return Decision(None, look)
     places = set(spec.places)
     others = [o for o in offers if o.place_key in places]
-    return placement.reconsider(
+    verdict = placement.judge(
         current, others, spec.policy, ordered=bool(spec.task.get("ordered")),
         blocked=[Blocked.from_dict(b) for b in spec.blocked],
         waited_s=max(0.0, time.time() - spec.waiting_since), moves=spec.moves,
         max_moves=spec.max_moves)
+    return Decision(verdict.move_to, look_of(verdict, current, handle, at))
 
 
-def decide(spec: ReconsiderSpec, handle: JobHandle, status: JobStatus) -> Offer | None:
+def decide(spec: ReconsiderSpec, handle: JobHandle, status: JobStatus) -> Decision:
     """:func:`adecide` from the worker (no event loop running there)."""
     return asyncio.run(adecide(spec, handle, status))

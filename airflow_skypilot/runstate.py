@@ -26,9 +26,15 @@ if TYPE_CHECKING:
 #: the operator's XCom keys besides its return value: the job handle and the placement table
 XCOM_HANDLE = "skypilot_handle"
 XCOM_PLACEMENT = "skypilot_placement"
+#: what the watch of the job saw: its state (pending, running) and the looks at it while it
+#: waited (written by the trigger, or the worker when not deferrable; see ``watch_record``)
+XCOM_WATCH = "skypilot_watch"
+#: looks at a waiting job kept in the run state (consecutive looks with one answer share one)
+MAX_LOOKS = 8
 #: one attempt as ``execute_complete``'s result lists it (README: ``attempts: [...]``)
 RESULT_ATTEMPT_FIELDS = ("connection", "location", "job_id", "state", "reason", "exit_code",
-                         "submitted_at", "started_at", "ended_at", "adopted", "confirmed_dead")
+                         "submitted_at", "started_at", "ended_at", "adopted", "confirmed_dead",
+                         "gpus", "price_per_hour")
 #: one attempt as the UI shows it (from the result, or from a deferred task's state)
 UI_ATTEMPT_FIELDS = ("connection", "location", "job_id", "job_name", "state", "reason",
                      "exit_code", "submitted_at", "started_at", "ended_at", "adopted", "gpus",
@@ -202,6 +208,70 @@ class Attempt:
 
 
 @dataclass
+class Look:
+    """Looks again at a job waiting in a queue (``rebalance``): where it waited, its
+    estimated start there, the best other place and why it stayed (or moved).
+
+    Consecutive looks with the same answer (same place, outcome and best other place) share
+    one record: ``count`` of them from ``first_at`` to ``last_at``, the numbers of the last.
+    A run state keeps the last :data:`MAX_LOOKS` records and counts them all (``looks_total``),
+    so it stays small however long a job waits: it travels in trigger kwargs.
+    """
+
+    first_at: float = 0.0
+    last_at: float = 0.0
+    count: int = 1
+    place: str = ""  # connection/location where it waits
+    est_start: float | None = None  # its estimated start there (epoch; None: unknown)
+    price_per_hour: float | None = None
+    best: str = ""  # the best other place (connection/location), "" if none could take it
+    best_start: float | None = None  # when that place could start it (epoch; now if free)
+    best_price_per_hour: float | None = None
+    outcome: str = "stayed"  # stayed | moved | no look (the place could not be probed)
+    why: str = ""
+
+    def same_answer(self, other: Look) -> bool:
+        return (self.place, self.outcome, self.best) == (other.place, other.outcome, other.best)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Look:
+        return cls(**_known(cls, data))
+
+
+def add_look(state: dict[str, Any], look: Look) -> dict[str, Any]:
+    """Record ``look`` in a run state's dict (in place: the trigger holds the state as its
+    dict): merged into the last record when it gives the same answer, else appended, the
+    oldest records dropped past :data:`MAX_LOOKS`. Returns the record it went into."""
+    looks = state.setdefault("looks", [])
+    state["looks_total"] = int(state.get("looks_total") or 0) + 1
+    last = Look.from_dict(looks[-1]) if looks and isinstance(looks[-1], Mapping) else None
+    if last is not None and last.same_answer(look):
+        merged = Look(**{**look.to_dict(), "first_at": last.first_at,
+                         "count": last.count + look.count})
+        looks[-1] = merged.to_dict()
+        return looks[-1]
+    looks.append(look.to_dict())
+    del looks[:-MAX_LOOKS]
+    return looks[-1]
+
+
+def watch_record(state: Mapping[str, Any] | None, handle: Mapping[str, Any], job_state: str,
+                 seen_at: float, started_at: float | None = None,
+                 est_start: float | None = None) -> dict[str, Any]:
+    """The ``skypilot_watch`` XCom: the watched job, the state it was last seen in and since
+    when, and the looks at it while it waited (from the run state)."""
+    state = state or {}
+    return {"job_id": handle.get("job_id"), "connection": handle.get("connection"),
+            "location": handle.get("location"), "state": job_state, "seen_at": seen_at,
+            "started_at": started_at, "est_start": est_start,
+            "looks_total": int(state.get("looks_total") or 0),
+            "looks": list(state.get("looks") or [])}
+
+
+@dataclass
 class RunState:
     """Where a run stands between deferrals; the failover rule (``recovery``) advances it."""
 
@@ -226,6 +296,16 @@ class RunState:
     #: ``@task.skypilot``: a digest of the task its function returned at this try's first call
     #: (it is called again after a deferral; a different answer is reported)
     spec_digest: str = ""
+    #: the last looks at a waiting job (:class:`Look`; at most :data:`MAX_LOOKS` records)
+    looks: list[Look] = field(default_factory=list)
+    looks_total: int = 0  # every look, the merged and dropped ones too
+
+    def note_look(self, look: Look) -> None:
+        """Record a look (see :func:`add_look`)."""
+        data = {"looks": [x.to_dict() for x in self.looks], "looks_total": self.looks_total}
+        add_look(data, look)
+        self.looks = [Look.from_dict(x) for x in data["looks"]]
+        self.looks_total = data["looks_total"]
 
     @property
     def job_name(self) -> str:
@@ -296,6 +376,7 @@ class RunState:
         data["attempts"] = [a.to_dict() for a in self.attempts]
         data["blocked"] = [b.to_dict() for b in self.blocked]
         data["sweeps"] = [w.to_dict() for w in self.sweeps]
+        data["looks"] = [x.to_dict() for x in self.looks]
         return data
 
     @classmethod
@@ -304,7 +385,9 @@ class RunState:
         attempts: Sequence[Any] = data.pop("attempts", None) or []
         blocked: Sequence[Any] = data.pop("blocked", None) or []
         sweeps: Sequence[Any] = data.pop("sweeps", None) or []
+        looks: Sequence[Any] = data.pop("looks", None) or []
         state = cls(**_known(cls, data))
+        state.looks = [Look.from_dict(x) for x in looks if isinstance(x, Mapping)]
         state.sweeps = [Sweep.from_dict(w) for w in sweeps
                         if isinstance(w, Mapping) and w.get("connection")]
         state.attempts = [Attempt.from_dict(a) for a in attempts if isinstance(a, Mapping)]

@@ -36,7 +36,16 @@ from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.ledger import PlacementLedger, ledger_path
 from airflow_skypilot.links import SkyPilotJobLink
 from airflow_skypilot.placer import Placer
-from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, RunState, asset_extra
+from airflow_skypilot.runstate import (
+    XCOM_HANDLE,
+    XCOM_PLACEMENT,
+    XCOM_WATCH,
+    Attempt,
+    RunState,
+    asset_extra,
+    watch_record,
+)
+from airflow_skypilot.settings import default_connections, default_deferrable, deployment_id
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.spec.secrets import secret_values
 from airflow_skypilot.triggers.skypilot import (
@@ -52,25 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["XCOM_HANDLE", "XCOM_PLACEMENT", "SkyPilotOperator", "default_connections",
            "default_deferrable"]
 
-
-
-def default_connections() -> list[str]:
-    """``[skypilot] connections``: comma-separated conn ids."""
-    raw = conf.get("skypilot", "connections", fallback="") or ""
-    return [c.strip() for c in raw.split(",") if c.strip()]
-
-
-def deployment_id() -> str:
-    """``[skypilot] deployment_id``: part of every job's identity, so two Airflow deployments
-    sharing a cluster account never adopt or stop each other's jobs."""
-    return conf.get("skypilot", "deployment_id", fallback="") or ""
-
-
-def default_deferrable() -> bool:
-    """Deferral is the normal path: on unless ``[skypilot] deferrable = False`` (and
-    ``[operators] default_deferrable = True`` always keeps it on)."""
-    return conf.getboolean("operators", "default_deferrable", fallback=False) or \
-        conf.getboolean("skypilot", "deferrable", fallback=True)
 
 
 class _Move(Exception):
@@ -311,7 +301,7 @@ class SkyPilotOperator(BaseOperator):
             if self.deferrable:
                 self._defer_to_watch(context, handle, run, task)
             try:
-                status, tail = self._poll_in_worker(handle, run, task)
+                status, tail = self._poll_in_worker(context, handle, run, task)
             except _Move as move:
                 handle = self._move(context, task, run, handle, move.to, move.reason)
                 continue
@@ -405,20 +395,33 @@ class SkyPilotOperator(BaseOperator):
         self._placer.sweep_pending(run, keep=())
         time.sleep(self.reprobe_interval)
 
-    def _poll_in_worker(self, handle: JobHandle, run: RunState,
+    def _poll_in_worker(self, context: Context, handle: JobHandle, run: RunState,
                         task: Task) -> tuple[JobStatus, str]:
         """The non-deferrable watch: poll until the job ends; its status and log tail. Raises
-        :class:`_Move` when the job waits where another place would start it sooner."""
+        :class:`_Move` when the job waits where another place would start it sooner. What it
+        sees goes to the ``skypilot_watch`` XCom, as the trigger's watch does."""
         spec = self._reconsider_spec(handle, run, task)
         next_look = [time.time() + self.reprobe_interval]
+        seen: list[JobState | None] = [None]
+
+        def watched(status: JobStatus) -> None:
+            self._push(context, XCOM_WATCH, watch_record(
+                run.to_dict(), handle.to_dict(), status.state.value, time.time(),
+                started_at=status.started_at, est_start=status.est_start))
 
         def between(status: JobStatus) -> None:
             self._placer.sweep_pending(run, keep=(handle.job_name,))
+            if status.state == JobState.RUNNING and seen[0] != JobState.RUNNING:
+                watched(status)
+            seen[0] = status.state
             if spec and status.state == JobState.PENDING and time.time() >= next_look[0]:
                 next_look[0] = time.time() + self.reprobe_interval
-                to = rebalance.decide(rebalance.ReconsiderSpec.from_dict(spec), handle, status)
-                if to is not None:
-                    raise _Move(to, to.details.get("move_reason", ""))
+                decision = rebalance.decide(rebalance.ReconsiderSpec.from_dict(spec), handle,
+                                            status)
+                run.note_look(decision.look)
+                watched(status)
+                if decision.move_to is not None:
+                    raise _Move(decision.move_to, decision.move_to.details.get("move_reason", ""))
 
         status, tail, run.log_offset = polling.until_done(
             backend_for_handle(handle), handle, poll_interval=self.poll_interval,

@@ -15,6 +15,7 @@ from airflow.utils.log.logging_mixin import LoggingMixin
 from fastapi import HTTPException
 
 from airflow_skypilot.plugins.auth import can_read_connection
+from airflow_skypilot.settings import default_connections
 
 #: capacity answers are reused this long, so a page refresh storm cannot hammer login nodes
 CAPACITY_TTL = 10.0
@@ -22,15 +23,6 @@ CAPACITY_TTL = 10.0
 CAPACITY_MAX_TIMEOUT = 20.0
 MAX_CONNECTIONS = 16
 _CONN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,250}$")
-
-
-def default_connections() -> list[str]:
-    """``[skypilot] connections`` (the operator's default; not imported from the operator so
-    that loading the plugin stays cheap)."""
-    from airflow.configuration import conf
-
-    raw = conf.get("skypilot", "connections", fallback="") or ""
-    return [c.strip() for c in raw.split(",") if c.strip()]
 
 
 def probe_timeout() -> float:

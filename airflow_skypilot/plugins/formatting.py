@@ -77,5 +77,30 @@ def fmt_price(value: Any) -> str:
     return f"${float(value):.3g}/h" if float(value) else "$0/h"
 
 
+def fmt_relative(value: Any, now: Any = None) -> str:
+    """``in 25m``, ``3m ago`` or ``now`` (within 5 s)."""
+    when = as_datetime(value)
+    if when is None:
+        return ""
+    ref = as_datetime(now) or datetime.now(timezone.utc)
+    seconds = (when - ref).total_seconds()
+    if abs(seconds) <= 5:
+        return "now"
+    text = fmt_duration(min(when, ref), max(when, ref))
+    return f"in {text}" if seconds > 0 else f"{text} ago"
+
+
+def short_run(run_id: Any) -> str:
+    """``manual__2026-12-01T03:52:17.978300+00:00`` -> ``manual 12-01 03:52:17`` (the full id
+    stays in the cell's title)."""
+    text = str(run_id or "")
+    kind, sep, rest = text.partition("__")
+    when = as_datetime(rest) if sep else None
+    if when is None:
+        return text if len(text) <= 28 else text[:26] + "…"
+    return f"{kind} {when.astimezone(timezone.utc).strftime('%m-%d %H:%M:%S')}"
+
+
 TEMPLATES.filters.update(time=fmt_time, duration=fmt_duration, money=fmt_money,
-                         hours=fmt_hours, price=fmt_price)
+                         hours=fmt_hours, price=fmt_price, relative=fmt_relative,
+                         short_run=short_run)

@@ -2,7 +2,8 @@
 
 Job data comes from the XComs the operator writes (``skypilot_handle``, ``skypilot_placement``,
 ``return_value``) and, while a task is deferred, from the run state it handed its trigger
-(``next_kwargs``); env values and secrets are never in them, and handle extras that look like
+(``next_kwargs``) and what the trigger saw since (``skypilot_watch``: the job's start, the looks
+at it while it waits); env values and secrets are never in them, and handle extras that look like
 credentials are not returned. The attempt record and the XCom keys are the operator's own
 (:mod:`airflow_skypilot.runstate`, which stays cheap to import).
 """
@@ -17,8 +18,9 @@ from typing import Any
 
 from airflow.sdk import BaseXCom
 
+from airflow_skypilot import zones
 from airflow_skypilot.plugins.auth import can_read_job, readable_dag_ids, team_names
-from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, RunState
+from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, XCOM_WATCH, Attempt, RunState
 
 XCOM_RESULT = BaseXCom.XCOM_RETURN_KEY
 _SECRETISH = re.compile(r"env|secret|token|password|passwd|credential|key", re.IGNORECASE)
@@ -68,8 +70,7 @@ def attempts_of(result: Any, handle: Any, next_kwargs: Any
     if isinstance(result, Mapping) and isinstance(result.get("attempts"), list):
         source, items = "result", result["attempts"]
     else:
-        state = unwrap(next_kwargs or {}).get("state") if isinstance(next_kwargs, Mapping) \
-            else None
+        state = deferred_state(next_kwargs)
         running = RunState.from_dict(state).attempts if isinstance(state, Mapping) else []
         if running:
             source, items = "running", [a.to_dict() for a in running]
@@ -78,6 +79,64 @@ def attempts_of(result: Any, handle: Any, next_kwargs: Any
         else:
             return [], "none"
     return [Attempt.ui_view(a) for a in items if isinstance(a, Mapping)], source
+
+
+def deferred_state(next_kwargs: Any) -> Mapping[str, Any] | None:
+    """The run state a deferred task handed its trigger (None when there is none)."""
+    if not isinstance(next_kwargs, Mapping):
+        return None
+    state = unwrap(next_kwargs).get("state")
+    return state if isinstance(state, Mapping) else None
+
+
+def watch_view(attempts: list[dict[str, Any]], source: str, watch: Any,
+               next_kwargs: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The attempts with what the watch saw since the deferral (the current job's start), and
+    the looks at the job while it waited: ``{"looks", "looks_total", "seen"}``."""
+    state = deferred_state(next_kwargs) or {}
+    watch = watch if isinstance(watch, Mapping) else {}
+    looks = watch.get("looks") if isinstance(watch.get("looks"), list) else state.get("looks")
+    total = watch.get("looks_total") if looks is watch.get("looks") else \
+        state.get("looks_total")
+    looks = [dict(x) for x in looks or [] if isinstance(x, Mapping)]
+    current = attempts[-1] if attempts else None
+    seen = None
+    if current and watch and str(watch.get("job_id")) == str(current.get("job_id")) \
+            and watch.get("connection") == current.get("connection"):
+        seen = {k: watch.get(k) for k in ("state", "seen_at", "started_at", "est_start")}
+        if source == "running" and watch.get("state") == "running" \
+                and current.get("state") in (None, "pending"):
+            attempts = [*attempts[:-1], {**current, "state": "running", "started_at":
+                                         current.get("started_at") or watch.get("started_at")
+                                         or watch.get("seen_at")}]
+    return attempts, {"looks": looks, "looks_total": int(total or len(looks)), "seen": seen}
+
+
+def waiting_view(ti_state: str, attempts: list[dict[str, Any]], source: str,
+                 looks: list[dict[str, Any]], placement: Mapping[str, Any] | None,
+                 looks_total: int = 0) -> dict[str, Any] | None:
+    """A deferred job still queued: where it waits, since when, its estimated start (from the
+    last look there, else from its placement) and the last look; None for any other job."""
+    if ti_state != "deferred" or source != "running" or not attempts:
+        return None
+    current = attempts[-1]
+    if current.get("state") not in (None, "pending"):
+        return None
+    place = f"{current.get('connection')}/{current.get('location')}"
+    here = [x for x in looks if x.get("place") == place]
+    est = here[-1].get("est_start") if here else None
+    if est is None:
+        arrived = [x for x in looks if x.get("outcome") == "moved" and x.get("best") == place]
+        est = arrived[-1].get("best_start") if arrived else None
+    if est is None and placement:
+        chosen = placement.get("chosen") if isinstance(placement.get("chosen"), Mapping) else {}
+        if f"{chosen.get('connection')}/{chosen.get('location')}" == place:
+            est = chosen.get("est_start")
+    return {"place": place, "connection": current.get("connection"),
+            "location": current.get("location"), "job_id": current.get("job_id"),
+            "since": current.get("submitted_at"), "est_start": est,
+            "looks_total": looks_total or sum(int(x.get("count") or 1) for x in looks),
+            "last_look": looks[-1] if looks else None}
 
 
 def handle_extra(handle: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -104,15 +163,18 @@ def _job_summary(ti: Any, xcoms: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(xcoms.get(XCOM_PLACEMENT), Mapping) else {}
     result = xcoms.get(XCOM_RESULT)
     result = result if isinstance(result, Mapping) and "attempts" in result else {}
-    attempts, source = attempts_of(result, handle, getattr(ti, "next_kwargs", None))
+    next_kwargs = getattr(ti, "next_kwargs", None)
+    attempts, source = attempts_of(result, handle, next_kwargs)
+    attempts, seen = watch_view(attempts, source, xcoms.get(XCOM_WATCH), next_kwargs)
     chosen = placement.get("chosen") if isinstance(placement.get("chosen"), Mapping) else {}
+    state = str(ti.state.value if hasattr(ti.state, "value") else ti.state or "none")
     return {
         "dag_id": ti.dag_id,
         "run_id": ti.run_id,
         "task_id": ti.task_id,
         "map_index": ti.map_index,
         "try_number": ti.try_number,
-        "state": str(ti.state.value if hasattr(ti.state, "value") else ti.state or "none"),
+        "state": state,
         "operator": getattr(ti, "operator", None),
         "start_date": ti.start_date.isoformat() if ti.start_date else None,
         "end_date": ti.end_date.isoformat() if ti.end_date else None,
@@ -129,6 +191,9 @@ def _job_summary(ti: Any, xcoms: Mapping[str, Any]) -> dict[str, Any]:
         "cost": result.get("cost"),
         "placement_summary": placement.get("summary"),
         "policy": placement.get("policy"),
+        "waiting": waiting_view(state, attempts, source, seen["looks"], placement,
+                                seen["looks_total"]),
+        "job_state": attempts[-1].get("state") if attempts else None,
     }
 
 
@@ -143,7 +208,7 @@ def _load_xcoms(session: Any, keys: Iterable[tuple[str, str, str, int]]
     dag_ids = {k[0] for k in wanted}
     run_ids = {k[1] for k in wanted}
     stmt = select(XComModel).where(
-        XComModel.key.in_((XCOM_HANDLE, XCOM_PLACEMENT, XCOM_RESULT)),
+        XComModel.key.in_((XCOM_HANDLE, XCOM_PLACEMENT, XCOM_RESULT, XCOM_WATCH)),
         XComModel.dag_id.in_(dag_ids), XComModel.run_id.in_(run_ids))
     out: dict[tuple[str, str, str, int], dict[str, Any]] = {k: {} for k in wanted}
     for row in session.scalars(stmt):
@@ -248,6 +313,39 @@ def _siblings(session: Any, ti: Any) -> list[dict[str, Any]]:
             for index, state in rows]
 
 
+def _attempts_and_looks(ti: Any, xcoms: Mapping[str, Any]
+                        ) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
+    handle = xcoms.get(XCOM_HANDLE) if isinstance(xcoms.get(XCOM_HANDLE), Mapping) else None
+    result = xcoms.get(XCOM_RESULT)
+    result = result if isinstance(result, Mapping) and "attempts" in result else None
+    attempts, source = attempts_of(result, handle, ti.next_kwargs)
+    attempts, seen = watch_view(attempts, source, xcoms.get(XCOM_WATCH), ti.next_kwargs)
+    return attempts, source, seen
+
+
+def load_sweep(dag_id: str, run_id: str, task_id: str) -> dict[str, Any] | None:
+    """Every mapped instance of one task in one run (a sweep), side by side: each one's row of
+    the jobs list with its attempts and looks, and the sweep's summary; None if it has none."""
+    from airflow.models.taskinstance import TaskInstance as TI
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        tis = list(session.scalars(select(TI).where(
+            TI.dag_id == dag_id, TI.run_id == run_id, TI.task_id == task_id,
+            TI.map_index >= 0).order_by(TI.map_index)))
+        if not tis:
+            return None
+        keys = [(t.dag_id, t.run_id, t.task_id, t.map_index) for t in tis]
+        xcoms = _load_xcoms(session, keys)
+        members = []
+        for ti, key in zip(tis, keys, strict=True):
+            attempts, source, seen = _attempts_and_looks(ti, xcoms[key])
+            members.append({**_job_summary(ti, xcoms[key]), "attempt_list": attempts,
+                            "looks": seen["looks"]})
+        return {"members": members, "sweep": sweep_summary(members)}
+
+
 def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str, Any] | None:
     """Everything the job page shows for one task instance; None if there is no such TI."""
     from airflow.models.taskinstance import TaskInstance as TI
@@ -268,6 +366,7 @@ def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str
         result = xcoms.get(XCOM_RESULT)
         result = result if isinstance(result, Mapping) and "attempts" in result else None
         attempts, source = attempts_of(result, handle, ti.next_kwargs)
+        attempts, seen = watch_view(attempts, source, xcoms.get(XCOM_WATCH), ti.next_kwargs)
         return {
             "task_instance": summary,
             "handle": {k: handle.get(k) for k in _HANDLE_FIELDS} if handle else None,
@@ -276,6 +375,10 @@ def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str
             "result": {k: v for k, v in result.items() if k != "attempts"} if result else None,
             "attempts": attempts,
             "attempts_source": source,
+            "looks": seen["looks"],
+            "looks_total": seen["looks_total"],
+            "watch": seen["seen"],
+            "waiting": summary["waiting"],
             "sweep": _siblings(session, ti),
         }
 
@@ -294,6 +397,26 @@ def _clean_placement(placement: Mapping[str, Any] | None) -> dict[str, Any] | No
         "summary": placement.get("summary"),
         "chosen": {k: chosen.get(k) for k in ("connection", "backend", "location", "infra",
                                                "accelerator", "num_nodes", "price_per_hour",
-                                               "spot", "instance_type")} if chosen else None,
+                                               "spot", "instance_type", "est_start")}
+        if chosen else None,
         "rows": [{k: r.get(k) for k in ROW_FIELDS} for r in rows if isinstance(r, Mapping)],
     }
+
+
+def placement_groups(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The placement table as the page shows it: the zones of one region that say the same
+    (verdict, request, free, start, price, why) share a row (``zones.group``), which keeps its
+    rows (``members``) and says its ranks (``4-9``)."""
+    out = []
+    for g in zones.group(list(rows), zones.placement_key):
+        first = dict(g.first)
+        if g.grouped:
+            first["location"] = g.location
+            first["rank_text"] = zones.ranks_text(r.get("rank") for r in g.rows)
+            first["reason"] = zones.without_zone(first.get("reason") or "", g.first) \
+                .replace("{zone}", "each zone")
+        else:
+            first["rank_text"] = "" if first.get("rank") is None else str(first["rank"])
+        out.append({"row": first, "members": list(g.rows), "zones": g.zones,
+                    "grouped": g.grouped})
+    return out

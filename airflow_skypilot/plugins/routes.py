@@ -3,10 +3,13 @@
 ``/skypilot/jobs``                                    recent SkyPilot task instances, newest first
 ``/skypilot/jobs/{dag_id}/{run_id}/{task_id}[/{map_index}]``  one task instance: placement table,
                                                       job handle, attempts
+``/skypilot/sweeps/{dag_id}/{run_id}/{task_id}``       a sweep's jobs side by side
 ``/skypilot/capacity[?conn=ID...]``                    live GPUs per connection/location/accelerator
-``/skypilot/api/jobs``, ``/skypilot/api/jobs/...``, ``/skypilot/api/capacity``   the JSON forms
+``/skypilot/usage[?days=7]``                           GPU-hours and cost per DAG and connection
+``/skypilot/api/...``                                  the JSON forms of each
 
-Pages are server-rendered (no build step) with a strict CSP. Anonymous callers get 401 (JSON)
+Pages are server-rendered (no build step) with a strict CSP; their pictures are inline SVG
+drawn on the server (``charts``). Anonymous callers get 401 (JSON)
 or a redirect to Airflow's login (HTML).
 """
 
@@ -18,13 +21,24 @@ from urllib.parse import quote, urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from markupsafe import Markup
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from airflow_skypilot import zones
 from airflow_skypilot.links.skypilot import PLUGIN_PREFIX, job_path
+from airflow_skypilot.plugins import charts
 from airflow_skypilot.plugins.auth import UserDep, can_read_job, team_names, user_name
 from airflow_skypilot.plugins.capacity import capacity_for, requested_connections
 from airflow_skypilot.plugins.formatting import TEMPLATES
-from airflow_skypilot.plugins.jobs import group_sweeps, list_jobs, load_job
+from airflow_skypilot.plugins.jobs import (
+    group_sweeps,
+    list_jobs,
+    load_job,
+    load_sweep,
+    placement_groups,
+)
+from airflow_skypilot.plugins.usage import PERIODS, usage_for
+from airflow_skypilot.runstate import MAX_LOOKS
 
 
 # --- request helpers ----------------------------------------------------------------------------
@@ -47,6 +61,11 @@ def _ti_ui_path(base: str, dag_id: str, run_id: str, task_id: str, map_index: in
 
 def _job_path(request: Request, dag_id: str, run_id: str, task_id: str, map_index: int) -> str:
     return _ui_base(request) + job_path(dag_id, run_id, task_id, map_index)
+
+
+def _sweep_path(request: Request, dag_id: str, run_id: str, task_id: str) -> str:
+    ids = [quote(str(x), safe="") for x in (dag_id, run_id, task_id)]
+    return f"{_prefix(request)}/sweeps/{ids[0]}/{ids[1]}/{ids[2]}"
 
 
 def parse_map_index(value: str | int | None) -> int:
@@ -79,6 +98,13 @@ def _render(request: Request, template: str, status_code: int = 200, **context: 
                                  "X-Content-Type-Options": "nosniff",
                                  "Referrer-Policy": "same-origin"})
 
+
+TEMPLATES.globals.update(
+    chart_style=Markup(charts.STYLE), max_looks=MAX_LOOKS,
+    timeline_legend=charts.legend((*charts.LEGEND, ("look", "a look while it waited"))),
+    capacity_legend=charts.legend((("used", "in use"), ("free", "free"),
+                                   ("quota", "startable now under a quota (no fixed total)"),
+                                   ("pending", "jobs pending"))))
 
 # --- the app ------------------------------------------------------------------------------------
 app = FastAPI(title="SkyPilot for Airflow", docs_url=None, redoc_url=None, openapi_url=None)
@@ -133,10 +159,15 @@ def jobs_page(request: Request, user: UserDep,
     counts: dict[str, int] = {}
     for job in jobs:
         counts[job["state"]] = counts.get(job["state"], 0) + 1
+    entries = group_sweeps(jobs)
+    for entry in entries:
+        if entry["sweep"]:
+            sw = entry["sweep"]
+            sw["url"] = _sweep_path(request, sw["dag_id"], sw["run_id"], sw["task_id"])
+    waiting = [j for j in jobs if j.get("waiting")]
     return _render(request, "jobs.html", title="SkyPilot jobs", page="jobs", jobs=jobs,
-                   entries=group_sweeps(jobs), counts=sorted(counts.items()), limit=limit,
-                   dag_id=dag_id,
-                   user_name=user_name(user))
+                   entries=entries, counts=sorted(counts.items()), limit=limit,
+                   dag_id=dag_id, waiting=waiting, user_name=user_name(user))
 
 
 def _job_or_error(user: Any, dag_id: str, run_id: str, task_id: str, map_index: int
@@ -170,8 +201,11 @@ def job_page(request: Request, user: UserDep, dag_id: str, run_id: str, task_id:
     ti = _with_links(request, job["task_instance"])
     for sibling in job.get("sweep") or []:
         sibling["url"] = _job_path(request, dag_id, run_id, task_id, sibling["map_index"])
+    groups = placement_groups(job["placement"]["rows"]) if job.get("placement") else []
     return _render(request, "job.html", title=f"{task_id} · {dag_id}", page="job", job=job,
-                   ti=ti, user_name=user_name(user),
+                   ti=ti, user_name=user_name(user), groups=groups,
+                   timeline=charts.timeline(attempt_lanes(job["attempts"], job["looks"])),
+                   sweep_url=_sweep_path(request, dag_id, run_id, task_id),
                    json_url=f"{_prefix(request)}/api"
                             + job_path(dag_id, run_id, task_id, index_)[len(PLUGIN_PREFIX):])
 
@@ -188,20 +222,152 @@ async def capacity_page(request: Request, user: UserDep,
                         refresh: bool = False) -> HTMLResponse:
     conns = requested_connections(conn)
     data = await capacity_for(user, conns, refresh) if conns else None
-    groups: list[dict[str, Any]] = []
-    for row in (data or {}).get("rows", []):
-        if not groups or groups[-1]["connection"] != row.get("connection"):
-            groups.append({"connection": row.get("connection"), "rows": [], "free": 0,
-                           "total": 0, "errors": 0})
-        group = groups[-1]
-        group["rows"].append(row)
-        group["free"] += int(row.get("free") or 0) if row.get("accelerator") else 0
-        group["total"] += int(row.get("total") or 0) if row.get("accelerator") else 0
-        group["errors"] += 1 if row.get("error") else 0
+    groups = capacity_groups((data or {}).get("rows", []))
     query = urlencode([("conn", c) for c in conn or []])
     return _render(request, "capacity.html", title="SkyPilot capacity", page="capacity",
                    data=data, groups=groups, conns=conns, explicit=bool(conn),
-                   query=query, user_name=user_name(user))
+                   chart=charts.capacity(capacity_bars(groups)), query=query,
+                   user_name=user_name(user))
+
+
+def capacity_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The capacity rows per connection, the zones of one region with the same numbers in one
+    row (``zones.group``), each with its member rows."""
+    groups: list[dict[str, Any]] = []
+    for row in rows:
+        if not groups or groups[-1]["connection"] != row.get("connection"):
+            groups.append({"connection": row.get("connection"), "raw": [], "free": 0,
+                           "total": 0, "errors": 0, "quota": False})
+        group = groups[-1]
+        group["raw"].append(row)
+        if row.get("accelerator") and row.get("total") is not None:
+            group["free"] += int(row.get("free") or 0)
+            group["total"] += int(row.get("total") or 0)
+        group["quota"] |= bool(row.get("accelerator") and row.get("total") is None
+                               and not row.get("error"))
+        group["errors"] += 1 if row.get("error") else 0
+    for group in groups:
+        rows = [{**g.first, "location": g.location, "members": g.rows, "zones": g.zones,
+                 "grouped": g.grouped}
+                for g in zones.group(group.pop("raw"), zones.capacity_key)]
+        # as the CLI: by accelerator, then where (the regions of one accelerator together)
+        group["rows"] = sorted(rows, key=lambda r: (bool(r.get("error")),
+                                                    r.get("accelerator") or "",
+                                                    r.get("location") or ""))
+    return groups
+
+
+def capacity_bars(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One bar per place and accelerator where GPUs are counted (Slurm partitions, Kubernetes
+    namespaces); per accelerator where a quota bounds them (an AWS region's quota is shared by
+    its zones: the largest zone's number per region, summed over the regions)."""
+    bars: list[dict[str, Any]] = []
+    for group in groups:
+        quota: dict[str, dict[str, int]] = {}
+        for row in group["rows"]:
+            acc = row.get("accelerator")
+            if not acc or row.get("error"):
+                continue
+            if row.get("total") is not None:
+                bars.append({"connection": group["connection"],
+                             "label": f"{row.get('location') or '-'} · {acc}",
+                             "total": int(row["total"]), "free": int(row.get("free") or 0),
+                             "pending": int(row.get("pending") or 0)})
+                continue
+            for member in row["members"]:
+                region = (zones.split(member.get("location") or "") or (member.get("location"),
+                                                                       ""))[0]
+                per = quota.setdefault(acc, {})
+                per[region] = max(per.get(region, 0), int(member.get("free") or 0))
+        for acc, regions in sorted(quota.items()):
+            bars.append({"connection": group["connection"],
+                         "label": f"{acc} · {len(regions)} region(s)", "total": None,
+                         "free": sum(regions.values()), "pending": 0})
+    return bars
+
+
+def attempt_lanes(attempts: list[dict[str, Any]], looks: list[dict[str, Any]]
+                  ) -> list[dict[str, Any]]:
+    """The job page's timeline: one lane per attempt, the looks on the attempt that waited."""
+    lanes = []
+    for i, a in enumerate(attempts):
+        lanes.append({"label": f"#{i + 1} {a.get('connection') or '?'}",
+                      "sublabel": a.get("location") or "",
+                      "attempts": [{**a, "number": i + 1}], "looks": []})
+    for look in looks:
+        place = look.get("place")
+        fits = [lane for lane in lanes
+                if f"{lane['attempts'][0].get('connection')}/"
+                   f"{lane['attempts'][0].get('location')}" == place]
+        if fits:
+            fits[-1 if len(fits) == 1 else _closest(fits, look)]["looks"].append(look)
+    return lanes
+
+
+def _closest(lanes: list[dict[str, Any]], look: dict[str, Any]) -> int:
+    at = float(look.get("last_at") or 0)
+    for i, lane in enumerate(lanes):
+        a = lane["attempts"][0]
+        end = a.get("ended_at")
+        if (a.get("submitted_at") or 0) <= at and (end is None or at <= float(end) + 60):
+            return i
+    return len(lanes) - 1
+
+
+@app.get("/api/sweeps/{dag_id}/{run_id}/{task_id}")
+def api_sweep(request: Request, user: UserDep, dag_id: str, run_id: str,
+              task_id: str) -> JSONResponse:
+    sweep = _sweep_or_error(user, dag_id, run_id, task_id)
+    for member in sweep["members"]:
+        member.update(_with_links(request, member))
+    return JSONResponse(sweep)
+
+
+@app.get("/sweeps/{dag_id}/{run_id}/{task_id}", response_class=HTMLResponse)
+def sweep_page(request: Request, user: UserDep, dag_id: str, run_id: str,
+               task_id: str) -> HTMLResponse:
+    sweep = _sweep_or_error(user, dag_id, run_id, task_id)
+    lanes = []
+    for member in sweep["members"]:
+        member.update(_with_links(request, member))
+        lanes.append({"label": f"[{member['map_index']}]", "url": member["job_url"],
+                      "sublabel": f"{member['state']} · {member.get('connection') or '-'}",
+                      "attempts": member["attempt_list"], "looks": member["looks"]})
+    return _render(request, "sweep.html", title=f"{task_id} sweep · {dag_id}", page="jobs",
+                   sweep=sweep, s=sweep["sweep"], timeline=charts.timeline(lanes),
+                   user_name=user_name(user),
+                   json_url=f"{_prefix(request)}/api/sweeps/" + "/".join(
+                       quote(x, safe="") for x in (dag_id, run_id, task_id)))
+
+
+def _sweep_or_error(user: Any, dag_id: str, run_id: str, task_id: str) -> dict[str, Any]:
+    teams = team_names([dag_id])
+    if not can_read_job(user, dag_id, teams.get(dag_id)):
+        raise HTTPException(403, f"You may not read task instances and XComs of DAG {dag_id!r}.")
+    sweep = load_sweep(dag_id, run_id, task_id)
+    if sweep is None:
+        raise HTTPException(404, f"No mapped task instances of {dag_id} / {run_id} / {task_id}.")
+    return sweep
+
+
+def _period(days: int) -> int:
+    if days not in PERIODS:
+        raise HTTPException(400, f"days must be one of {', '.join(map(str, PERIODS))}")
+    return days
+
+
+@app.get("/api/usage")
+def api_usage(user: UserDep, days: int = 7) -> JSONResponse:
+    return JSONResponse(usage_for(user, _period(days)))
+
+
+@app.get("/usage", response_class=HTMLResponse)
+def usage_page(request: Request, user: UserDep, days: int = 7) -> HTMLResponse:
+    data = usage_for(user, _period(days))
+    names = list(data["series"])
+    return _render(request, "usage.html", title="SkyPilot usage", page="usage", data=data,
+                   periods=PERIODS, chart=charts.usage(data["days"], data["series"]),
+                   usage_legend=charts.usage_legend(names), user_name=user_name(user))
 
 
 ICON_SVG = (

@@ -9,6 +9,11 @@ seconds without an answer about it. Every error becomes an event.
 
 While they wait, the triggers also keep confirming old copies of the task dead (the run
 state's pending sweeps, see ``sweeps.py``), and report what they confirmed in their event.
+
+What the watch sees is written for the job page as the task's ``skypilot_watch`` XCom (through
+the triggerer's supervisor, as any trigger's XCom): the job's start, once, and the looks at it
+while it waits in a queue (every look goes into the run state's last looks; the XCom is
+written when a look gives a new answer, else at most every :data:`WATCH_WRITE_EVERY` s).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from airflow_skypilot.backends.base import (
     Offer,
 )
 from airflow_skypilot.backends.registry import backend_class, backend_for_handle
-from airflow_skypilot.runstate import RunState
+from airflow_skypilot.runstate import XCOM_WATCH, Look, RunState, add_look, watch_record
 
 LOG_TAIL_LINES = 40
+#: seconds between two writes of the watch XCom for looks that changed nothing
+WATCH_WRITE_EVERY = 300.0
 #: seconds a job's backend may stay silent before the job counts as lost
 DEFAULT_UNREACHABLE_TIMEOUT = 300.0
 
@@ -238,6 +245,8 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         self.cancel_on_kill = cancel_on_kill
         self.state = _state_dict(state)
         self.reconsider = reconsider
+        self._looks: dict[str, Any] = {}  # the looks when there is no run state (tests)
+        self._written_at = 0.0
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -273,6 +282,7 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         silent_since: float | None = None
         loop = asyncio.get_running_loop()
         next_look = loop.time() + (spec.interval if spec else 0.0)
+        seen: JobState | None = None
         try:
             while True:
                 item = await queue.get()
@@ -295,6 +305,9 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                 for line in item.log.splitlines():
                     self.log.info("[%s] %s", handle.job_id, line)
                 offset = item.log_offset
+                if item.status.state == JobState.RUNNING and seen != JobState.RUNNING:
+                    await self._awrite_watch(handle, item.status)  # its start, for the page
+                seen = item.status.state
                 if spec is not None and item.status.state == JobState.PENDING \
                         and loop.time() >= next_look:
                     next_look = loop.time() + spec.interval
@@ -322,15 +335,47 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
     async def _areconsider(self, spec: rebalance.ReconsiderSpec, handle: JobHandle,
                            status: JobStatus) -> Offer | None:
         try:
-            to = await rebalance.adecide(spec, handle, status)
+            decision = await rebalance.adecide(spec, handle, status)
         except Exception as exc:  # a look that fails is a look not taken: the job stays
             self.log.warning("Could not reconsider job %s: %s", handle.job_id, exc)
             return None
+        to = decision.move_to
+        new = self._note_look(decision.look)
         if to is not None:
             self.log.warning("Job %s waits on %s/%s; moving it to %s: %s", handle.job_id,
                              handle.connection, handle.location, to.place_key,
                              to.details.get("move_reason", ""))
+        else:
+            self.log.info("Job %s waits on %s/%s and stays: %s", handle.job_id,
+                          handle.connection, handle.location, decision.look.why)
+            if new or time.time() - self._written_at >= WATCH_WRITE_EVERY:
+                await self._awrite_watch(handle, status)
         return to
+
+    def _note_look(self, look: Look) -> bool:
+        """Record a look in the run state (the last looks travel with it); True when it is a
+        new answer rather than one more of the last."""
+        target = self.state if self.state is not None else self._looks
+        return add_look(target, look)["count"] == 1
+
+    async def _awrite_watch(self, handle: JobHandle, status: JobStatus) -> None:
+        """The ``skypilot_watch`` XCom of the deferred task (best effort: the page's view)."""
+        ti = getattr(self, "task_instance", None)
+        if ti is None:
+            return
+        now = time.time()
+        record = watch_record(self.state if self.state is not None else self._looks,
+                              handle.to_dict(), status.state.value, now,
+                              started_at=status.started_at, est_start=status.est_start)
+        try:
+            from airflow.sdk.execution_time.xcom import XCom
+
+            map_index = getattr(ti, "map_index", -1)
+            await XCom.aset(XCOM_WATCH, record, dag_id=ti.dag_id, task_id=ti.task_id,
+                            run_id=ti.run_id, map_index=-1 if map_index is None else map_index)
+            self._written_at = now
+        except Exception as exc:  # the page shows less; the watch goes on
+            self.log.debug("Could not write the %s XCom: %s", XCOM_WATCH, exc)
 
     async def _astream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
         try:

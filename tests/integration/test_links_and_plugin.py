@@ -516,7 +516,7 @@ def test_job_page_shows_every_placement_row_escaped(server):
     html = r.text
     body = html[html.index("<main>"):]
     rows = re.findall(r"<tr class=\"(chosen|)\">", body[body.index("<h2>Placement"):
-                                                      body.index("<h2>Attempts")])
+                                                      body.index("<h2>Job handle")])
     assert len(rows) == len(plan["rows"]) >= 5
     assert rows.count("chosen") == 1
     for row in plan["rows"]:
