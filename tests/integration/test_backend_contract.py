@@ -412,7 +412,12 @@ def test_secret_reaches_the_job_but_is_never_in_clear(target, caplog, capfd):
                  secrets={"API_TOKEN": secret})
     handle, _ = _submit(target, backend, task)
     assert target.secret_store(handle)
-    while_running = target.stored_texts(handle)
+    while_running: dict[str, str] = {}
+    for _ in range(20):  # what the backend stored, as soon as its listing shows it
+        while_running = target.stored_texts(handle)
+        if any("sha256sum" in text for text in while_running.values()):
+            break
+        time.sleep(0.5)
     status = _wait(target, backend, handle)
     log, _ = backend.read_log(handle)
     assert status.state == JobState.SUCCEEDED, (status, log)
@@ -422,7 +427,8 @@ def test_secret_reaches_the_job_but_is_never_in_clear(target, caplog, capfd):
     # an ended job's instance may already be gone (terminated, its user-data with it): the
     # texts read while it ran are the ones that must hold its script
     assert any("sha256sum" in text for text in [*while_running.values(), *after.values()]), \
-        "the stored texts include the job's own script (else this test sees nothing)"
+        f"the stored texts include the job's own script (else this test sees nothing): " \
+        f"{ {k: v[:200] for k, v in while_running.items()} } {sorted(after)}"
     # Airflow's structlog writes the backends' records (self.log) to stdout, not through the
     # stdlib handlers caplog sees: the task log is both
     airflow_log = caplog.text + "".join(capfd.readouterr())

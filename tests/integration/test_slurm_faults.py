@@ -89,7 +89,14 @@ def test_a_job_whose_record_was_lost_is_never_submitted_twice(slurm, monkeypatch
     marks = Path(shared_dir())
     name = _name("record")
     offer = next(o for o in backend.probe(load_task({"run": "true"})) if o.fits)
-    first = _submit(backend, f"sleep 25; echo ran >> {marks}/runs", name, offer)
+    first = _submit(backend, f"echo up >> {marks}/started; sleep 25; echo ran >> {marks}/runs",
+                    name, offer)
+    # paused only once the user code runs: a job step being created while slurmctld is
+    # stopped fails ("Expired or invalid job"), which is not what this test is about
+    deadline = time.monotonic() + 60
+    while not (marks / "started").exists():
+        assert time.monotonic() < deadline, "the job's user code never started"
+        time.sleep(0.2)
     Path(first.extra["job_dir"], "job_id").unlink()
     slurm.pause_slurmctld(CLUSTER)
     try:
