@@ -13,9 +13,10 @@ or of any that mount it; an empty value turns it off):
    entry for the chosen place: ``{"copy", "place", "gpus", "nodes", "at"}``. The lock is held
    for the ranking only (milliseconds), never across a submission.
 3. After the submission it stamps ``submitted`` on its entry (or drops the entry when the place
-   refused). An entry counts against an offer only while that offer cannot see the job: the
-   job was not yet submitted, or the offer was probed before ``submitted + VISIBLE_AFTER``.
-   After that the backend itself shows the job (pending jobs, pods, launching instances).
+   refused). An entry counts against a probe only while that probe cannot have seen the job:
+   the job was not yet submitted, or was submitted after the probe began (less
+   ``VISIBLE_AFTER``). A probe begun later sees the job itself (pending jobs, pods, launching
+   instances): counting it again would make the place look fuller than it is.
 4. Entries lapse ``TTL`` seconds after they were written (a worker that died mid-placement).
 
 A ledger that cannot be read or written is logged and ignored: it only ever makes a place
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 
 #: seconds an entry lives at most (a placement whose worker died before it submitted)
 TTL = 180.0
-#: seconds after a submission before every backend's probe shows the job itself
-VISIBLE_AFTER = 5.0
+#: seconds after a submission before every backend's listing shows the job itself
+VISIBLE_AFTER = 1.0
 
 
 def ledger_path() -> str:
@@ -58,8 +59,10 @@ def _gpus(offer: Offer) -> int:
     return int(math.ceil(offer.gpus_per_node * offer.num_nodes)) if offer.gpus_per_node else 0
 
 
-def hold(offers: list[Offer], entries: list[dict[str, Any]], *, own: str = "") -> list[Offer]:
-    """``offers`` with what ``entries`` hold taken from their places (in place; returned).
+def hold(offers: list[Offer], entries: list[dict[str, Any]], *, probe_began: float,
+         own: str = "") -> list[Offer]:
+    """``offers`` (of a probe begun at ``probe_began``) with what ``entries`` hold taken from
+    their places (in place; returned).
 
     GPUs first: a place's free GPUs shrink by the entries' GPUs, and its free nodes to what
     the GPUs left can fill. A CPU-only entry takes whole nodes (we do not know how it packs).
@@ -68,7 +71,7 @@ def hold(offers: list[Offer], entries: list[dict[str, Any]], *, own: str = "") -
     """
     for offer in offers:
         mine = [e for e in entries if e.get("place") == offer.place_key
-                and e.get("copy") != own and _unseen(e, offer)]
+                and e.get("copy") != own and _unseen(e, probe_began)]
         if not mine or not offer.fits:
             continue
         was_free = offer.free_now
@@ -92,9 +95,9 @@ def hold(offers: list[Offer], entries: list[dict[str, Any]], *, own: str = "") -
     return offers
 
 
-def _unseen(entry: dict[str, Any], offer: Offer) -> bool:
+def _unseen(entry: dict[str, Any], probe_began: float) -> bool:
     submitted = entry.get("submitted")
-    return submitted is None or offer.probed_at < float(submitted) + VISIBLE_AFTER
+    return submitted is None or probe_began < float(submitted) + VISIBLE_AFTER
 
 
 class PlacementLedger:

@@ -97,6 +97,7 @@ class Placer:
 
         None when nothing can take the job now (places blocked, unreachable or over budget).
         """
+        began = time.time()
         result = self.hook.probe(task)
         fail_on_config_errors(result.config_errors)
         for conn_id, error in result.errors.items():
@@ -106,7 +107,7 @@ class Placer:
                 # what concurrent placements chose moments ago is not free, though no backend
                 # shows it yet (copies: each round takes from the probe as it came)
                 offers = hold([copy.deepcopy(o) for o in result.offers], entries,
-                              own=run.prefix)
+                              probe_began=began, own=run.prefix)
                 plan = placement.rank(offers, self.policy, ordered=task.ordered,
                                       blocked=run.blocked, unreachable=result.errors,
                                       prefer=run.prefer)
@@ -228,6 +229,7 @@ class Placer:
         """``to`` as probed again now, if it still takes the job as well as promised (other
         jobs may have moved or been placed there since the look that chose it: what the
         ledger holds counts too). A good answer is noted in the ledger."""
+        began = time.time()
         try:
             offers = self.hook.backend(to.connection).probe(task)
         except Exception as exc:
@@ -235,7 +237,7 @@ class Placer:
                              exc)
             return None
         with self.ledger.deciding() as entries:
-            hold(offers, entries, own=run.prefix)
+            hold(offers, entries, probe_began=began, own=run.prefix)
             fresh = next((o for o in offers if o.place_key == to.place_key
                           and o.request.index == to.request.index and o.fits), None)
             promised = to.wait_seconds or 0.0

@@ -27,7 +27,7 @@ def _entry(place, gpus=1, nodes=1, submitted=None, copy="other", at=None):
 
 def test_room_chosen_moments_ago_is_not_free():
     o = offer("c1", "p", gpus_free=2, nodes_free=1)
-    hold([o], [_entry("c1/p", gpus=2)])
+    hold([o], [_entry("c1/p", gpus=2)], probe_began=time.time())
     assert (o.gpus_free, o.nodes_free, o.free_now) == (0, 0, False)
     assert o.est_start is None and o.details["estimate"] == "unknown"
     assert o.notes == ["2 GPUs taken by 1 placement(s) made moments ago"]
@@ -35,26 +35,27 @@ def test_room_chosen_moments_ago_is_not_free():
 
 def test_what_is_left_still_takes_a_job():
     o = offer("c1", "p", gpus_free=8, nodes_free=1)
-    hold([o], [_entry("c1/p", gpus=3), _entry("c1/p", gpus=4, copy="b")])
+    hold([o], [_entry("c1/p", gpus=3), _entry("c1/p", gpus=4, copy="b")], probe_began=time.time())
     assert (o.gpus_free, o.free_now) == (1, True)
 
 
 def test_a_job_the_backend_already_shows_is_not_counted_twice():
-    o = offer("c1", "p", gpus_free=1)  # probed now
-    hold([o], [_entry("c1/p", submitted=time.time() - VISIBLE_AFTER - 1)])
+    began = time.time()
+    o = offer("c1", "p", gpus_free=1)
+    hold([o], [_entry("c1/p", submitted=began - VISIBLE_AFTER - 1)], probe_began=began)
     assert o.gpus_free == 1 and "held_by_placements" not in o.details
-    # a probe that began before the job could show is still held
-    hold([o], [_entry("c1/p", submitted=time.time())])
+    # submitted after the probe began: the probe may not have seen it
+    hold([o], [_entry("c1/p", submitted=began + 0.5)], probe_began=began)
     assert o.gpus_free == 0
 
 
 def test_own_entry_other_places_and_cpu_only_entries():
     gpu = offer("c1", "p", gpus_free=1)
     other = offer("c2", "q", gpus_free=1)
-    hold([gpu, other], [_entry("c1/p", copy="me")], own="me")
+    hold([gpu, other], [_entry("c1/p", copy="me")], probe_began=time.time(), own="me")
     assert gpu.gpus_free == 1 and other.gpus_free == 1
     cpu = offer("c3", "r", acc=None, gpus_free=None, gpus_total=None, nodes_free=2)
-    hold([cpu], [_entry("c3/r", gpus=0, nodes=2)])
+    hold([cpu], [_entry("c3/r", gpus=0, nodes=2)], probe_began=time.time())
     assert cpu.nodes_free == 0 and not cpu.free_now
 
 
