@@ -48,7 +48,7 @@ VISIBLE_AFTER = 1.0
 
 def ledger_path() -> str:
     """``[skypilot] placement_ledger``, else ``$AIRFLOW_HOME/skypilot/placements.json``."""
-    from airflow.configuration import conf
+    from airflow.sdk.configuration import conf
 
     home = os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow")
     return conf.get("skypilot", "placement_ledger",
