@@ -60,17 +60,17 @@ sandbox: venv
 
 sandbox-down:
 	@if [ -x $(PY) ]; then $(PY) -m tests.sandbox down; fi
+	@if [ -x $(PY) ] && [ -d .sandbox-b ]; then SKYPILOT_SANDBOX_DIR=$(CURDIR)/.sandbox-b \
+		SKYPILOT_SANDBOX_PORT_BASE=$$(( $${SKYPILOT_SANDBOX_PORT_BASE:-28000} + 500 )) \
+		$(PY) -m tests.sandbox down; fi
 
 sandbox-status: venv
 	$(PY) -m tests.sandbox status
 
-# The sandbox is stopped whatever pytest says; pytest's exit 5 (no tests) is not a failure.
+# Two shards at once, each on sandboxes of its own, stopped whatever pytest says
+# (tests/run_suite.sh); `make test PYTEST_ARGS=tests/unit` runs just those, on one sandbox set.
 test: venv lint
-	@$(PY) -m tests.sandbox up || { $(PY) -m tests.sandbox down; exit 1; }; \
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS); rc=$$?; \
-	$(PY) -m tests.sandbox down || { [ $$rc -eq 0 ] && rc=1; }; \
-	if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected (exit 5)"; rc=0; fi; \
-	exit $$rc
+	@PY=$(PY) tests/run_suite.sh $(PYTEST_ARGS)
 
 demo: venv
 	@$(PY) -m tests.sandbox up || { $(PY) -m tests.sandbox down; exit 1; }; \
@@ -78,4 +78,4 @@ demo: venv
 	$(PY) -m tests.sandbox down; exit $$rc
 
 clean: sandbox-down
-	rm -rf $(VENV) .sandbox .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .sandbox .sandbox-b .pytest_cache .ruff_cache *.egg-info

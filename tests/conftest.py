@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.sandbox.paths import state_root
+
 REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("AIRFLOW_HOME", str(REPO / ".sandbox" / "airflow-home"))
+os.environ.setdefault("AIRFLOW_HOME", str(state_root() / "airflow-home"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(REPO / "dags"))
 

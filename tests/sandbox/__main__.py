@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from tests.sandbox.paths import state_root
+
 REPO = Path(__file__).resolve().parents[2]
-STATE = REPO / ".sandbox"
+STATE = state_root()
 NAMES = ("slurm", "kubernetes", "aws")
 #: the connections a DAG sees by default (the "nopods" one is for a forbidden-listing test)
 DEFAULT_CONNECTIONS = ("slurm_alpha", "slurm_beta", "k8s_sandbox", "aws_sandbox")

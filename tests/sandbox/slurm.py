@@ -53,8 +53,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.sandbox.paths import state_root
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_STATE_DIR = REPO_ROOT / ".sandbox" / "slurm"
+DEFAULT_STATE_DIR = state_root() / "slurm"
 # Where the state goes when the checkout is not world-traversable (``mktemp -d`` is 0700): the
 # login user must read slurm.conf and the ssh wrapper. One dir per checkout, found again by
 # ``down``.
@@ -397,7 +399,7 @@ def _default_state_dir() -> Path:
     default = DEFAULT_STATE_DIR.resolve()
     if _traversable(default):
         return default
-    digest = hashlib.sha1(str(REPO_ROOT).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(str(state_root()).encode()).hexdigest()[:12]
     return FALLBACK_STATE_ROOT / digest / "slurm"
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tests.sandbox.paths import state_root
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_STATE_DIR = REPO_ROOT / ".sandbox" / "aws"
+DEFAULT_STATE_DIR = state_root() / "aws"
 
 # Ports: the Slurm sandbox uses base+0..50 and the Kubernetes one base+100..; we use base+200..299.
 PORT_BASE_ENV = "SKYPILOT_SANDBOX_PORT_BASE"

@@ -20,9 +20,10 @@ import yaml
 
 from tests.sandbox.kubernetes.kubelet import reap_stale
 from tests.sandbox.kubernetes.server import FORBIDDEN_TOKEN, SANDBOX_TOKEN
+from tests.sandbox.paths import state_root
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_STATE_DIR = REPO_ROOT / ".sandbox" / "kubernetes"
+DEFAULT_STATE_DIR = state_root() / "kubernetes"
 DEFAULT_PORT_BASE = 28000  # below the ephemeral range (32768-60999): no random clashes
 PORT_OFFSET = 300  # Slurm uses base+100..119, AWS base+200..299
 CONN_ID = "k8s_sandbox"
