@@ -235,14 +235,15 @@ def measure(home: Path, base: Path, variant: str, count: int) -> dict[str, float
     shutil.rmtree(home / "logs", ignore_errors=True)
     shutil.copy(home / f"{variant}-{count}.db" if variant != "none" else base, db)
     env = airflow_env(home, db)
-    log = open(home / f"triggerer-{variant}-{count}.log", "w")
+    log_path = home / f"triggerer-{variant}-{count}-{time.time():.0f}.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen([AIRFLOW, "triggerer", "--skip-serve-logs"], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"triggerer exited:\n{(home / log.name).read_text()[-3000:]}")
+                raise RuntimeError(f"triggerer exited:\n{log_path.read_text()[-3000:]}")
             con = sqlite3.connect(db, timeout=30)
             try:
                 assigned = con.execute("SELECT count(*) FROM trigger WHERE triggerer_id IS NOT "
@@ -269,7 +270,9 @@ def measure(home: Path, base: Path, variant: str, count: int) -> dict[str, float
         pss = _pss(proc.pid) + sum(_pss(k) for k in kids)
         fired = _fired(db)
         streamed, silent = _trigger_logs(home)
-        return {"streamed": streamed, "no_answer": silent,
+        blocked = _blocked(log_path)
+        return {"streamed": streamed, "no_answer": silent, "blocked_max_s": max(blocked, default=0),
+                "blocked_n": len(blocked),
                 "supervisor": spread(sup).median / 1024, "runner": spread(runner).median / 1024,
                 "total": (spread(sup).median + spread(runner).median) / 1024,
                 "pss": pss / 1024, "children": len(kids), "fired": fired}
@@ -292,6 +295,14 @@ def _trigger_logs(home: Path) -> tuple[int, int]:
         streamed += "started on" in text
         silent += "No answer about job" in text
     return streamed, silent
+
+
+def _blocked(log: Path) -> list[float]:
+    """Seconds of every "async thread was blocked" warning of the triggerer so far."""
+    import re
+
+    return [float(m) for m in re.findall(r"async thread was blocked for ([0-9.]+) seconds",
+                                         log.read_text(errors="replace"))]
 
 
 def _fired(db: Path) -> int:
