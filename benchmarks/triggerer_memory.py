@@ -124,11 +124,16 @@ def submit_jobs(count: int) -> list[dict]:
 
 
 def cancel_jobs() -> None:
+    """Cancel every job this benchmark submitted (by id: ``scancel --name`` takes one name)."""
     from common import slurm_cmd
 
     for cluster in ("alpha", "beta"):
-        slurm_cmd(cluster, "scancel", "-u", "skyuser", "-n",
-                  ",".join(f"sky-bench-triggerer-{i}" for i in range(1, 1001)), check=False)
+        out = slurm_cmd(cluster, "squeue", "-h", "-u", "skyuser", "-o", "%i|%j",
+                        check=False).stdout
+        ids = [i for i, _, name in (line.partition("|") for line in out.splitlines())
+               if name.startswith("sky-bench-triggerer-")]
+        for start in range(0, len(ids), 200):
+            slurm_cmd(cluster, "scancel", *ids[start:start + 200], check=False)
         slurm_cmd(cluster, "bash", "-c", "rm -rf $HOME/bench-triggerer", check=False)
 
 
