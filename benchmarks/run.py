@@ -1,4 +1,20 @@
-"""Speed and scale of the parts that grow with users: ``python benchmarks/run.py [--quick]``.
+"""Speed and scale of the parts that grow with users: ``python benchmarks/run.py [--quick]
+[NAME ...]``.
+
+Without names it runs the in-process benchmarks below (spec ... scheduling). Named entries
+that need the sandbox (``python -m tests.sandbox up``) run only when asked for, each a ratio
+measured side by side in one run (``benchmarks/backends.py``,
+``benchmarks/triggerer_memory.py``):
+
+- probe: all sandbox connections probed at once vs the slowest single one;
+- submit: submit-to-running of ``SlurmBackend.submit`` vs a raw ``sbatch`` over SSH;
+- failover: the real operator's reaction to a node failure (failure reported -> next job
+  submitted) vs a fresh placement;
+- sweep: placement latency of 100 mapped tasks placing at once vs one alone;
+- triggerer-memory: RSS of the real ``airflow triggerer`` with 100 and 1000 deferred SkyPilot
+  tasks vs as many DateTimeTriggers and vs none.
+
+In-process (the default):
 
 - spec: loading and validating a realistic task YAML (the operator does it on every resume);
 - placement: ranking offers from many connections and candidates;
@@ -192,13 +208,50 @@ def bench_scheduling(quick: bool) -> None:
     ROWS.extend(scheduling.summary_rows(quick))
 
 
+def _sandbox_bench(name: str):
+    def bench(quick: bool) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import backends
+
+        backends.ROWS.clear()
+        rounds = max(2, backends.DEFAULT_ROUNDS[name] // 3) if quick else None
+        ROWS.extend(backends.run([name], rounds, 20 if quick and name == "sweep" else 100))
+    return bench
+
+
+def bench_triggerer_memory(quick: bool) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import triggerer_memory
+
+    ROWS.extend(triggerer_memory.run([100] if quick else [100, 1000], 1 if quick else 2))
+
+
+#: the in-process benchmarks (run without names)
+DEFAULT = {"spec": bench_spec, "placement": bench_placement, "slurm-parse": bench_slurm_parse,
+           "poller": bench_poller, "slurm-probe": bench_slurm_probe,
+           "scheduling": bench_scheduling}
+#: the sandbox benchmarks (run when named; ``sandbox`` names them all)
+SANDBOX = {"probe": _sandbox_bench("probe"), "submit": _sandbox_bench("submit"),
+           "failover": _sandbox_bench("failover"), "sweep": _sandbox_bench("sweep"),
+           "triggerer-memory": bench_triggerer_memory}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("names", nargs="*", help="benchmarks to run (default: the in-process "
+                        f"ones): {', '.join([*DEFAULT, *SANDBOX])}, sandbox (all of those "
+                        "that need it), all")
     args = parser.parse_args()
-    for bench in (bench_spec, bench_placement, bench_slurm_parse, bench_poller,
-                  bench_slurm_probe, bench_scheduling):
-        bench(args.quick)
+    unknown = set(args.names) - {*DEFAULT, *SANDBOX, "sandbox", "all"}
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+    names = args.names or list(DEFAULT)
+    if "sandbox" in names or "all" in names:
+        names = [*([*DEFAULT] if "all" in names else []), *SANDBOX,
+                 *(n for n in names if n not in ("sandbox", "all"))]
+    for name in dict.fromkeys(names):
+        {**DEFAULT, **SANDBOX}[name](args.quick)
     print("| benchmark | result | spread |\n|---|---|---|")
     for name, result, spread in ROWS:
         print(f"| {name} | {result} | {spread} |")
