@@ -60,15 +60,42 @@ def unpacked(name: str, data: bytes | str, depth: int = 0) -> dict[str, str]:
     text = raw.decode("utf-8", "replace")
     out[name] = text
     for i, match in enumerate(_B64_RUN.finditer(text)):
-        blob = re.sub(r"\s+", "", match.group(0))
-        with contextlib.suppress(binascii.Error, ValueError):
-            decoded = base64.b64decode(blob + "=" * (-len(blob) % 4))
+        lines = match.group(0).rstrip("\n").split("\n")
+        # a wrapped run may have taken the first letters of the next line too (a heredoc's
+        # end marker, "AIRF" of AIRFLOW_SKYPILOT_PAYLOAD): then it decodes without its last line
+        for candidate in (lines, lines[:-1]) if len(lines) > 1 else (lines,):
+            decoded = _b64(re.sub(r"\s+", "", "".join(candidate)))
+            if decoded is None:
+                continue
             if decoded[:2] == b"\x1f\x8b" or decoded[257:262] == b"ustar":
+                if not _whole(decoded):
+                    continue
                 out.update(unpacked(f"{name}|b64#{i}", decoded, depth + 1))
             else:
                 with contextlib.suppress(UnicodeDecodeError):
                     out[f"{name}|b64#{i}"] = decoded.decode("utf-8")
+            break
     return out
+
+
+def _b64(blob: str) -> bytes | None:
+    try:
+        return base64.b64decode(blob + "=" * (-len(blob) % 4))
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _whole(packed: bytes) -> bool:
+    """Does a gzip or tar stream read to its end (not cut, nothing after it)?"""
+    try:
+        if packed[:2] == b"\x1f\x8b":
+            gzip.decompress(packed)
+        else:
+            with tarfile.open(fileobj=io.BytesIO(packed)) as tar:
+                tar.getmembers()
+    except (OSError, EOFError, tarfile.TarError):
+        return False
+    return True
 
 
 def processes_with_env(key: str, value: str) -> list[str]:

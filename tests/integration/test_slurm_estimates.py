@@ -15,6 +15,7 @@ import pytest
 from airflow_skypilot.backends.base import JobState
 from airflow_skypilot.backends.slurm import SlurmBackend
 from airflow_skypilot.spec import load_task
+from tests.sandbox.slurm import remote_work_dir
 
 pytestmark = pytest.mark.sandbox
 
@@ -131,7 +132,7 @@ def test_test_only_is_asked_with_the_tasks_own_sbatch_options(slurm):
 
 def test_the_history_of_finished_jobs_discounts_the_estimate(slurm):
     alpha = SlurmBackend("slurm_alpha")
-    history = "~/.airflow-skypilot/probe-history-alpha"
+    history = f"{remote_work_dir()}/probe-history-alpha"
     slurm.run("alpha", "bash", "-c", f"rm -f {history}")
     jobs = [slurm.run("alpha", "sbatch", "--parsable", "-p", "batch", "-t", "10", "-o",
                       "/dev/null", "--wrap", "sleep 1").stdout.strip() for _ in range(22)]

@@ -158,6 +158,14 @@ def port_base() -> int:
     return int(os.environ.get(PORT_BASE_ENV, DEFAULT_PORT_BASE))
 
 
+def remote_work_dir() -> str:
+    """The connections' ``remote_work_dir`` on the login user's home: the default for the
+    default ports, one of its own for another set of sandboxes (whose jobs' dirs, and the
+    clean-up of old ones that rides on every submit, must not meet this set's)."""
+    base = port_base()
+    return "~/.airflow-skypilot" if base == DEFAULT_PORT_BASE else f"~/.airflow-skypilot-{base}"
+
+
 def ctld_port(cluster: Cluster) -> int:
     """slurmctld port of a cluster."""
     return port_base() + SLURM_PORT_OFFSET + cluster.port_offset
@@ -549,6 +557,8 @@ class SlurmSandbox:
                     "host_key": f"{host_key[0]} {host_key[1]}",
                     "no_host_key_check": False,
                     "cluster": cluster.name,
+                    **({} if remote_work_dir() == "~/.airflow-skypilot"
+                       else {"remote_work_dir": remote_work_dir()}),
                 },
             }
         return conns

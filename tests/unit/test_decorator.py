@@ -187,14 +187,28 @@ def test_an_exception_in_the_function_is_the_tasks_error():
     assert FakeBackend.jobs == {}
 
 
+@pytest.fixture
+def task_log(capsys):
+    """The task log these tests read: Airflow's structlog, printed to this test's stdout. An
+    earlier test in the session (an Airflow CLI run in-process) may have configured structlog
+    with a stream of its own; for this test its loggers write to the stdout of the moment."""
+    import structlog
+
+    factory = structlog.get_config()["logger_factory"]
+    if getattr(factory, "io", None) is not None:
+        structlog.configure(logger_factory=type(factory)(factory.cls, None))
+    yield capsys
+    structlog.configure(logger_factory=factory)
+
+
 # --- secrets ---------------------------------------------------------------------------------
-def test_returned_secrets_are_masked_before_anything_can_show_them(monkeypatch, capsys):
+def test_returned_secrets_are_masked_before_anything_can_show_them(monkeypatch, task_log):
     masked = []
     monkeypatch.setattr("airflow_skypilot.operators.skypilot.mask_secret", masked.append)
     op = _decorated(lambda: {"secrets": {"TOKEN": "s3cr3t-token"}, "run": "use $TOKEN"})
     deferred, _ = _run(op)
     assert "s3cr3t-token" in masked
-    log = capsys.readouterr().out  # the merged task is logged, without the secret's value
+    log = task_log.readouterr().out  # the merged task is logged, without the secret's value
     assert "<lambda>() returned the fields secrets, run; the task:" in log
     assert "TOKEN: '***'" in log and "s3cr3t-token" not in log
     assert "s3cr3t-token" not in json.dumps(deferred.trigger.serialize(), default=str)
@@ -218,7 +232,7 @@ def test_the_run_state_carries_a_digest_of_the_answer_not_its_secrets():
     assert len(digest) == 16 and "t0k" not in json.dumps(deferred.trigger.state)
 
 
-def test_a_resumed_try_calls_the_function_again_only_when_it_needs_the_task(capsys):
+def test_a_resumed_try_calls_the_function_again_only_when_it_needs_the_task(task_log):
     calls = []
 
     def train():
@@ -230,10 +244,10 @@ def test_a_resumed_try_calls_the_function_again_only_when_it_needs_the_task(caps
     event, state = _event(deferred, JobState.SUCCEEDED)
     result = _decorated(train).execute_complete({"ti": ti}, event, state)
     assert result["state"] == "succeeded" and len(calls) == 1
-    assert "returned a different task" not in capsys.readouterr().out
+    assert "returned a different task" not in task_log.readouterr().out
 
 
-def test_a_failover_after_a_deferral_places_the_functions_answer_again(capsys):
+def test_a_failover_after_a_deferral_places_the_functions_answer_again(task_log):
     calls = []
 
     def train():
@@ -248,7 +262,7 @@ def test_a_failover_after_a_deferral_places_the_functions_answer_again(capsys):
     assert again.value.trigger.state["task_env_id"] == deferred.trigger.state["task_env_id"]
     # "go 1" then "go 2": the second answer differs from the first, and the log says so
     assert "train() returned a different task than at this try's first call" in \
-        capsys.readouterr().out
+        task_log.readouterr().out
 
 
 # --- mapping ---------------------------------------------------------------------------------
