@@ -463,7 +463,7 @@ def test_a_deleted_runs_jobs_are_not_adopted_by_the_run_recreated_under_its_id(d
                    what="the new run to start well after the last submission")
         deployment.trigger(counted(counter, 3), run_id=run_id)
         assert deployment.wait_ti(run_id, {"success", "failed"}, 180) == "success", \
-            deployment.logs()
+            deployment.logs() + "\n--- task log ---\n" + deployment.task_log(run_id)[-6000:]
         [attempt] = deployment.xcom(run_id, "return_value")["attempts"]
         assert not attempt["adopted"], attempt
         assert_ran_once(counter)
