@@ -14,7 +14,7 @@ or of any that mount it; an empty value turns it off):
    for the ranking only (milliseconds), never across a submission.
 3. After the submission it stamps ``submitted`` on its entry (or drops the entry when the place
    refused). An entry counts against a probe only while that probe cannot have seen the job:
-   the job was not yet submitted, or was submitted after the probe began (less
+   the job was not yet submitted, or was submitted after the probe began (less the backend's
    ``VISIBLE_AFTER``). A probe begun later sees the job itself (pending jobs, pods, launching
    instances): counting it again would make the place look fuller than it is.
 4. Entries lapse ``TTL`` seconds after they were written (a worker that died mid-placement).
@@ -42,8 +42,10 @@ log = logging.getLogger(__name__)
 
 #: seconds an entry lives at most (a placement whose worker died before it submitted)
 TTL = 180.0
-#: seconds after a submission before every backend's listing shows the job itself
-VISIBLE_AFTER = 1.0
+#: seconds after a submission before a backend's listing shows the job itself (squeue and the
+#: Kubernetes API at once; EC2's DescribeInstances is eventually consistent)
+VISIBLE_AFTER = {"aws": 5.0}
+VISIBLE_AFTER_DEFAULT = 0.1
 
 
 def ledger_path() -> str:
@@ -64,14 +66,19 @@ def hold(offers: list[Offer], entries: list[dict[str, Any]], *, probe_began: flo
     """``offers`` (of a probe begun at ``probe_began``) with what ``entries`` hold taken from
     their places (in place; returned).
 
+    An entry holds room at its own place and at every place that shares capacity with it
+    (``Offer.shares_capacity_with``: a Slurm partition whose nodes another one has too; an
+    entry there is counted whole, as if its job took the shared nodes: conservative).
     GPUs first: a place's free GPUs shrink by the entries' GPUs, and its free nodes to what
     the GPUs left can fill. A CPU-only entry takes whole nodes (we do not know how it packs).
     An offer that is no longer free now gets an unknown start (it waits behind jobs whose
     length nobody knows yet), ``details["held_by_placements"]`` and a note for the table.
     """
     for offer in offers:
-        mine = [e for e in entries if e.get("place") == offer.place_key
-                and e.get("copy") != own and _unseen(e, probe_began)]
+        places = {offer.place_key, *offer.shares_capacity_with}
+        lag = VISIBLE_AFTER.get(offer.backend, VISIBLE_AFTER_DEFAULT)
+        mine = [e for e in entries if e.get("place") in places
+                and e.get("copy") != own and _unseen(e, probe_began, lag)]
         if not mine or not offer.fits:
             continue
         was_free = offer.free_now
@@ -95,9 +102,9 @@ def hold(offers: list[Offer], entries: list[dict[str, Any]], *, probe_began: flo
     return offers
 
 
-def _unseen(entry: dict[str, Any], probe_began: float) -> bool:
+def _unseen(entry: dict[str, Any], probe_began: float, lag: float) -> bool:
     submitted = entry.get("submitted")
-    return submitted is None or probe_began < float(submitted) + VISIBLE_AFTER
+    return submitted is None or probe_began < float(submitted) + lag
 
 
 class PlacementLedger:

@@ -145,6 +145,9 @@ class Offer:
     instance_type: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     probed_at: float = field(default_factory=time.time)
+    #: the place keys of other places whose capacity overlaps this one's (Slurm partitions
+    #: sharing nodes): a placement made moments ago there takes room here too (``ledger.hold``)
+    shares_capacity_with: list[str] = field(default_factory=list)
     #: phrases for the placement table's "why": how the estimate was made, idle GPUs held
     #: for jobs ahead, the GPUs a larger instance wastes...
     notes: list[str] = field(default_factory=list)

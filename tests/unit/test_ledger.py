@@ -13,7 +13,7 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_skypilot.backends import registry
-from airflow_skypilot.ledger import VISIBLE_AFTER, PlacementLedger, hold
+from airflow_skypilot.ledger import VISIBLE_AFTER_DEFAULT, PlacementLedger, hold
 from airflow_skypilot.operators import SkyPilotOperator
 from tests.fakes import FakeBackend, offer
 
@@ -42,11 +42,21 @@ def test_what_is_left_still_takes_a_job():
 def test_a_job_the_backend_already_shows_is_not_counted_twice():
     began = time.time()
     o = offer("c1", "p", gpus_free=1)
-    hold([o], [_entry("c1/p", submitted=began - VISIBLE_AFTER - 1)], probe_began=began)
+    hold([o], [_entry("c1/p", submitted=began - VISIBLE_AFTER_DEFAULT - 1)], probe_began=began)
     assert o.gpus_free == 1 and "held_by_placements" not in o.details
     # submitted after the probe began: the probe may not have seen it
     hold([o], [_entry("c1/p", submitted=began + 0.5)], probe_began=began)
     assert o.gpus_free == 0
+
+
+def test_a_partition_sharing_nodes_with_the_placements_is_held_too():
+    batch = offer("slurm_alpha", "batch", gpus_free=3)  # a1 + a2
+    batch.shares_capacity_with = ["slurm_alpha/short"]
+    short = offer("slurm_alpha", "short", gpus_free=3)  # a2
+    short.shares_capacity_with = ["slurm_alpha/batch"]
+    hold([batch, short], [_entry("slurm_alpha/short", gpus=3)], probe_began=time.time())
+    assert (batch.gpus_free, short.gpus_free) == (0, 0)
+    assert not batch.free_now and not short.free_now
 
 
 def test_own_entry_other_places_and_cpu_only_entries():

@@ -130,6 +130,8 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
                   request=req, num_nodes=task.num_nodes, accelerator=req.accelerator,
                   gpus_per_node=req.accelerator_count, nodes_total=len(nodes),
                   pending_jobs=info.pending, probed_at=st.now,
+                  shares_capacity_with=sorted({f"{conn_id}/{p}" for n in nodes
+                                               for p in n.partitions if p != part}),
                   details={"cluster": s.cluster, "partition": part})
 
     def no(reason: str) -> Offer:
