@@ -12,7 +12,6 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_skypilot import placement, rebalance
-from airflow_skypilot.backends import registry
 from airflow_skypilot.backends.base import JobState, JobStatus
 from airflow_skypilot.runstate import MAX_LOOKS, XCOM_WATCH, Look, RunState, add_look
 from airflow_skypilot.triggers import skypilot as trig
@@ -67,17 +66,8 @@ def test_judge_says_why_a_job_stays():
 
 
 @pytest.fixture(autouse=True)
-def _fake(monkeypatch):
-    registry.register_backend(FakeBackend)
-    for conn in ("c1", "c2"):
-        monkeypatch.setenv(f"AIRFLOW_CONN_{conn.upper()}", json.dumps({"conn_type": "fake"}))
-    FakeBackend.reset()
-    rebalance._cache.clear()
-    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=3600)],
-                          "c2": [offer("c2", "q", nodes_free=0, est_in=None)]}
-    yield
-    FakeBackend.reset()
-    rebalance._cache.clear()
+def _fake(c1_queues_c2_full):
+    """Every test here runs over c1 (queues) and c2 (full): tests/unit/conftest.py."""
 
 
 def test_the_trigger_records_its_looks_and_writes_the_watch_xcom(monkeypatch):

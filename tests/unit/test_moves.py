@@ -13,7 +13,6 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_skypilot import rebalance
-from airflow_skypilot.backends import registry
 from airflow_skypilot.backends.base import JobState, JobStatus
 from airflow_skypilot.operators import SkyPilotOperator
 from airflow_skypilot.runstate import RunState
@@ -36,19 +35,7 @@ def _ctx():
     return {"ti": TI(), "dag_run": SimpleNamespace(clear_number=0, start_date=None)}
 
 
-@pytest.fixture(autouse=True)
-def _fake(monkeypatch):
-    registry.register_backend(FakeBackend)
-    for conn in ("c1", "c2"):
-        monkeypatch.setenv(f"AIRFLOW_CONN_{conn.upper()}", json.dumps({"conn_type": "fake"}))
-    FakeBackend.reset()
-    rebalance._cache.clear()
-    # c1 can queue it (est. 1 h); c2 is full for now
-    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=3600)],
-                          "c2": [offer("c2", "q", nodes_free=0, est_in=None)]}
-    yield
-    FakeBackend.reset()
-    rebalance._cache.clear()
+pytestmark = pytest.mark.usefixtures("c1_queues_c2_full")
 
 
 def _op(**kw):
