@@ -717,6 +717,8 @@ def test_payload_packs_what_the_workdir_rules_let_travel(tmp_path):
                     "workdir/a-b/g", "workdir/a.txt", "workdir/b", "workdir/b/c",
                     "workdir/b/c/h", "workdir/task.yaml", "mounts/0", "mounts/0/x"]
     assert {(m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, "", "")}
+    # the same bytes on a later render, even a second apart (gzip's header timestamp is 0)
+    assert payload.data[4:8] == b"\0\0\0\0"
     assert ud.render_payload(load_task(str(root / "task.yaml")), {}).data == payload.data
 
 

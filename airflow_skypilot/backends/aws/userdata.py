@@ -25,6 +25,7 @@ shutdown behaviour is terminate). Anything unexpected ends in ``rank-<r>/bootstr
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import os
 import shlex
@@ -113,7 +114,9 @@ def render_payload(task: Task, node_env: Mapping[str, str]) -> Payload:
     """The job's files (no secrets) as a reproducible tar.gz."""
     buf = io.BytesIO()
     names: list[str] = []
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=9) as tar:
+    # gzip's own header carries a timestamp; mtime=0 keeps two renders a second apart equal
+    with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=9, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w") as tar:
         node = jobscript.node_script(job_dir='"$JOB_DIR"', workdir='"$JOB_DIR/workdir"',
                                      rank_var=RANK_VAR, ips_var=IPS_VAR,
                                      has_setup=bool(task.setup), has_run=bool(task.run))
