@@ -223,3 +223,41 @@ def test_cleanup_keeps_the_log_and_the_next_submit_removes_old_dirs(slurm, monke
     assert [h.job_name for h in beta.find_all(stem)] == [theirs.job_name]
     assert SlurmBackend(CONN).find(theirs.job_name) is None
     backend.cancel(live)
+
+
+def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran(slurm):
+    # A real cluster limit: MaxStepCount=1 lets the job's setup step start and refuses its run
+    # step ("Unable to create step ... Step limit reached"). The task's run never began, so the
+    # job is an infrastructure failure (placed again elsewhere), not the user's code failing.
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    name = _name("nostep")
+    conf = slurm.slurm_conf(CLUSTER)
+    original = conf.read_text()
+    conf.write_text(original + "MaxStepCount=1\n")
+    try:
+        slurm.run(CLUSTER, "scontrol", "reconfigure", as_root=True)
+        task = load_task({"setup": f"echo setup >> {marks}/{name}",
+                          "run": f"echo run >> {marks}/{name}"})
+        offer = next(o for o in backend.probe(task) if o.fits)
+        handle = backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
+        status = wait_for_job(backend, handle, {JobState.INFRA_FAILED, JobState.FAILED,
+                                                JobState.SUCCEEDED}, 90)
+    finally:
+        conf.write_text(original)
+        slurm.run(CLUSTER, "scontrol", "reconfigure", as_root=True)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.INFRA_FAILED, (status, log)
+    assert "could not launch the job's run step" in status.reason
+    assert status.state.infra_failure
+    assert _ran(marks, name) == ["setup"], "setup ran once, the run step never began"
+    assert "srun could not launch the run step" in log
+
+
+def test_a_failing_step_is_the_users_failure_not_a_launch_failure(slurm):
+    # the counterpart: the step began and the task's own script failed (exit 3)
+    backend = SlurmBackend(CONN)
+    handle = _submit(backend, "exit 3", _name("fail"))
+    status = wait_for_job(backend, handle, {JobState.INFRA_FAILED, JobState.FAILED,
+                                            JobState.SUCCEEDED}, 90)
+    assert (status.state, status.exit_code) == (JobState.FAILED, 3), status

@@ -275,6 +275,32 @@ def test_offers_carry_price_quota_and_start():
     assert o.details["quota_code"] == "L-DB2E81BA"
 
 
+def test_the_azs_of_one_quota_hold_each_others_placements_made_moments_ago():
+    # us-east-1a and 1b draw on the region's one G quota: a launch decided in 1a moments ago
+    # takes the room 1b shows too (the ledger); the spot quota is another group
+    from airflow_skypilot.backends.aws.offers import share_quotas
+    from airflow_skypilot.ledger import hold
+
+    quotas = {("g", False): QuotaView("g", False, "L-DB2E81BA", limit=8, used=0),
+              ("g", True): QuotaView("g", True, "L-3819A6DF", limit=8, used=0)}
+    spot = {("g5.xlarge", "us-east-1a"): 0.35, ("g5.xlarge", "us-east-1b"): 0.36}
+    state = _state(quotas=quotas, spot=spot)
+    a, b = share_quotas(_offers({"resources": {"accelerators": "A10G:1"}}, state))
+    assert a.shares_capacity_with == [b.place_key] and b.shares_capacity_with == [a.place_key]
+    assert (a.nodes_free, b.nodes_free) == (2, 2)  # 8 vCPUs of quota, 4 a g5.xlarge
+    entries = [{"copy": f"t{i}", "place": a.place_key, "gpus": 1, "nodes": 1, "at": 1000.0}
+               for i in range(2)]
+    hold([a, b], entries, probe_began=1000.0)
+    assert (a.free_now, b.free_now) == (False, False)  # both launches take the region's quota
+    # mixed: on-demand and spot offers of the same AZs link within their own quota only
+    mixed = share_quotas(
+        _offers({"resources": {"accelerators": "A10G:1"}}, state)
+        + _offers({"resources": {"accelerators": "A10G:1", "use_spot": True}}, state))
+    assert [(o.spot, o.shares_capacity_with) for o in mixed] == [
+        (False, [b.place_key]), (False, [a.place_key]),
+        (True, [b.place_key]), (True, [a.place_key])]
+
+
 def test_offer_not_free_when_quota_used_and_no_fit_when_quota_too_small():
     quotas = {("p", False): QuotaView("p", False, "L-417A185B", limit=128, used=96)}
     offer = _offers({"resources": {"accelerators": "A100:8"}}, _state(quotas=quotas))[0]

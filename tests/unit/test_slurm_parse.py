@@ -126,6 +126,20 @@ def test_sacct_and_exit_files_cover_jobs_that_left_the_queue():
     assert got["10"].state == JobState.LOST  # squeue answered, no record of it anywhere
 
 
+def test_a_step_that_srun_could_not_launch_is_an_infra_failure():
+    # the job script's verdict "nostep <phase> <srun's exit>" (submit._sbatch_script), whether
+    # squeue, sacct or only the exit file still knows the job; a plain exit code stays the
+    # user's
+    out = ("@@squeue\n7|n|FAILED|NonZeroExitCode|a1|1|2\n@@squeue_rc\n0\n"
+           "@@sacct\n8|FAILED|1:0|1796000000|1796000100\n@@sacct_rc\n0\n"
+           "@@exits\n7|nostep run 1\n8|nostep setup 1\n9|nostep run 1\n10|1\n")
+    got = parse_status(out, [_handle(j) for j in ("7", "8", "9", "10")])
+    for job, phase in (("7", "run"), ("8", "setup"), ("9", "run")):
+        assert (got[job].state, got[job].exit_code) == (JobState.INFRA_FAILED, 1), got[job]
+        assert f"could not launch the job's {phase} step" in got[job].reason
+    assert got["10"].state == JobState.FAILED
+
+
 @pytest.mark.parametrize("squeue", [
     "@@squeue\n@@squeue_rc\n1\n",  # slurm_load_jobs error: Socket timed out
     "@@squeue\n7|n|RUNNING|None|a1|1|N/A\n@@squeue_rc\n124\n",  # killed by timeout, half out

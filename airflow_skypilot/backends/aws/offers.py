@@ -89,6 +89,21 @@ def probe_region(clients: AwsClients, quotas: Quotas, settings: AwsSettings, tas
     for req in reqs:
         offers.extend(offers_for(clients.conn_id, settings, task, req, state,
                                  *choices[req.index]))
+    return share_quotas(offers)
+
+
+def share_quotas(offers: list[Offer]) -> list[Offer]:
+    """An AZ's room is the region's vCPU quota, which its other AZs draw on too: each offer
+    names the places of the same quota (code, spot or not) in ``shares_capacity_with``, so a
+    launch decided moments ago in one AZ holds room in the others (``ledger.hold``)."""
+    groups: dict[tuple[str, bool], set[str]] = {}
+    for o in offers:
+        if o.details.get("quota_code"):
+            groups.setdefault((o.details["quota_code"], o.spot), set()).add(o.place_key)
+    for o in offers:
+        if o.details.get("quota_code"):
+            same = groups[(o.details["quota_code"], o.spot)] - {o.place_key}
+            o.shares_capacity_with = sorted(set(o.shares_capacity_with) | same)
     return offers
 
 

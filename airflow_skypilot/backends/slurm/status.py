@@ -6,7 +6,9 @@ a pending job's StartTime, backfill's plan for it, is its own estimated start,
 probe's estimates are),
 ``sacct`` where accounting exists, and each job's ``exit_code`` file (written by the job itself)
 for jobs that already left the queue. Slurm states map to ours by SkyPilot's rule: the
-allocation is gone (node failure, preemption) -> infra; the program exited non-zero -> user.
+allocation is gone (node failure, preemption) -> infra; the program exited non-zero -> user;
+a job whose ``exit_code`` says ``nostep`` (srun could not launch a step, so the task's script
+of that step never began: slurmctld unreachable, a step limit) -> infra.
 
 Who is authoritative for what ("could not ask" is never "gone"):
 
@@ -31,6 +33,7 @@ import calendar
 import shlex
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.slurm.queue import history_ratio
@@ -134,6 +137,9 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
     for handle in handles:
         jid = handle.job_id
         code_text = exits.get(jid, "")
+        nostep = code_text.split() if code_text.startswith("nostep") else None
+        if nostep:  # "nostep <phase> <srun's exit code>": the job script's own verdict
+            code_text = nostep[-1]
         exit_code = parse_int(code_text, None) if code_text else None  # type: ignore[arg-type]
         if jid in queue:
             # id|name|state|reason|nodes|start|end
@@ -159,6 +165,10 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
             why = "timed out" if squeue_rc in (124, 137) else f"failed (exit {squeue_rc})"
             out[jid] = JobStatus(JobState.UNKNOWN, reason=f"squeue {why}: slurmctld did not "
                                                           "answer", raw_state="(no answer)")
+        if nostep and out[jid].state == JobState.FAILED:
+            out[jid] = replace(out[jid], state=JobState.INFRA_FAILED, reason=(
+                f"srun could not launch the job's {nostep[1]} step (exit {exit_code}): the "
+                f"task's {nostep[1]} never began"))
     return out
 
 

@@ -198,6 +198,12 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
 # --- the job's files -------------------------------------------------------------------------
 
 
+#: srun's arguments up to the phase: one task per node, each noting that it began (the marker
+#: is written before node.sh runs, and node.sh runs only if it was)
+_STEP = ('--kill-on-bad-exit=1 --ntasks-per-node=1 -N "$SLURM_JOB_NUM_NODES" '
+         'bash -c \'touch "$0/began.$1" && exec bash "$0/node.sh" "$1"\' "$JOB_DIR"')
+
+
 def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: str) -> str:
     req = offer.request
     gpus = int(req.accelerator_count) if req.accelerator else 0
@@ -241,17 +247,23 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         "done",
         'export SKYPILOT_NODE_IPS="${ips%$\'\\n\'}"',
         'echo "airflow-skypilot: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST"',
-        f"srun{label} --kill-on-bad-exit=1 --ntasks-per-node=1 "
-        f'-N "$SLURM_JOB_NUM_NODES" bash "$JOB_DIR/node.sh" setup',
-        "rc=$?",
+        "# Each step notes on the node that it began, before the task's script. A step that",
+        "# failed with no such note never ran it: srun could not launch the step (slurmctld",
+        "# unreachable, a step limit), an infrastructure failure, written as `nostep`.",
+        f"srun{label} {_STEP} setup",
+        "rc=$?; phase=setup",
         "if [ $rc -eq 0 ]; then",
-        f"  srun{label} --kill-on-bad-exit=1 --ntasks-per-node=1 "
-        f'-N "$SLURM_JOB_NUM_NODES" bash "$JOB_DIR/node.sh" run',
-        "  rc=$?",
-        "else",
+        f"  srun{label} {_STEP} run",
+        "  rc=$?; phase=run",
+        'elif [ -e "$JOB_DIR/began.setup" ]; then',
         '  echo "airflow-skypilot: setup failed with exit code $rc; run skipped" >&2',
         "fi",
-        'printf "%s\\n" "$rc" > "$JOB_DIR/exit_code.tmp" && '
+        'code=$rc',
+        'if [ $rc -ne 0 ] && [ ! -e "$JOB_DIR/began.$phase" ]; then',
+        '  echo "airflow-skypilot: srun could not launch the $phase step (exit $rc)" >&2',
+        '  code="nostep $phase $rc"',
+        "fi",
+        'printf "%s\\n" "$code" > "$JOB_DIR/exit_code.tmp" && '
         'mv "$JOB_DIR/exit_code.tmp" "$JOB_DIR/exit_code"',
         "exit $rc",
     ]
@@ -448,7 +460,7 @@ def check_cancelled(rc: int, out: str, err: str, handle: JobHandle) -> None:
 #: what :func:`cleanup_script` removes from a finished job's dir (the log and the files that
 #: say which job it was stay until the retention runs out)
 LEFT_BEHIND = ("workdir", "job.sbatch", "node.sh", "env.sh", "setup.sh", "run.sh",
-               "exit_code.tmp", "job_id.tmp")
+               "exit_code.tmp", "job_id.tmp", "began.setup", "began.run")
 
 
 def cleanup_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str | None:
