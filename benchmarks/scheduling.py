@@ -1397,8 +1397,8 @@ class Sim:
 
     def _move(self, job: Job, bj: BJob, current: Offer, to: Offer, gen: int) -> None:
         """``Placer.move``: only a copy that still waits, and only if ``to``, probed again,
-        still takes it as promised; cancel, confirm, submit there; a refused submission places
-        the job anew."""
+        still takes it as promised; cancel, confirm, block the place left for the cooldown (no
+        back and forth), submit there; a refused submission places the job anew."""
         if bj.state != "pending":  # it started meanwhile: it stays
             return
         fresh = self._still_good(job, to)
@@ -1408,6 +1408,8 @@ class Sim:
         self._count_move(job, current, fresh)
         self.places[job.where].cancel(bj, self.t)
         self._schedule(self.places[job.where])
+        job.blocked.append(Blocked(current.place_key, "moved away from it", at=EPOCH + self.t,
+                                   until=EPOCH + self.t + self.sc.block_cooldown))
         job.moves += 1
         self._submit_later(job, fresh, self.sc.cancel_s + self.sc.submit_s,
                            lambda: self._replace(job, None))
