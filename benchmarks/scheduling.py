@@ -28,8 +28,11 @@ What is real and what is simulated:
   how jobs end, a pending job's own start, pod-age estimates, exact-count instances first) is
   the real code reading what the simulator prints; a knob (:class:`Knobs`) can withhold the
   input that behaviour reads (the old probe's output: Step 7's backends), and the knobs for
-  what no backend does (a backfill-aware test-only, SkyPilot's exact-only AWS types, a ledger
-  of placements decided moments ago) are applied where that code would apply them.
+  what no backend does (a backfill-aware test-only, SkyPilot's exact-only AWS types) are
+  applied where that code would apply them.
+- The placement ledger is the real one: each placement and each move's re-probe of its target
+  takes from its offers what ``ledger.hold`` says the entries hold (entries as ``Placer``
+  writes them, stamped when submitted, lapsing after ``ledger.TTL``).
 
 SkyPilot's rule is modelled as DESIGN.md describes it: try the places that fit by shape, cheapest
 first (SkyPilot's optimizer; on-prem is free), submit, and fail over after a pending timeout
@@ -62,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from airflow_skypilot import placement, rebalance  # noqa: E402
+from airflow_skypilot import ledger, placement, rebalance  # noqa: E402
 from airflow_skypilot.backends.aws import offers as aws_offers  # noqa: E402
 from airflow_skypilot.backends.aws.catalog import (  # noqa: E402
     InstanceTypeInfo,
@@ -118,13 +121,11 @@ class Knobs:
     ``aws_types``: ``exact-first`` (the code now): exactly the count where such a type is
       offered, else the fewest-GPU larger type (here: as Step 7, for no A100 type has fewer
       than 8). What-if: ``exact``: only exact counts (SkyPilot's catalog).
+    ``herd_avoid``: ``True`` (the code now): the placement ledger (``ledger.hold`` on every
+      placement's offers and on a move's re-probe of its target); ``False``: no ledger (the
+      backends count only what they show: a sweep's members that place at the same moment
+      see none of each other).
 
-    What-if (no backend can do it alone):
-
-    ``herd_avoid``: a ledger of submissions decided moments ago (before any backend shows
-      them) counted against free capacity, and no probe shared across them. The backends now
-      count what they show (pending jobs, pods, Jobs without pods, launching instances); a
-      sweep's members that place at the same moment see none of each other.
     ``max_moves``: bound on moves per job for the ``+moves`` strategies (placement.MAX_MOVES).
     """
 
@@ -133,7 +134,7 @@ class Knobs:
     own_estimate: str = "queue"
     k8s_estimate: str = "pod-ages"
     aws_types: str = "exact-first"
-    herd_avoid: bool = False
+    herd_avoid: bool = True
     max_moves: int = placement.MAX_MOVES
 
     def label(self) -> str:
@@ -144,10 +145,9 @@ class Knobs:
 
 #: the backends of Step 7 (before this step's changes): the inputs they read
 STEP7 = Knobs(slurm_estimate="testonly", slurm_free="idle", own_estimate="none",
-              k8s_estimate="none")
+              k8s_estimate="none", herd_avoid=False)
 #: every improvement at once, the what-ifs too
-ALL_KNOBS = Knobs(slurm_estimate="queue-aware", own_estimate="queue+k8s", aws_types="exact",
-                  herd_avoid=True)
+ALL_KNOBS = Knobs(slurm_estimate="queue-aware", own_estimate="queue+k8s", aws_types="exact")
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,6 @@ class BJob:
     start: float | None = None
     node: int | None = None
     state: str = "pending"  # pending | running | done | cancelled
-    phantom: bool = False
     est_wait: float | None = None  # the wait its offer promised (None: unknown)
     place: str = ""  # a racing copy's connection
     free_now: bool = False  # its offer said it could start now
@@ -602,36 +601,24 @@ class SlurmPlace(Place):
             return None
         return self.cached("discount", lambda: history_ratio(self.history_lines()).ratio)
 
-    def _with(self, t: float, extra: list[BJob]) -> Profile:
-        """The backfill plan with submissions made moments ago (not visible yet) in it."""
-        profile = self.profile or Profile(t, self.caps, self.running)
-        if not extra:
-            return profile
-        profile = profile.copy()
-        for p in extra:
-            slot = profile.earliest(p.gpus, p.limit or 0.0, t)
-            if slot is not None:
-                profile.take(slot[1], slot[0], p.limit or 0.0, p.gpus)
-        return profile
-
-    def fifo(self, t: float, extra: list[BJob] = ()) -> Plan:
+    def fifo(self, t: float) -> Plan:
         """The queue played in priority order at time limits, no backfill (``testonly``)."""
         def make() -> Plan:
             running = [(max((j.start or t) + (j.limit or 0.0), t + 1.0), j.node, j.gpus)
                        for j in self.running]
             return fifo_plan(t, self.caps, running, [(j.seq, j.gpus, j.limit or 0.0)
-                                                     for j in [*self.pending, *extra]])
+                                                     for j in self.pending])
 
-        return make() if extra else self.cached(("fifo", t), make)
+        return self.cached(("fifo", t), make)
 
-    def new_job_start(self, t: float, g: int, limit: float, extra: list[BJob]) -> float:
+    def new_job_start(self, t: float, g: int, limit: float) -> float:
         """What the probe's ``sbatch --test-only`` answers for a new job, by the model (the
         real code discounts it)."""
         if self.knobs.slurm_estimate == "queue-aware":
-            slot = self._with(t, extra).earliest(g, limit, t)
+            slot = (self.profile or Profile(t, self.caps, self.running)).earliest(g, limit, t)
             if slot is not None:
                 return slot[0]
-        return after_plan(self.fifo(t, extra), g)
+        return after_plan(self.fifo(t), g)
 
     def own_start(self, bj: BJob, t: float) -> float | None:
         """A waiting job's status ``est_start``: squeue's StartTime (its slot in the backfill
@@ -646,33 +633,19 @@ class SlurmPlace(Place):
         return when if ratio is None else t + (when - t) * ratio
 
     # the probe ------------------------------------------------------------------------------
-    def offers(self, task: Task, t: float, limit: float, phantoms: list[BJob]) -> list[Offer]:
+    def offers(self, task: Task, t: float, limit: float) -> list[Offer]:
         shapes = slurm_offers.probe_shapes(task, self.settings)
-        key = ("state", t, tuple(shapes), limit, tuple(map(id, phantoms)))
-        state = self.cached(key, lambda: parse_cluster(self._probe_text(t, shapes, limit,
-                                                                        phantoms)))
+        key = ("state", t, tuple(shapes), limit)
+        state = self.cached(key, lambda: parse_cluster(self._probe_text(t, shapes, limit)))
         return slurm_offers.offers(task, state, self.settings, self.conn, lambda _t, _r: "")
 
-    def _probe_text(self, t: float, shapes: list[tuple[int, int, int, int]], limit: float,
-                    phantoms: list[BJob]) -> str:
+    def _probe_text(self, t: float, shapes: list[tuple[int, int, int, int]], limit: float
+                    ) -> str:
         """What the probe script prints on the login node (``slurm/cluster.py``)."""
-        used = list(self.used)
         queued: list[tuple[BJob, float | None, int | None]] = [
             (j, *self.reserved.get(j.seq, (None, None))) for j in self.pending]
-        if phantoms:  # the herd_avoid ledger: submissions decided moments ago, counted
-            profile = self.profile.copy() if self.profile else Profile(t, self.caps,
-                                                                       self.running)
-            for p in phantoms:
-                slot = profile.earliest(p.gpus, p.limit or 0.0, t)
-                if slot is not None:
-                    profile.take(slot[1], slot[0], p.limit or 0.0, p.gpus)
-                if slot is not None and slot[0] <= t:
-                    used[slot[1]] += p.gpus
-                else:
-                    queued.append((p, None if slot is None else slot[0],
-                                   None if slot is None else slot[1]))
         lines = ["@@now", str(int(EPOCH + t)), "@@home", "/home/u", "@@user", "sky", "@@nodes"]
-        for n, (cap, u) in enumerate(zip(self.caps, used, strict=True)):
+        for n, (cap, u) in enumerate(zip(self.caps, self.used, strict=True)):
             state = "idle" if u == 0 else "allocated" if u >= cap else "mixed"
             cpus = 64
             alloc = min(cpus, 8 * u)
@@ -686,7 +659,7 @@ class SlurmPlace(Place):
                 continue
             start = "N/A" if when is None else str(int(EPOCH + when))
             sched = "(null)" if node is None else f"{self.conn}-n{node}"
-            user = "sky" if j.owner is not None or j.phantom else "other"
+            user = "sky" if j.owner is not None else "other"
             lines.append(f"{j.seq}|gpu|1|Resources|gres:gpu:{self.gres}:{j.gpus}|{8 * j.gpus}|"
                          f"{64000 * j.gpus}M|{start}|{sched}|{user}|{prio}|"
                          f"{math.ceil((j.limit or 0) / 60) or 'UNLIMITED'}")
@@ -695,7 +668,7 @@ class SlurmPlace(Place):
         lines.append("@@testonly")
         for gpus, nodes, cpus, mem in shapes:
             if gpus <= max(self.caps):
-                when = self.new_job_start(t, gpus, limit, phantoms)
+                when = self.new_job_start(t, gpus, limit)
                 lines.append(f"gpu|{self.gres}|{gpus}|{nodes}|{cpus}|{mem}|{int(EPOCH + when)}")
         return "\n".join(lines)
 
@@ -745,19 +718,7 @@ class K8sPlace(Place):
             self.changed()
         return started
 
-    def _bind(self, phantoms: list[BJob]) -> list[tuple[BJob, int | None]]:
-        """Where the scheduler would put submissions made moments ago (None: pending)."""
-        used = list(self.used)
-        out = []
-        for p in phantoms:
-            n = _best_fit([c - u for c, u in zip(self.caps, used, strict=True)], p.gpus)
-            if n is not None:
-                used[n] += p.gpus
-            out.append((p, n))
-        return out
-
-    def greedy(self, t: float, pending: list[BJob], extra: list[BJob], new: int | None = None
-               ) -> dict[int, float]:
+    def greedy(self, t: float, pending: list[BJob], new: int | None = None) -> dict[int, float]:
         """The ``pod-ages`` estimate: the scheduler played forward, each pod's GPUs freed when
         its age says (the mean run time of finished pods that ran at least as long), pending
         pods bound greedily in order as GPUs free up (no reservations). When each pending
@@ -767,12 +728,6 @@ class K8sPlace(Place):
         ends = [(max(j.start + self.durations.median_above(t - j.start, H), t + 1.0), j.node,
                  j.gpus) for j in self.running]
         waiting = list(pending)
-        for p, n in self._bind(extra):
-            if n is None:
-                waiting.append(p)
-            else:
-                free[n] -= p.gpus
-                ends.append((t + mean, n, p.gpus))
         if new is not None:
             waiting.append(BJob(-1, new, None, 0.0, t))
         heapq.heapify(ends)
@@ -800,10 +755,10 @@ class K8sPlace(Place):
         if self.knobs.k8s_estimate != "pod-ages" or self.knobs.own_estimate != "queue+k8s" \
                 or bj.state != "pending":
             return None
-        return self.cached(("own", t), lambda: self.greedy(t, self.pending, [])).get(bj.seq)
+        return self.cached(("own", t), lambda: self.greedy(t, self.pending)).get(bj.seq)
 
-    def offers(self, task: Task, t: float, limit: float, phantoms: list[BJob]) -> list[Offer]:
-        view = self.cached(("view", t, tuple(map(id, phantoms))), lambda: self._view(t, phantoms))
+    def offers(self, task: Task, t: float, limit: float) -> list[Offer]:
+        view = self.cached(("view", t), lambda: self._view(t))
         out = []
         for req in task.candidates:
             if not k8s_offers.applies(req, self.settings):
@@ -812,14 +767,11 @@ class K8sPlace(Place):
                                         unsupported="", bundle_error=""))
         return out
 
-    def _view(self, t: float, phantoms: list[BJob]) -> Any:
+    def _view(self, t: float) -> Any:
         """What the node list, the pod list and our namespace's lists give
         ``kubernetes.cluster.cluster_view``."""
         pods = [self._pod(j, f"gpu-{j.node}", "Running") for j in self.running]
         pods += [self._pod(j, None, "Pending") for j in self.pending]
-        for p, n in self._bind(phantoms):  # the herd_avoid ledger: decided, counted
-            pods.append(self._pod(p, None if n is None else f"gpu-{n}",
-                                  "Pending" if n is None else "Running", t))
         view = cluster_view(self.node_json, pods, "default", jobs=[])
         view.now = EPOCH + t
         if self.knobs.k8s_estimate != "none":  # Step 7 did not list our finished pods
@@ -829,20 +781,19 @@ class K8sPlace(Place):
         return view
 
     @staticmethod
-    def _pod(j: BJob, node: str | None, phase: str, t: float | None = None) -> dict[str, Any]:
+    def _pod(j: BJob, node: str | None, phase: str) -> dict[str, Any]:
         spec: dict[str, Any] = {"containers": [{"resources": {"requests": {
             "nvidia.com/gpu": str(j.gpus), "cpu": "8"}}}]}
         if node:
             spec["nodeName"] = node
-        ns = "default" if j.owner is not None or j.phantom else "research"
+        ns = "default" if j.owner is not None else "research"
         meta: dict[str, Any] = {"name": f"p{j.seq}", "namespace": ns,
                                 "creationTimestamp": _rfc3339(EPOCH + j.submit)}
         if ns == "default":
             meta["labels"] = {LABEL_JOB: f"p{j.seq}"}
         status: dict[str, Any] = {"phase": phase}
-        started = j.start if j.start is not None else t
-        if phase == "Running" and started is not None:
-            status["startTime"] = _rfc3339(EPOCH + started)
+        if phase == "Running" and j.start is not None:
+            status["startTime"] = _rfc3339(EPOCH + j.start)
         return {"metadata": meta, "spec": spec, "status": status}
 
 
@@ -879,9 +830,8 @@ class AwsPlace(Place):
     total = 0
     busy = 0
 
-    def used_vcpus(self, phantoms: list[BJob] = ()) -> float:
-        return (self.sc.aws_others_vcpus + sum(i.vcpus for _, i in self.instances)
-                + sum(p.gpus for p in phantoms))  # a phantom's vCPUs ride in .gpus here
+    def used_vcpus(self) -> float:
+        return self.sc.aws_others_vcpus + sum(i.vcpus for _, i in self.instances)
 
     def types(self, req: Any) -> tuple[list[InstanceTypeInfo], str]:
         types, why = suitable_types(AWS_TYPES, req, cpu_families=self.settings.cpu_families,
@@ -896,14 +846,14 @@ class AwsPlace(Place):
             types = exact
         return types, why
 
-    def offers(self, task: Task, t: float, limit: float, phantoms: list[BJob]) -> list[Offer]:
+    def offers(self, task: Task, t: float, limit: float) -> list[Offer]:
         state = aws_offers.RegionState(
             region="us-east-1", catalog=AWS_TYPES,
             offered={n: {"us-east-1a", "us-east-1b"} for n in AWS_TYPES},
             spot_prices=self.spot,
             quotas={("p", False): QuotaView("p", False, QUOTA_CODES[("p", False)],
                                             self.sc.aws_quota_vcpus,
-                                            self.used_vcpus(phantoms))},
+                                            self.used_vcpus())},
             subnet_azs=None, now=EPOCH + t)
         out = []
         for req in task.candidates:
@@ -1078,7 +1028,8 @@ class Sim:
         self.jobs = [Job(s, task_for(s)) for s in self.specs]
         self.waiting = 0  # burst jobs arrived and not started
         self.done = 0
-        self.phantoms: dict[str, list[BJob]] = {c: [] for c in self.places}
+        #: the placement ledger's entries (``ledger.PlacementLedger``'s file, shared by all)
+        self.entries: list[dict[str, Any]] = []
         self.probe_cache: dict[tuple[str, int], tuple[float, list[Offer]]] = {}
         self.idle_area = 0.0
         self.total_area = 0.0
@@ -1167,18 +1118,16 @@ class Sim:
         ``shared``: a trigger's look while waiting, which shares a probe per (connection,
         shape) for half the reprobe interval (``rebalance._probe``)."""
         out = []
-        herd = self.knobs.herd_avoid
         for conn in conns or list(self.places):
             place = self.places[conn]
             key = (conn, job.task.name)  # rebalance's key: the task's capacity view
-            if shared and not herd:
+            if shared:
                 hit = self.probe_cache.get(key)
                 if hit is not None and self.t - hit[0] < self.sc.reprobe_interval / 2:
                     out += hit[1]
                     continue
-            phantoms = self.phantoms[conn] if herd else []
-            offers = place.offers(job.task, self.t, job.spec.limit, phantoms)
-            if shared and not herd:
+            offers = place.offers(job.task, self.t, job.spec.limit)
+            if shared:
                 self.probe_cache[key] = (self.t, offers)
             out += offers
         return out
@@ -1191,19 +1140,17 @@ class Sim:
                 self._sky_next(job, first=True)
             return
         conns = ["slurm_alpha"] if self.strategy == "one-cluster" else None
-        if self.knobs.herd_avoid:  # each placement counts the ones made a moment before
-            for job in group:
-                self._decide(job, self._offers(job, conns), conns)
-        else:  # concurrent placements: every one probed before any submitted
-            snapshot = [(job, self._offers(job, conns)) for job in group]
-            for job, offers in snapshot:
-                self._decide(job, offers, conns)
+        # concurrent placements: every one probed before any submitted (with the ledger, each
+        # ranks under the lock after the ones before it noted their choice)
+        snapshot = [(job, self._offers(job, conns)) for job in group]
+        for job, offers in snapshot:
+            self._decide(job, offers, conns)
 
     def _decide(self, job: Job, offers: list[Offer], conns: list[str] | None) -> None:
-        """``Placer.place``: rank, submit to the chosen; a refused place is blocked and the
-        same offers ranked again."""
+        """``Placer.place`` (the probe began now): take what the ledger holds, rank, note the
+        chosen in the ledger, submit; a refused place is blocked and the job placed anew."""
         now = EPOCH + self.t
-        plan = placement.rank(offers, self.policy, ordered=job.task.ordered,
+        plan = placement.rank(self._hold(job, offers), self.policy, ordered=job.task.ordered,
                               blocked=job.blocked, now=now)
         if plan.chosen is None:  # nothing viable now: look again after the reprobe interval
             self.at(self.t + self.sc.reprobe_interval, lambda: self._replace(job, conns))
@@ -1211,6 +1158,7 @@ class Sim:
         job.places = sorted({o.place_key for o in plan.ranked})
         if self._race(job, plan):
             return
+        self._note(job, plan.chosen)
         self._submit_later(job, plan.chosen, self.sc.probe_s + self.sc.submit_s,
                            lambda: self._replace(job, conns))
 
@@ -1263,22 +1211,23 @@ class Sim:
             self.at(self.t + self.sc.reprobe_interval, lambda: self._race_look(job, first))
             return
         job.log.append((self.t, f"race: move to {to.place_key}"))
-        self._count_move(job, current, to)
-        phantom = self._ledger(job, to)
 
         def move() -> None:
             if job.start is not None:
-                if phantom is not None:
-                    self.phantoms[to.connection].remove(phantom)
                 return
+            fresh = self._still_good(job, to)
+            if fresh is None:
+                self.at(self.t + self.sc.reprobe_interval, lambda: self._race_look(job, first))
+                return
+            self._count_move(job, current, fresh)
             for c in job.copies:
                 if c.state == "pending":
                     self.places[c.place].cancel(c, self.t)
                     self._schedule(self.places[c.place])
             job.copies = []
             job.moves += 1
-            self._submit_later(job, to, self.sc.cancel_s + self.sc.submit_s,
-                               lambda: self._replace(job, None), phantom)
+            self._submit_later(job, fresh, self.sc.cancel_s + self.sc.submit_s,
+                               lambda: self._replace(job, None))
 
         self.at(self.t + self.sc.resume_s, move)
 
@@ -1319,24 +1268,45 @@ class Sim:
     def _replace(self, job: Job, conns: list[str] | None) -> None:
         self._decide(job, self._offers(job, conns), conns)
 
-    def _ledger(self, job: Job, offer: Offer) -> BJob | None:
-        """With ``herd_avoid``: a submission decided now counts against the place's free
-        capacity in every probe until the backend shows it."""
+    # the placement ledger (``airflow_skypilot.ledger``, as ``Placer`` uses it) -----------------
+    def _hold(self, job: Job, offers: list[Offer]) -> list[Offer]:
+        """Copies of ``offers`` (of a probe begun now) with what the live entries hold taken
+        (``ledger.hold``, as ``Placer.place`` and ``Placer._still_good`` call it)."""
         if not self.knobs.herd_avoid:
-            return None
-        phantom = BJob(-1, self._phantom_size(offer, job), job.spec.limit, 0, self.t,
-                       phantom=True)
-        self.phantoms[offer.connection].append(phantom)
-        return phantom
+            return offers
+        now = EPOCH + self.t  # ``PlacementLedger.deciding``: entries past the TTL lapse
+        self.entries[:] = [e for e in self.entries if now - e["at"] < ledger.TTL]
+        if not self.entries:
+            return offers
+        copies = []
+        for o in offers:  # what ``hold`` changes, copied (``Placer`` deep-copies)
+            c = copy.copy(o)
+            c.details, c.notes = dict(o.details), list(o.notes)
+            copies.append(c)
+        return ledger.hold(copies, self.entries, probe_began=now, own=_copy_name(job))
+
+    def _note(self, job: Job, offer: Offer) -> None:
+        """``PlacementLedger.note``: the job's copy goes to ``offer``'s place (simulated time)."""
+        if self.knobs.herd_avoid:
+            _NOTER.note(self.entries, _copy_name(job), offer)
+            self.entries[-1]["at"] = EPOCH + self.t
+
+    def _submitted(self, job: Job, ok: bool) -> None:
+        """``PlacementLedger.submitted``: stamp the entry, or drop it when the place refused."""
+        name = _copy_name(job)
+        if ok:
+            for e in self.entries:
+                if e["copy"] == name:
+                    e["submitted"] = EPOCH + self.t
+        else:
+            self.entries[:] = [e for e in self.entries if e["copy"] != name]
 
     def _submit_later(self, job: Job, offer: Offer, delay: float,
-                      refused: Callable[[], None], phantom: BJob | None = None) -> None:
-        phantom = phantom or self._ledger(job, offer)
-
+                      refused: Callable[[], None]) -> None:
         def land() -> None:
-            if phantom is not None:
-                self.phantoms[offer.connection].remove(phantom)
-            if not self._submit(job, offer):
+            ok = self._submit(job, offer)
+            self._submitted(job, ok)
+            if not ok:
                 job.refused += 1
                 job.blocked.append(Blocked(offer.place_key, "launch refused: vCPU quota",
                                            at=EPOCH + self.t,
@@ -1344,12 +1314,6 @@ class Sim:
                 refused()
 
         self.at(self.t + delay, land)
-
-    @staticmethod
-    def _phantom_size(offer: Offer, job: Job) -> int:
-        if offer.backend == "aws":
-            return int(AWS_TYPES[offer.instance_type].vcpus)
-        return job.spec.gpus
 
     def _submit(self, job: Job, offer: Offer) -> bool:
         place = self.places[offer.connection]
@@ -1420,9 +1384,7 @@ class Sim:
             return
         job.log.append((self.t, f"reconsider -> {to.place_key}: "
                                 f"{to.details.get('move_reason')}"))
-        self._count_move(job, current, to)
-        phantom = self._ledger(job, to)
-        self.at(self.t + self.sc.resume_s, lambda: self._move(job, bj, to, phantom))
+        self.at(self.t + self.sc.resume_s, lambda: self._move(job, bj, current, to, gen))
 
     def _count_move(self, job: Job, current: Offer, to: Offer) -> None:
         if to.place_key in job.left:
@@ -1433,18 +1395,41 @@ class Sim:
                 and wait_here < 600:
             self.paid_short += 1  # to a paid place though its queue said < 10 min
 
-    def _move(self, job: Job, bj: BJob, to: Offer, phantom: BJob | None) -> None:
-        """``Placer.move``: only a copy that still waits; cancel, confirm, submit at ``to``;
-        a refused submission places the job anew."""
+    def _move(self, job: Job, bj: BJob, current: Offer, to: Offer, gen: int) -> None:
+        """``Placer.move``: only a copy that still waits, and only if ``to``, probed again,
+        still takes it as promised; cancel, confirm, block the place left for the cooldown (no
+        back and forth), submit there; a refused submission places the job anew."""
         if bj.state != "pending":  # it started meanwhile: it stays
-            if phantom is not None:
-                self.phantoms[to.connection].remove(phantom)
             return
+        fresh = self._still_good(job, to)
+        if fresh is None:  # the trigger keeps watching the copy where it is
+            self.at(self.t + self.sc.reprobe_interval, lambda: self._look(job, bj, gen))
+            return
+        self._count_move(job, current, fresh)
         self.places[job.where].cancel(bj, self.t)
         self._schedule(self.places[job.where])
+        job.blocked.append(Blocked(current.place_key, "moved away from it", at=EPOCH + self.t,
+                                   until=EPOCH + self.t + self.sc.block_cooldown))
         job.moves += 1
-        self._submit_later(job, to, self.sc.cancel_s + self.sc.submit_s,
-                           lambda: self._replace(job, None), phantom)
+        self._submit_later(job, fresh, self.sc.cancel_s + self.sc.submit_s,
+                           lambda: self._replace(job, None))
+
+    def _still_good(self, job: Job, to: Offer) -> Offer | None:
+        """``Placer._still_good``: ``to``'s connection probed afresh, less what the ledger
+        holds; ``to``'s place if it still takes the job as promised (noted in the ledger)."""
+        offers = self._hold(job, self.places[to.connection].offers(job.task, self.t,
+                                                                   job.spec.limit))
+        fresh = next((o for o in offers if o.place_key == to.place_key
+                      and o.request.index == to.request.index and o.fits), None)
+        promised = to.wait_seconds or 0.0
+        if fresh is None or (to.free_now and not fresh.free_now) or (
+                not to.free_now and (fresh.wait_seconds is None
+                                     or fresh.wait_seconds > promised * 1.2 + 60)):
+            job.log.append((self.t, f"move to {to.place_key} refused: no longer as promised"))
+            return None
+        self._note(job, fresh)
+        fresh.details.setdefault("move_reason", to.details.get("move_reason", ""))
+        return fresh
 
     # SkyPilot's rule ------------------------------------------------------------------------
     def _sky_places(self, job: Job) -> list[Offer]:
@@ -1526,6 +1511,15 @@ class Sim:
             moves_paid_short=self.paid_short,
             on_aws=sum(j.where == "aws" for j in self.jobs), est_early=early, est_ratio=ratio,
             false_free=false_free)
+
+
+def _copy_name(job: Job) -> str:
+    """The ledger's ``copy`` (``RunState.prefix``: one live copy per task instance)."""
+    return f"job{job.spec.id}"
+
+
+#: ``PlacementLedger.note`` writes the entries' shape (a ledger without a file: no lock, no I/O)
+_NOTER = ledger.PlacementLedger("")
 
 
 def simulate(strategy: str, seed: int, knobs: Knobs = Knobs(),
@@ -1663,9 +1657,9 @@ def variant_table(seeds: list[int], sc: Scenario) -> str:
 
 
 #: the real behaviours (each can be withheld to see what it is worth) and the what-ifs
-REAL_KNOBS = ("slurm_estimate", "slurm_free", "own_estimate", "k8s_estimate")
+REAL_KNOBS = ("slurm_estimate", "slurm_free", "own_estimate", "k8s_estimate", "herd_avoid")
 WHAT_IFS = (("slurm_estimate", "queue-aware"), ("own_estimate", "queue+k8s"),
-            ("aws_types", "exact"), ("herd_avoid", True))
+            ("aws_types", "exact"))
 
 
 def knob_variants(quick: bool) -> list[tuple[str, Knobs]]:

@@ -2,8 +2,8 @@
 
 Not a benchmark: the numbers are in benchmarks/README.md. These checks keep the simulator
 runnable while the backends and placement change under it (it calls their probe parsers, offer
-builders, ``placement.rank``/``reconsider`` and ``rebalance._current``), and keep its Slurm
-backfill model honest.
+builders, ``placement.rank``/``reconsider``, ``rebalance._current`` and ``ledger.hold``), and
+keep its Slurm backfill model honest.
 """
 
 from __future__ import annotations
@@ -57,9 +57,28 @@ def test_the_simulated_probe_feeds_the_real_slurm_code_and_step7_withholds_it():
     for knobs, real in ((scheduling.Knobs(), True), (scheduling.STEP7, False)):
         alpha.knobs = knobs
         alpha.changed()
-        state = parse_cluster(alpha._probe_text(0.0, [(1, 1, 0, 0)], 3600.0, []))
+        state = parse_cluster(alpha._probe_text(0.0, [(1, 1, 0, 0)], 3600.0))
         assert state.pending_jobs and state.partitions["gpu"].pending == len(alpha.pending)
         planned = [j for j in state.pending_jobs if j.start and j.sched_nodes and j.gpus]
         assert bool(planned) == real  # backfill's plan reaches slurm.queue.hold
         assert (state.discount is not None and state.discount.ratio is not None) == real
         assert state.starts  # test-only's answer for the shape
+
+
+def test_the_real_ledger_holds_a_sweeps_room_and_its_entries_are_the_operators():
+    """A sweep's members probe at the same moment: with the ledger each ranks after the ones
+    before it noted their choice (``ledger.hold``), so fewer pile onto one free place."""
+    from airflow_skypilot.ledger import PlacementLedger
+
+    sim = scheduling.Sim(scheduling.Scenario(), scheduling.Knobs(), "fastest", 0)
+    sim.run()
+    assert sim.entries  # written as Placer writes them, stamped once submitted
+    written: list[dict] = []
+    PlacementLedger("").note(written, "x", sim.jobs[0].offer)
+    assert {tuple(sorted(e)) for e in sim.entries} <= {
+        tuple(sorted(written[0])), tuple(sorted([*written[0], "submitted"]))}
+    without = scheduling.Sim(scheduling.Scenario(),
+                             scheduling.replace(scheduling.Knobs(), herd_avoid=False), "fastest", 0)
+    result = without.run()
+    assert not without.entries
+    assert scheduling.simulate("fastest", 0).row() != result.row()
