@@ -954,14 +954,27 @@ def test_unreachable_account_raises_backend_unreachable(monkeypatch):
 # --- exact GPU counts first; billed price and wasted GPUs; instances still launching --------
 
 
+def test_exactly_the_gpus_asked_for_unless_the_connection_allows_larger_instances():
+    # SkyPilot's match by default: no A100 type has 2, so no offer (and why)
+    [offer] = _offers({"resources": {"accelerators": "A100:2"}}, _state())
+    assert not offer.fits and offer.instance_type is None
+    assert offer.reason == ("no instance type with exactly 2 A100 is offered in us-east-1 (the "
+                            "connection's extra larger_instances: true takes a larger one, "
+                            "billed whole)")
+    assert AwsSettings.from_extra({"larger_instances": "true"}).larger_instances
+    assert not AwsSettings.from_extra({}).larger_instances
+
+
 def test_a_larger_instance_only_where_no_exact_one_is_offered_and_it_says_what_it_wastes():
-    offer = _offers({"resources": {"accelerators": "A100:2"}}, _state())[0]
+    larger = {"larger_instances": True}
+    offer = _offers({"resources": {"accelerators": "A100:2"}}, _state(), **larger)[0]
     assert offer.instance_type == "p4d.24xlarge" and offer.details["gpus_wasted"] == 6
     assert offer.price_per_hour == _price("p4d.24xlarge")  # the whole instance is billed
     assert offer.notes == ["p4d.24xlarge: 8 A100 for 2 asked (6 idle), $22/h"]
-    two = _offers({"resources": {"accelerators": "A10G:2"}, "num_nodes": 2}, _state())[0]
+    two = _offers({"resources": {"accelerators": "A10G:2"}, "num_nodes": 2}, _state(),
+                  **larger)[0]
     assert two.details["gpus_wasted"] == 4 and two.notes[0].endswith("/h for 2")
-    exact = _offers({"resources": {"accelerators": "A10G:1"}}, _state())[0]
+    exact = _offers({"resources": {"accelerators": "A10G:1"}}, _state(), **larger)[0]
     assert "gpus_wasted" not in exact.details and exact.notes == []
 
 
@@ -982,8 +995,11 @@ def test_an_exact_count_type_wins_over_larger_ones_in_every_az():
     got = offers_for("aws_x", settings, task, req, state, types, "")
     assert [(o.location, o.instance_type) for o in got] == [("us-east-1/us-east-1a",
                                                              "g5.6xlarge")]
-    # nowhere offered: the larger type, with its waste
+    # nowhere offered: no offer, or the larger type with its waste where the connection allows
     del offered["g5.6xlarge"]
+    got = offers_for("aws_x", settings, task, req, state, types, "")
+    assert [o.fits for o in got] == [False]
+    settings.larger_instances = True
     got = offers_for("aws_x", settings, task, req, state, types, "")
     assert {o.instance_type for o in got} == {"g5.12xlarge"}
 

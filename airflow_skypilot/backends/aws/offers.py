@@ -4,9 +4,11 @@ A probe of a region reads, once for all of a task's candidates: the catalog, whi
 the suitable types, spot prices (for spot candidates), the vCPU quotas of the classes involved
 and the configured subnets' AZs (:class:`RegionState`). From that, with no further call, each
 candidate gets one offer per AZ that can take it: the first suitable type with a price, with
-exactly the GPUs asked for wherever such a type is offered (SkyPilot matches the count; a
-larger instance only where none is, its price the whole instance's, billed, and
-``details["gpus_wasted"]``); ``nodes_free`` is how many such instances the quota still allows
+exactly the GPUs asked for (SkyPilot matches the count; with the connection's
+``larger_instances``, a larger instance where no exact one is offered, its price the whole
+instance's, billed, and ``details["gpus_wasted"]``: measured in benchmarks/README.md, the
+larger instances cost a burst both wait and money, since they take the quota 8-GPU jobs need);
+``nodes_free`` is how many such instances the quota still allows
 (instances still launching count against it: ``details["reserved_by_pending"]``), so
 ``free_now`` means "the quota lets all ``num_nodes`` start now". A candidate that can never
 run here gets one offer with ``fits=False`` and the reason.
@@ -126,11 +128,16 @@ def offers_for(conn_id: str, settings: AwsSettings, task: Task, req: ResourceReq
                 if (st.subnet_azs is None or az in st.subnet_azs)
                 and fields.infra_matches(req.infra, f"aws/{region}/{az}")]
 
-    # exactly the GPUs asked for (SkyPilot's match) wherever such a type is offered; a larger
-    # instance only when none is
+    # exactly the GPUs asked for (SkyPilot's match); a larger instance only when the
+    # connection allows it and no exact one is offered
     exact = [t for t in types if is_exact(t, req)]
-    if exact and not req.instance_type and where(exact):
-        types = exact
+    if req.accelerator and not req.instance_type:
+        if exact and where(exact):
+            types = exact
+        elif not settings.larger_instances and where(types):
+            return nope(region, f"no instance type with exactly {count_text(req.accelerator_count)}"
+                                f" {req.accelerator} is offered in {region} (the connection's "
+                                "extra larger_instances: true takes a larger one, billed whole)")
     azs = sorted({az for t in types for az in st.offered.get(t.name, ())})
     names = ", ".join(t.name for t in types[:3]) + (" ..." if len(types) > 3 else "")
     if not azs:

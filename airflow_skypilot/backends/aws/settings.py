@@ -51,6 +51,8 @@ class AwsSettings:
     ``request_timeout`` (seconds one AWS request may wait for an answer; default 20, up to three
     attempts), ``launch_grace`` (seconds after a launch during which instances EC2 does not
     list yet are "unknown", not gone; default 120: DescribeInstances is eventually consistent).
+    ``larger_instances`` (default false: SkyPilot's match, exactly the GPU count asked for;
+    true: where no such type is offered, the fewest-GPU larger one, billed whole).
     """
 
     regions: list[str]
@@ -73,6 +75,7 @@ class AwsSettings:
     tags: dict[str, str] = field(default_factory=dict)
     request_timeout: float = 20.0
     launch_grace: float = 120.0
+    larger_instances: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> AwsSettings:
@@ -105,6 +108,8 @@ class AwsSettings:
             request_timeout=max(1.0, float(extra.get("request_timeout") or 20.0)),
             launch_grace=max(0.0, float(extra.get("launch_grace") if extra.get("launch_grace")
                                         not in (None, "") else 120.0)),
+            larger_instances=str(extra.get("larger_instances") or "").strip().lower()
+            in ("true", "1", "yes", "on"),
         )
 
     @staticmethod
