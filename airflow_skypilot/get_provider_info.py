@@ -117,6 +117,16 @@ def get_provider_info() -> dict[str, Any]:
                         "default": "600",
                         "version_added": "0.2.0",
                     },
+                    "placement_ledger": {
+                        "description": "File where placements decided moments ago are noted, "
+                                       "so tasks placing at the same moment (a sweep) do not "
+                                       "all pick the same free place; shared by the workers "
+                                       "that mount it. Empty turns it off.",
+                        "type": "string",
+                        "example": "/shared/airflow/skypilot/placements.json",
+                        "default": "$AIRFLOW_HOME/skypilot/placements.json",
+                        "version_added": "0.2.0",
+                    },
                     "deployment_id": {
                         "description": "A name for this Airflow deployment, part of every job's "
                                        "identity. Set it (differently) in each deployment when "

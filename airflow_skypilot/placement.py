@@ -173,14 +173,19 @@ def _key(o: Offer, policy: str, ordered: bool, prefer: str | None) -> tuple[Any,
     not_free = 0 if o.free_now else 1
     preferred = 0 if (prefer and o.place_key == prefer and o.free_now) else 1
     spare = -(o.gpus_free or 0)
+    # a CPU-only job that would sit on GPU nodes goes elsewhere when elsewhere is as good:
+    # the GPUs stay free for the jobs that need them
+    gpu_taker = 1 if o.details.get("gpu_place") else 0
     tie = (o.connection, o.location, o.request.index)
     if policy == "fastest":
         if ordered:
-            return (preferred, not_free, o.request.index, wait_key, o.price_per_hour, spare, tie)
-        return (preferred, not_free, wait_key, o.price_per_hour, spare, tie)
+            return (preferred, not_free, o.request.index, wait_key, gpu_taker, o.price_per_hour,
+                    spare, tie)
+        return (preferred, not_free, wait_key, gpu_taker, o.price_per_hour, spare, tie)
     if ordered:
-        return (preferred, o.request.index, o.price_per_hour, not_free, wait_key, spare, tie)
-    return (preferred, o.price_per_hour, not_free, wait_key, spare, tie)
+        return (preferred, o.request.index, o.price_per_hour, not_free, wait_key, gpu_taker,
+                spare, tie)
+    return (preferred, o.price_per_hour, not_free, wait_key, gpu_taker, spare, tie)
 
 
 def _row(o: Offer) -> Row:
@@ -290,6 +295,8 @@ def _why_lost(o: Offer, chosen: Offer, policy: str, ordered: bool) -> str:
     wo, wc = o.wait_seconds, chosen.wait_seconds
     if not o.free_now and wo != wc:
         return f"starts later: {_capacity_text(o)}"
+    if o.details.get("gpu_place") and not chosen.details.get("gpu_place"):
+        return "would take GPU nodes for a job that asks for no GPU"
     if o.price_per_hour != chosen.price_per_hour:
         return f"{_price_text(o.price_per_hour)} vs {_price_text(chosen.price_per_hour)}"
     if (o.gpus_free or 0) != (chosen.gpus_free or 0):

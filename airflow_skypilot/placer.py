@@ -10,6 +10,7 @@ deferral, XCom and the task's result stay in the operator.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -20,6 +21,7 @@ from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, Offer
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook, fail_on_config_errors
+from airflow_skypilot.ledger import PlacementLedger, hold
 from airflow_skypilot.runstate import Attempt, Blocked, RunState, Sweep
 from airflow_skypilot.spec import Task
 
@@ -35,11 +37,15 @@ class Placer:
     :param cooldown: seconds a place that refused or failed stays blocked.
     :param confirm_timeout: seconds to wait for a stopped copy's end to be confirmed.
     :param log: where to say what happens (the task log).
+    :param ledger: the deployment's placements decided moments ago (none: a ledger holding
+        nothing), so concurrent placements do not all pick the same free place.
     """
 
     def __init__(self, hook: SkyPilotCapacityHook, policy: str, *, cooldown: float,
-                 confirm_timeout: float, log: logging.Logger):
+                 confirm_timeout: float, log: logging.Logger,
+                 ledger: PlacementLedger | None = None):
         self.hook = hook
+        self.ledger = ledger or PlacementLedger("")
         self.policy = policy
         self.cooldown = cooldown
         self.confirm_timeout = confirm_timeout
@@ -96,9 +102,16 @@ class Placer:
         for conn_id, error in result.errors.items():
             self.log.warning("Connection %s skipped for this placement: %s", conn_id, error)
         for _ in range(MAX_SUBMISSIONS):
-            plan = placement.rank(result.offers, self.policy, ordered=task.ordered,
-                                  blocked=run.blocked, unreachable=result.errors,
-                                  prefer=run.prefer)
+            with self.ledger.deciding() as entries:
+                # what concurrent placements chose moments ago is not free, though no backend
+                # shows it yet (copies: each round takes from the probe as it came)
+                offers = hold([copy.deepcopy(o) for o in result.offers], entries,
+                              own=run.prefix)
+                plan = placement.rank(offers, self.policy, ordered=task.ordered,
+                                      blocked=run.blocked, unreachable=result.errors,
+                                      prefer=run.prefer)
+                if plan.chosen is not None:
+                    self.ledger.note(entries, run.prefix, plan.chosen)
             self.log.info("Placement (policy %s):\n%s\n%s", self.policy, plan.table(),
                           plan.summary)
             self.last_plan = plan
@@ -111,6 +124,7 @@ class Placer:
                 return None
             run.places = sorted({o.place_key for o in plan.ranked})
             handle = self.submit_at(task, run, plan.chosen)
+            self.ledger.submitted(run.prefix, handle is not None)
             if handle is not None:
                 return handle
         raise AirflowException(f"no place accepted the job after {MAX_SUBMISSIONS} submissions")
@@ -180,7 +194,7 @@ class Placer:
             self.log.info("Not moving job %s: it is %s now", handle.job_id,
                           status.state.value if status else "unknown")
             return handle, False
-        fresh = self._still_good(task, to)
+        fresh = self._still_good(task, run, to)
         if fresh is None:
             return handle, False
         why = f"moved to {fresh.place_key}: {reason}"
@@ -197,24 +211,30 @@ class Placer:
         run.moves += 1
         run.attempt += 1
         self.log.warning("Job %s %s", handle.job_id, why)
-        return self.submit_at(task, run, fresh), True
+        moved = self.submit_at(task, run, fresh)
+        self.ledger.submitted(run.prefix, moved is not None)
+        return moved, True
 
-    def _still_good(self, task: Task, to: Offer) -> Offer | None:
+    def _still_good(self, task: Task, run: RunState, to: Offer) -> Offer | None:
         """``to`` as probed again now, if it still takes the job as well as promised (other
-        jobs may have moved there since the look that chose it)."""
+        jobs may have moved or been placed there since the look that chose it: what the
+        ledger holds counts too). A good answer is noted in the ledger."""
         try:
             offers = self.hook.backend(to.connection).probe(task)
         except Exception as exc:
             self.log.warning("Not moving: %s could not be probed again (%s)", to.connection,
                              exc)
             return None
-        fresh = next((o for o in offers if o.place_key == to.place_key
-                      and o.request.index == to.request.index and o.fits), None)
-        promised = to.wait_seconds or 0.0
-        if fresh is None or (to.free_now and not fresh.free_now) or (
-                not to.free_now and (fresh.wait_seconds is None
-                                     or fresh.wait_seconds > promised * 1.2 + 60)):
-            self.log.info("Not moving: %s no longer takes the job as it did", to.place_key)
-            return None
+        with self.ledger.deciding() as entries:
+            hold(offers, entries, own=run.prefix)
+            fresh = next((o for o in offers if o.place_key == to.place_key
+                          and o.request.index == to.request.index and o.fits), None)
+            promised = to.wait_seconds or 0.0
+            if fresh is None or (to.free_now and not fresh.free_now) or (
+                    not to.free_now and (fresh.wait_seconds is None
+                                         or fresh.wait_seconds > promised * 1.2 + 60)):
+                self.log.info("Not moving: %s no longer takes the job as it did", to.place_key)
+                return None
+            self.ledger.note(entries, run.prefix, fresh)
         fresh.details.setdefault("move_reason", to.details.get("move_reason", ""))
         return fresh

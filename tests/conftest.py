@@ -21,6 +21,14 @@ os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(REPO / "dags"))
 
 
+@pytest.fixture(autouse=True)
+def _own_placement_ledger(tmp_path_factory, monkeypatch):
+    """Each test its own ledger of placements made moments ago (ledger.py): one test's
+    placements do not make another's places look full."""
+    path = tmp_path_factory.mktemp("ledger") / "placements.json"
+    monkeypatch.setenv("AIRFLOW__SKYPILOT__PLACEMENT_LEDGER", str(path))
+
+
 def use_connections(monkeypatch: pytest.MonkeyPatch, conns: dict[str, dict]) -> None:
     """Make Airflow connections visible to hooks in this process (AIRFLOW_CONN_<ID> JSON)."""
     for conn_id, conn in conns.items():

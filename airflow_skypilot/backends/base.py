@@ -108,10 +108,20 @@ class JobHandle:
 class Offer:
     """One candidate resource request at one location of one connection, with live capacity.
 
-    ``nodes_free`` is how many nodes could take one node's share of the job right now;
-    ``est_start`` is when the backend expects the job could start (epoch seconds; ``None``:
-    unknown). ``fits`` is False when the job can never run here (shape, type, limits), and then
-    ``reason`` says why.
+    ``nodes_free`` is how many nodes could take one node's share of the job right now: free
+    for a *new* job, so what the jobs ahead of it will take first (backfill reservations, jobs
+    and pods submitted moments ago, instances still launching) is not counted free.
+    ``est_start`` is when the backend expects the job could start (epoch seconds). ``None``
+    means unknown, and that is deliberate: ranking puts an unknown start after every known
+    one (``placement._key``: ``math.inf``), the table shows "unknown", and
+    ``details["estimate"]`` says ``"unknown"`` (or how the estimate was made). ``fits`` is
+    False when the job can never run here (shape, type, limits), and then ``reason`` says why.
+
+    ``details`` keys the backends share: ``estimate`` (how ``est_start`` was made, or
+    ``"unknown"``), ``reserved_by_pending`` (GPUs, or vCPUs on AWS, that work submitted ahead
+    of this job will take first), ``gpu_place`` (a CPU-only candidate whose place would be GPU
+    nodes), ``gpus_wasted`` (GPUs billed but not asked for: a larger instance). ``notes`` are
+    short phrases for the placement table's "why" column, in the backend's words.
     """
 
     connection: str
@@ -135,6 +145,9 @@ class Offer:
     instance_type: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     probed_at: float = field(default_factory=time.time)
+    #: phrases for the placement table's "why": how the estimate was made, idle GPUs held
+    #: for jobs ahead, the GPUs a larger instance wastes...
+    notes: list[str] = field(default_factory=list)
 
     @property
     def free_now(self) -> bool:

@@ -33,6 +33,7 @@ from airflow_skypilot import identity, placement, polling, rebalance, recovery
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, Offer
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+from airflow_skypilot.ledger import PlacementLedger, ledger_path
 from airflow_skypilot.links import SkyPilotJobLink
 from airflow_skypilot.placer import Placer
 from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, Attempt, RunState, asset_extra
@@ -322,7 +323,8 @@ class SkyPilotOperator(BaseOperator):
     @cached_property
     def _placer(self) -> Placer:
         return Placer(self._hook(), self.policy, cooldown=self._cooldown,
-                      confirm_timeout=self.confirm_timeout, log=self.log)
+                      confirm_timeout=self.confirm_timeout, log=self.log,
+                      ledger=PlacementLedger(ledger_path()))
 
     def _reconcile(self, context: Context, run: RunState
                    ) -> tuple[JobHandle | None, JobStatus | None]:

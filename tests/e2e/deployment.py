@@ -47,7 +47,9 @@ HOSTNAME_ENV = "AIRFLOW_SKYPILOT_E2E_HOSTNAME"
 TRIGGERERS = ("triggerer-1", "triggerer-2")
 WORKERS = ("worker-1", "worker-2")
 COMPONENTS = ("api-server", "scheduler", "dag-processor", *TRIGGERERS, *WORKERS)
-WORKER_CONCURRENCY = 3
+#: task slots per Celery worker; with two workers, ``[core] parallelism``: a sweep of 8 (the
+#: spread scenario) places at once
+WORKER_CONCURRENCY = 4
 #: triggerer-1 runs at most this many triggers (``airflow triggerer --capacity``; triggerer-2
 #: has Airflow's default, 1000): the HA test fills it, and the rest go to triggerer-2
 TRIGGERER_1_CAPACITY = 10

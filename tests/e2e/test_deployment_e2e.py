@@ -46,6 +46,7 @@ from tests.e2e.deployment import TRIGGERER_1_CAPACITY, TRIGGERERS, Deployment, d
 DAG_ID = "e2e_task"
 RETRY_DAG_ID = "e2e_retry"  # not deferrable, one retry
 HA_DAG_ID = "e2e_ha"  # the same task as e2e_task, its runs apart
+SPREAD_DAG_ID = "e2e_spread"  # a sweep of 8 mapped members
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,8 @@ def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
     sandboxes = (slurm_sandbox_session, k8s_sandbox_session, aws_sandbox_session)
     conns = {cid: c for box in sandboxes for cid, c in box.connections().items()}
     home = tmp_path_factory.mktemp("airflow-deployment")
-    with deployed(conns, home, wait_dags=(DAG_ID, RETRY_DAG_ID, HA_DAG_ID, "e2e_timeout")
-                  ) as dep:
+    with deployed(conns, home, wait_dags=(DAG_ID, RETRY_DAG_ID, HA_DAG_ID, "e2e_timeout",
+                                            SPREAD_DAG_ID)) as dep:
         yield dep
 
 
@@ -585,3 +586,47 @@ def test_triggerer_ha_the_other_triggerer_takes_a_killed_ones_jobs_over(deployme
             if not deployment.alive(name):
                 deployment.start(name)
                 deployment.wait_started(name)
+
+
+def test_a_sweep_placing_at_once_spreads_over_the_places_with_free_gpus(deployment, slurm):
+    """Eight mapped members, each on 1 GPU of either cluster, scheduled at once: 3 A100 are free
+    on alpha and 5 H100 on beta. Each member goes where a GPU is free for it (the ledger of
+    placements made moments ago: ``ledger.py``), so none queues behind a sweep-mate and none
+    moves; the user code of each ran once. (Whether the eight probes overlap is up to the
+    scheduler; tests/unit/test_ledger.py makes them overlap and shows the herd without it.)"""
+    from tests.e2e.test_slurm_e2e import _fill
+
+    fillers = [*_fill(slurm, "alpha", "gpu:a100:4", 1), *_fill(slurm, "alpha", "gpu:a100:1", 1),
+               *_fill(slurm, "beta", "gpu:h100:3", 1)]
+    task = (E2E_DAGS / "tasks" / "counted_gpu.yaml").read_text().replace(
+        "{A100: 4, H100: 4}", "{A100: 1, H100: 1}")
+    counter = f"{shared_dir()}/counter"
+    run_id = deployment.trigger({"task": task, "envs": {"COUNTER": counter,
+                                                        "WORK_SECONDS": "20"}},
+                                dag_id=SPREAD_DAG_ID)
+    path = f"/dags/{SPREAD_DAG_ID}/dagRuns/{run_id}/taskInstances/run"
+
+    def done() -> list[dict[str, Any]] | None:
+        tis = deployment.api("GET", f"{path}/listMapped").json().get("task_instances", [])
+        return tis if len(tis) == 8 and all(t["state"] in ("success", "failed")
+                                            for t in tis) else None
+    tis = wait_until(done, 300, 1, what=f"the sweep done\n{deployment.logs()}")
+    try:
+        assert [t["state"] for t in tis] == ["success"] * 8, deployment.logs()
+        results = []
+        for i in range(8):
+            r = deployment.api("GET", f"{path}/xcomEntries/return_value",
+                               params={"map_index": i})
+            value = r.json()["value"]
+            results.append(json.loads(value) if isinstance(value, str) else value)
+        assert Counter(r["connection"] for r in results) == {"slurm_beta": 5,
+                                                              "slurm_alpha": 3}, results
+        for r in results:
+            (attempt,) = r["attempts"]  # nobody queued behind a sweep-mate and moved
+            # started as soon as Slurm schedules it: no sweep-mate's 20 s ahead of it
+            assert attempt["started_at"] - attempt["submitted_at"] < 15, attempt
+        for i in range(8):
+            assert_ran_once(f"{counter}-{i}")
+    finally:
+        slurm.run("alpha", "scancel", *fillers[:2])
+        slurm.run("beta", "scancel", fillers[2])

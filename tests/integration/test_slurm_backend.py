@@ -91,7 +91,10 @@ def test_capacity_is_right_under_load(slurm):
     offers = {o.location: o for o in alpha.probe(task)}
     assert offers["short"].fits and not offers["short"].free_now
     assert offers["short"].pending_jobs == 1
-    assert offers["short"].gpus_free == 1 and offers["short"].nodes_free == 0
+    # a2's idle GPU is held for the pending 4-GPU job planned there: not free for a new job
+    assert offers["short"].details["gpus_idle"] == 1 and offers["short"].gpus_free == 0
+    assert offers["short"].details["reserved_by_pending"] == 1
+    assert offers["short"].details["held_for"] == [pending] and offers["short"].nodes_free == 0
     assert offers["batch"].nodes_free == 0  # a1 has 2 free, a2 has 1: no node with 4
     assert offers["batch"].est_start is not None and offers["batch"].est_start > time.time()
     assert pending

@@ -921,3 +921,60 @@ def test_unreachable_account_raises_backend_unreachable(monkeypatch):
 
     with pytest.raises(BackendUnreachable):
         asyncio.run(poll())
+
+
+# --- exact GPU counts first; billed price and wasted GPUs; instances still launching --------
+
+
+def test_a_larger_instance_only_where_no_exact_one_is_offered_and_it_says_what_it_wastes():
+    offer = _offers({"resources": {"accelerators": "A100:2"}}, _state())[0]
+    assert offer.instance_type == "p4d.24xlarge" and offer.details["gpus_wasted"] == 6
+    assert offer.price_per_hour == _price("p4d.24xlarge")  # the whole instance is billed
+    assert offer.notes == ["p4d.24xlarge: 8 A100 for 2 asked (6 idle), $22/h"]
+    two = _offers({"resources": {"accelerators": "A10G:2"}, "num_nodes": 2}, _state())[0]
+    assert two.details["gpus_wasted"] == 4 and two.notes[0].endswith("/h for 2")
+    exact = _offers({"resources": {"accelerators": "A10G:1"}}, _state())[0]
+    assert "gpus_wasted" not in exact.details and exact.notes == []
+
+
+def test_an_exact_count_type_wins_over_larger_ones_in_every_az():
+    catalog = {**CATALOG, **parse_instance_types([_type("g5.6xlarge", 24, 96,
+                                                        ("A10G", 2, 22888))])}
+    req = _req(accelerators="A10G:2")
+    # exact first even where a larger type would cost less
+    types, _ = suitable_types(catalog, req, price_of=lambda n: 0.1 if n == "g5.12xlarge"
+                              else _price(n) or 2.0)
+    assert [t.name for t in types][:2] == ["g5.6xlarge", "g5.12xlarge"]
+    offered = {n: {"us-east-1a", "us-east-1b"} for n in catalog}
+    offered["g5.6xlarge"] = {"us-east-1a"}
+    state = RegionState(region="us-east-1", catalog=catalog, offered=offered, spot_prices={},
+                        quotas={}, subnet_azs=None, now=1000.0)
+    settings = AwsSettings(regions=["us-east-1"], prices={"g5.6xlarge": 2.0})
+    task = load_task({"run": "true", "resources": {"accelerators": "A10G:2"}})
+    got = offers_for("aws_x", settings, task, req, state, types, "")
+    assert [(o.location, o.instance_type) for o in got] == [("us-east-1/us-east-1a",
+                                                             "g5.6xlarge")]
+    # nowhere offered: the larger type, with its waste
+    del offered["g5.6xlarge"]
+    got = offers_for("aws_x", settings, task, req, state, types, "")
+    assert {o.instance_type for o in got} == {"g5.12xlarge"}
+
+
+def test_instances_still_launching_count_against_the_quota_and_say_so():
+    from airflow_skypilot.backends.aws.quotas import launching
+
+    instances = [
+        {"InstanceType": "p4d.24xlarge", "State": {"Name": "pending"},
+         "Tags": [{"Key": "skypilot-airflow:job-name", "Value": "sky-a"}]},
+        {"InstanceType": "p4d.24xlarge", "State": {"Name": "pending"}},
+        {"InstanceType": "p4d.24xlarge", "State": {"Name": "running"}},
+    ]
+    assert launching(instances, lambda t: CATALOG[t].vcpus) == {("p", False): (192.0, 2, 1)}
+    used = vcpus_in_use(instances, lambda t: CATALOG[t].vcpus)[("p", False)]
+    quotas = {("p", False): QuotaView("p", False, "L-417A185B", limit=384, used=used,
+                                      pending=192, pending_instances=2, pending_ours=1)}
+    offer = _offers({"resources": {"accelerators": "A100:8"}}, _state(quotas=quotas))[0]
+    assert offer.nodes_free == 1 and offer.free_now  # 384 - 288 = 96 vCPUs: one more p4d
+    assert offer.details["reserved_by_pending"] == 192 and offer.details["pending_ours"] == 1
+    assert offer.notes == ["192 vCPUs of the quota taken by 2 instance(s) still launching, "
+                           "1 of them ours"]

@@ -47,6 +47,20 @@ def test_cheapest_policy_prefers_price_over_speed():
     assert plan.rows[1].reason == "free now, but $10/h vs $0/h"
 
 
+def test_a_cpu_only_job_leaves_gpu_nodes_to_gpu_jobs_when_elsewhere_is_as_good():
+    on_gpus = offer("gpu-cluster", acc=None, gpus_free=None, gpus_total=None)
+    on_gpus.details["gpu_place"] = True
+    on_cpus = offer("cpu-cluster", acc=None, gpus_free=None, gpus_total=None)
+    plan = rank([on_gpus, on_cpus])
+    assert plan.chosen is on_cpus
+    row = next(r for r in plan.rows if r.connection == "gpu-cluster")
+    assert row.reason == "would take GPU nodes for a job that asks for no GPU"
+    # but a GPU place that can start now still beats a CPU place with a queue
+    queued = offer("cpu-cluster", acc=None, gpus_free=None, gpus_total=None, nodes_free=0,
+                   est_in=600)
+    assert rank([on_gpus, queued]).chosen is on_gpus
+
+
 def test_blocked_places_are_skipped_and_explained():
     at = time.mktime((2026, 1, 1, 12, 3, 0, 0, 0, -1)) - time.timezone
     bad = offer("alpha", "batch")

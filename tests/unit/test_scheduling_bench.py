@@ -45,3 +45,21 @@ def test_every_strategy_finishes_every_job(strategy):
         assert result.cloud_usd == 0  # never a paid place
     if not strategy.endswith("moves"):
         assert result.moves == 0
+
+
+def test_the_simulated_probe_feeds_the_real_slurm_code_and_step7_withholds_it():
+    import copy
+
+    from airflow_skypilot.backends.slurm.cluster import parse_cluster
+
+    _, _, places = scheduling.warm(scheduling.Scenario(), 0)
+    alpha = copy.deepcopy(places["slurm_alpha"])
+    for knobs, real in ((scheduling.Knobs(), True), (scheduling.STEP7, False)):
+        alpha.knobs = knobs
+        alpha.changed()
+        state = parse_cluster(alpha._probe_text(0.0, [(1, 1, 0, 0)], 3600.0, []))
+        assert state.pending_jobs and state.partitions["gpu"].pending == len(alpha.pending)
+        planned = [j for j in state.pending_jobs if j.start and j.sched_nodes and j.gpus]
+        assert bool(planned) == real  # backfill's plan reaches slurm.queue.hold
+        assert (state.discount is not None and state.discount.ratio is not None) == real
+        assert state.starts  # test-only's answer for the shape

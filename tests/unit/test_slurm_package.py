@@ -47,7 +47,7 @@ def test_slurms_start_estimate_and_refusals_reach_the_offer():
     assert got["batch"].free_now and got["batch"].est_start == STATE.now
     task = load_task({"run": "x", "resources": {"accelerators": "A100:1", "memory": 2}})
     assert offers.probe_shapes(task, SETTINGS) == [(1, 1, 0, 2048)]
-    refused = parse_cluster(PROBE.replace("short|a100|8|1|", "short|a100|1|1|"))
+    refused = parse_cluster(PROBE.replace("short|a100|8|1|0|0|", "short|a100|1|1|0|2048|"))
     offer = offers.offer_at(task, task.candidates[0], "short", refused, SETTINGS, "c")
     assert not offer.fits and offer.reason.startswith(
         "Slurm refuses this shape in short: allocation failure")

@@ -26,8 +26,8 @@ short|up|10:00
 1001|batch|1|Resources
 1002|batch,short|1|Priority
 @@testonly
-batch|a100|2|1|1795988258
-short|a100|8|1|allocation failure: Requested node configuration is not available
+batch|a100|2|1|0|0|1795988258
+short|a100|8|1|0|0|allocation failure: Requested node configuration is not available
 """
 
 
@@ -41,8 +41,8 @@ def test_cluster_parse_counts_a_node_in_two_partitions_once():
     assert st.nodes["a1"].gpus_free("a100") == 2 and st.nodes["a1"].cpus_free == 6
     assert st.nodes["a1"].mem_free_mb == 14000
     assert not st.nodes["a3"].usable and st.nodes["a2"].usable
-    assert st.starts[("batch", "a100", 2, 1)] == 1795988258.0
-    assert "not available" in st.starts[("short", "a100", 8, 1)]
+    assert st.starts[("batch", "a100", 2, 1, 0, 0)] == 1795988258.0
+    assert "not available" in st.starts[("short", "a100", 8, 1, 0, 0)]
     assert st.home == "/home/skyuser" and st.now == 1795988258.0
 
 

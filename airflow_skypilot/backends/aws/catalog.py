@@ -166,21 +166,28 @@ def gpu_matches(requested: str, info: InstanceTypeInfo) -> bool:
         return False
 
 
+def is_exact(info: InstanceTypeInfo, req: ResourceRequest) -> bool:
+    """Does ``info`` have exactly the GPUs the candidate asks for (SkyPilot's match)?"""
+    return bool(req.accelerator) and abs(info.gpus - req.accelerator_count) < 1e-9
+
+
 def suitable_types(catalog: Mapping[str, InstanceTypeInfo], req: ResourceRequest, *,
                    cpu_families: Iterable[str] = ("m6i",),
                    price_of: Callable[[str], float | None] = lambda _: None,
                    ) -> tuple[list[InstanceTypeInfo], str]:
     """The instance types that can run one node of ``req``, best first, or ([], why not).
 
-    With ``instance_type``: exactly that type. With an accelerator: the types with at least
-    ``accelerator_count`` of it, fewest GPUs first, then the cheaper, then the smaller. CPU only:
-    the general-purpose ``cpu_families`` (m6i by default, SkyPilot's choice; 8+ vCPUs when the
+    With ``instance_type``: exactly that type. With an accelerator: the types with exactly
+    ``accelerator_count`` of it first (SkyPilot matches the count), then larger ones, fewest
+    GPUs first (the offer takes a larger one only where no exact one is offered, and says
+    how many GPUs it wastes); then the cheaper, then the smaller. CPU only: the
+    general-purpose ``cpu_families`` (m6i by default, SkyPilot's choice; 8+ vCPUs when the
     task names neither cpus nor memory, as SkyPilot).
     """
     def order(info: InstanceTypeInfo) -> tuple[Any, ...]:
         price = price_of(info.name)
-        return (info.gpus, math.inf if price is None else price, info.vcpus, info.memory_gb,
-                info.name)
+        return (not is_exact(info, req), info.gpus, math.inf if price is None else price,
+                info.vcpus, info.memory_gb, info.name)
 
     if req.instance_type:
         info = catalog.get(req.instance_type)

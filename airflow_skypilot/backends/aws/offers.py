@@ -3,8 +3,11 @@
 A probe of a region reads, once for all of a task's candidates: the catalog, which AZs offer
 the suitable types, spot prices (for spot candidates), the vCPU quotas of the classes involved
 and the configured subnets' AZs (:class:`RegionState`). From that, with no further call, each
-candidate gets one offer per AZ that can take it: the first suitable type (fewest GPUs, then
-cheapest) with a price; ``nodes_free`` is how many such instances the quota still allows, so
+candidate gets one offer per AZ that can take it: the first suitable type with a price, with
+exactly the GPUs asked for wherever such a type is offered (SkyPilot matches the count; a
+larger instance only where none is, its price the whole instance's, billed, and
+``details["gpus_wasted"]``); ``nodes_free`` is how many such instances the quota still allows
+(instances still launching count against it: ``details["reserved_by_pending"]``), so
 ``free_now`` means "the quota lets all ``num_nodes`` start now". A candidate that can never
 run here gets one offer with ``fits=False`` and the reason.
 """
@@ -18,6 +21,7 @@ from airflow_skypilot.backends.aws import ec2
 from airflow_skypilot.backends.aws.catalog import (
     InstanceTypeInfo,
     count_text,
+    is_exact,
     on_demand_price,
     region_catalog,
     suitable_types,
@@ -101,6 +105,17 @@ def offers_for(conn_id: str, settings: AwsSettings, task: Task, req: ResourceReq
     image = req.image_id
     if isinstance(image, dict) and region not in image:
         return nope(region, f"image_id names no AMI for {region}")
+    def where(kinds: list[InstanceTypeInfo]) -> list[str]:
+        """The AZs this candidate may use that offer one of ``kinds``."""
+        return [az for az in sorted({az for t in kinds for az in st.offered.get(t.name, ())})
+                if (st.subnet_azs is None or az in st.subnet_azs)
+                and fields.infra_matches(req.infra, f"aws/{region}/{az}")]
+
+    # exactly the GPUs asked for (SkyPilot's match) wherever such a type is offered; a larger
+    # instance only when none is
+    exact = [t for t in types if is_exact(t, req)]
+    if exact and not req.instance_type and where(exact):
+        types = exact
     azs = sorted({az for t in types for az in st.offered.get(t.name, ())})
     names = ", ".join(t.name for t in types[:3]) + (" ..." if len(types) > 3 else "")
     if not azs:
@@ -157,6 +172,14 @@ def offer_in(conn_id: str, settings: AwsSettings, task: Task, req: ResourceReque
                  "on_demand_price": od_price, "spot_price": spot_price,
                  "price_source": "spot price history" if req.use_spot else source,
                  "boot_seconds": s.boot_seconds})
+    if req.accelerator and chosen.gpus > req.accelerator_count + 1e-9:
+        # no type with exactly the count here: the whole instance is billed, the rest idles
+        idle = chosen.gpus - req.accelerator_count
+        offer.details["gpus_wasted"] = round(idle * n, 3)
+        offer.notes.append(
+            f"{chosen.name}: {count_text(chosen.gpus)} {chosen.gpu} for "
+            f"{count_text(req.accelerator_count)} asked ({count_text(idle)} idle), "
+            f"${offer.price_per_hour:.3g}/h" + (f" for {n}" if n > 1 else ""))
     if s.max_price_per_hour is not None and offer.price_per_hour > s.max_price_per_hour:
         offer.fits = False
         offer.reason = (f"${offer.price_per_hour:.4g}/h for {n} x {chosen.name} is over the "
@@ -172,6 +195,13 @@ def offer_in(conn_id: str, settings: AwsSettings, task: Task, req: ResourceReque
         return offer
     offer.details.update({"quota": quota.describe(need), "quota_code": quota.code,
                           "quota_vcpus": quota.limit, "quota_used_vcpus": quota.used})
+    if quota.pending_instances:
+        # counted in the quota's use already: the room left is what the next launch may take
+        offer.details.update({"reserved_by_pending": quota.pending,
+                              "pending_ours": quota.pending_ours})
+        ours = f", {quota.pending_ours} of them ours" if quota.pending_ours else ""
+        offer.notes.append(f"{quota.pending:g} vCPUs of the quota taken by "
+                           f"{quota.pending_instances} instance(s) still launching{ours}")
     if quota.limit < need:
         offer.fits = False
         offer.reason = (f"needs {need:g} vCPUs of the {quota.label} quota ({quota.code}); "

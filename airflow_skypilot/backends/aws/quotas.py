@@ -2,7 +2,10 @@
 
 EC2 limits running vCPUs per region and instance class (Standard, G and VT, P; on-demand and
 spot apart). The limit comes from Service Quotas (cached five minutes); the use is the vCPUs
-of the account's pending and running instances of that class, as EC2 counts them. Families
+of the account's pending and running instances of that class, as EC2 counts them: instances
+still launching (placements made moments ago, from this deployment or not) take their share
+before the next placement sees the room (:attr:`QuotaView.pending`). A RunInstances so recent
+that DescribeInstances does not list it yet (eventual consistency) is not seen. Families
 with quotas of their own (inf, trn, dl, f, x, ...) are not checked.
 """
 
@@ -15,7 +18,7 @@ from typing import Any
 
 from airflow_skypilot.backends.aws.catalog import InstanceTypeInfo, region_catalog
 from airflow_skypilot.backends.aws.clients import AwsClients, client_error, is_unreachable
-from airflow_skypilot.backends.aws.ec2 import ALIVE, describe_instances
+from airflow_skypilot.backends.aws.ec2 import ALIVE, TAG_JOB, describe_instances
 
 QUOTA_TTL = 300.0
 #: (instance class, spot) -> Service Quotas code (vCPUs)
@@ -55,6 +58,11 @@ class QuotaView:
     limit: float | None  # None: unknown (no permission, no such quota)
     used: float = 0.0
     note: str = ""
+    #: of ``used``: the vCPUs of instances still launching (``pending``), how many there are,
+    #: and how many of them are jobs' (tagged by this provider: placements made moments ago)
+    pending: float = 0.0
+    pending_instances: int = 0
+    pending_ours: int = 0
 
     @property
     def label(self) -> str:
@@ -98,6 +106,27 @@ def vcpus_in_use(instances: Iterable[Mapping[str, Any]],
     return used
 
 
+def launching(instances: Iterable[Mapping[str, Any]],
+              vcpus_of: Callable[[str], int | None]
+              ) -> dict[tuple[str, bool], tuple[float, int, int]]:
+    """Per (quota class, spot): (vCPUs, instances, of them ours) of the instances still
+    ``pending`` (launching): already counted by EC2's quota, not running a job yet."""
+    out: dict[tuple[str, bool], tuple[float, int, int]] = {}
+    for inst in instances:
+        if (inst.get("State") or {}).get("Name") != "pending":
+            continue
+        cls = quota_class(inst.get("InstanceType", ""))
+        if cls is None:
+            continue
+        vcpus = vcpus_in_use([inst], vcpus_of).get((cls, inst.get("InstanceLifecycle") ==
+                                                     "spot"), 0.0)
+        ours = any(t.get("Key") == TAG_JOB for t in inst.get("Tags") or [])
+        key = (cls, inst.get("InstanceLifecycle") == "spot")
+        v, n, o = out.get(key, (0.0, 0, 0))
+        out[key] = (v + vcpus, n + 1, o + int(ours))
+    return out
+
+
 class Quotas:
     """The vCPU quotas of one connection's regions (Service Quotas values cached)."""
 
@@ -139,10 +168,16 @@ class Quotas:
         unknown = {i.get("InstanceType", "") for i in instances} - set(catalog)
         if unknown:
             catalog = {**catalog, **region_catalog(clients, region, cpu_families, unknown)}
-        used = vcpus_in_use(instances, lambda t: catalog[t].vcpus if t in catalog else None)
+        def vcpus_of(t: str) -> int | None:
+            return catalog[t].vcpus if t in catalog else None
+
+        used = vcpus_in_use(instances, vcpus_of)
+        starting = launching(instances, vcpus_of)
         out = {}
         for cls, spot in classes:
             limit, note = self.limit(region, cls, spot)
+            pending, count, ours = starting.get((cls, spot), (0.0, 0, 0))
             out[(cls, spot)] = QuotaView(cls, spot, QUOTA_CODES.get((cls, spot)), limit,
-                                         used.get((cls, spot), 0.0), note)
+                                         used.get((cls, spot), 0.0), note, pending, count,
+                                         ours)
         return out

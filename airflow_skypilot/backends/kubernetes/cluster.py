@@ -5,6 +5,10 @@ selector): GPUs per node from ``status.allocatable``, GPU type from node labels,
 pods bound to each node request. Cordoned, NotReady and tainted (not tolerated) nodes have no
 capacity (:meth:`NodeView.why_unusable`). Where pods may not be listed (HTTP 403), free
 capacity is unknown, not zero (:attr:`ClusterView.pods_known`).
+
+Two more lists of the connection's namespace, for :mod:`.queue`: our Jobs (those whose pods
+do not exist yet are work ahead of a new job) and our pods (the finished ones say how long
+our jobs run). Either may be refused (403): the view then just knows less.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient
-from airflow_skypilot.backends.kubernetes.names import GPU_RESOURCE
+from airflow_skypilot.backends.kubernetes.names import GPU_RESOURCE, LABEL_JOB
+from airflow_skypilot.backends.kubernetes.queue import PodInfo, run_times, waiting_jobs
 from airflow_skypilot.spec import accelerators as acc
 
 #: node labels that name the GPU type, in the order they are trusted
@@ -57,8 +63,13 @@ def epoch(text: str | None) -> float | None:
     """An API timestamp (RFC 3339) as epoch seconds; None when absent or unreadable."""
     if not text:
         return None
+    return _epoch(str(text))
+
+
+@lru_cache(maxsize=8192)  # a probe reads the same stamps again (pods' starts, our runs)
+def _epoch(text: str) -> float | None:
     try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
 
@@ -178,21 +189,32 @@ class ClusterView:
     pending: int | None
     note: str = ""
     now: float = field(default_factory=time.time)
+    #: the non-terminal pods (bound and pending), as :mod:`.queue` reads them
+    pods: list[PodInfo] = field(default_factory=list)
+    #: pods-to-be of our Jobs that have no pods yet (None: our Jobs could not be listed)
+    waiting: list[PodInfo] | None = None
+    #: how long our finished pods ran, seconds, sorted (None: could not be listed)
+    runs: list[float] | None = None
 
 
 def cluster_view(nodes: list[Mapping[str, Any]], pods: list[Mapping[str, Any]] | None,
-                 namespace: str, note: str = "") -> ClusterView:
+                 namespace: str, note: str = "", *,
+                 jobs: list[Mapping[str, Any]] | None = None,
+                 own_pods: list[Mapping[str, Any]] | None = None) -> ClusterView:
     """The nodes with what the pods bound to them reserve; ``pods`` None: not listable.
-    ``pending`` counts the Pending pods of ``namespace`` (the queue our jobs join)."""
+    ``pending`` counts the Pending pods of ``namespace`` (the queue our jobs join). ``jobs``
+    and ``own_pods``: our Jobs and pods in ``namespace`` (None: not listed)."""
     views = [NodeView.parse(n) for n in nodes]
     by_name = {v.name: v for v in views}
     pending = None
+    infos: list[PodInfo] = []
     if pods is not None:
         pending = 0
         for pod in pods:
             phase = (pod.get("status") or {}).get("phase")
             if phase in TERMINAL:
                 continue
+            infos.append(PodInfo.parse(pod))
             meta = pod.get("metadata") or {}
             if phase == "Pending" and meta.get("namespace") == namespace:
                 pending += 1
@@ -202,11 +224,21 @@ def cluster_view(nodes: list[Mapping[str, Any]], pods: list[Mapping[str, Any]] |
             for key, value in pod_requests(pod).items():
                 node.used[key] = node.used.get(key, 0.0) + value
             node.used["pods"] = node.used.get("pods", 0.0) + 1
-    return ClusterView(nodes=views, pods_known=pods is not None, pending=pending, note=note)
+    ours = [p for p in own_pods or [] if LABEL_JOB in ((p.get("metadata") or {}).get("labels")
+                                                          or {})]
+    live = infos + [PodInfo.parse(p) for p in ours
+                    if (p.get("status") or {}).get("phase") not in TERMINAL]
+    return ClusterView(
+        nodes=views, pods_known=pods is not None, pending=pending, note=note, pods=infos,
+        waiting=None if jobs is None else waiting_jobs(
+            [j for j in jobs if LABEL_JOB in ((j.get("metadata") or {}).get("labels") or {})],
+            live),
+        runs=None if own_pods is None else run_times(ours))
 
 
 def read(client: KubeClient, namespace: str) -> ClusterView:
-    """One node list and one pod list (all namespaces, non-terminal pods)."""
+    """One node list and one pod list (all namespaces, non-terminal pods); our Jobs and our
+    pods in ``namespace``."""
     core, _ = client.apis()
     try:
         nodes = client.call(core.list_node).get("items") or []
@@ -228,7 +260,20 @@ def read(client: KubeClient, namespace: str) -> ClusterView:
             note = (f"pods may not be listed ({exc}): free capacity is unknown, not zero")
         else:
             raise
-    view = cluster_view(nodes, pods, namespace, note)
+    _, batch = client.apis()
+    jobs: list[dict[str, Any]] | None = None
+    own_pods: list[dict[str, Any]] | None = None
+    try:
+        jobs = client.call(batch.list_namespaced_job, namespace,
+                           label_selector=LABEL_JOB).get("items") or []
+    except KubeApiError:
+        pass  # our Jobs without pods are then not counted ahead
+    try:
+        own_pods = client.call(core.list_namespaced_pod, namespace,
+                               label_selector=LABEL_JOB).get("items") or []
+    except KubeApiError:
+        pass  # no run times of ours: no estimate from pod ages
+    view = cluster_view(nodes, pods, namespace, note, jobs=jobs, own_pods=own_pods)
     if pods is None:
         try:
             mine = client.call(core.list_namespaced_pod, namespace,

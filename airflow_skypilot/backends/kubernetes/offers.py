@@ -6,6 +6,13 @@ the label most nodes share), then the shared node-pool rule
 (:func:`~airflow_skypilot.backends.common.fit.fit_pool`) for shape and free room. The node
 selector and tolerations chosen here travel in ``offer.details`` to the Job's manifest, so the
 pods land where the capacity was counted. Pure: no I/O.
+
+Free room is what is left for a *new* job: pods not bound yet and our Jobs whose pods do not
+exist yet (placements made moments ago) take it first (:func:`.queue.take_pending`,
+``details["reserved_by_pending"]``). A full cluster gets a start estimate from the running
+pods' ages and deadlines (:func:`.queue.estimate`); where nothing can be said, ``est_start``
+stays None and ``details["estimate"]`` is ``"unknown"`` (ranked after every known start). A
+CPU-only candidate whose free nodes all have GPUs is marked ``details["gpu_place"]``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from airflow_skypilot.backends.kubernetes.cluster import (
     NodeView,
 )
 from airflow_skypilot.backends.kubernetes.names import GPU_RESOURCE
+from airflow_skypilot.backends.kubernetes.queue import PodInfo, Slot, estimate, take_pending
 from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import fields
@@ -149,13 +157,74 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
         offer.details["nodes_unusable"] = unusable
     if not view.pods_known:
         offer.details["free"] = "unknown"
+        offer.details["estimate"] = "unknown"
+        offer.notes.append("free room and start unknown: pods may not be listed")
         return offer
+    # the work ahead (pods not bound yet, our Jobs without pods yet) takes free room first
+    slots = [Slot(n.name, n.labels, n.taints,
+                  {k: n.free(k) for k in (GPU_RESOURCE, "cpu", "memory", "pods")},
+                  usable=n.ready and not n.unschedulable) for n in view.nodes]
+    by_name = {sl.name: sl for sl in slots}
+    mine = {n.name for n in nodes}
+    pending = [p for p in view.pods if p.node is None] + (view.waiting or [])
+    taken = take_pending(slots, pending, mine)
+    pool = [_after(n, by_name[n.name], tolerations) for n in nodes]
+    after = fit_pool(pool, req, task.num_nodes, s.context)
     if gpus:
-        offer.gpus_free = fit.gpus_free
-    offer.nodes_free = fit.nodes_free
+        offer.gpus_free = after.gpus_free
+        offer.details["gpus_idle"] = fit.gpus_free
+    offer.nodes_free = after.nodes_free
+    ahead = [p for p, _ in taken.pods]
+    offer.details["pending_ours"] = sum(p.ours for p in pending)
+    if ahead and (taken.gpus or after.nodes_free < fit.nodes_free):
+        offer.details["reserved_by_pending"] = int(taken.gpus)
+        offer.details["held_for"] = [p.name for p in ahead][:20]
+        what = f"{int(taken.gpus)} free {offer.accelerator}" if taken.gpus else "free room"
+        mine_text = f", {len(taken.ours)} of them ours" if taken.ours else ""
+        offer.notes.append(f"{what} taken by {len(ahead)} pod(s) pending ahead{mine_text}")
+    if not gpus:
+        takers = [pn for pn in pool if _takes(pn, req)]
+        gpu_nodes = {n.name for n in nodes if n.gpus > 0}
+        offer.details["gpu_place"] = all(pn.name in gpu_nodes for pn in (takers or pool))
+        if offer.details["gpu_place"]:
+            offer.notes.append("CPU-only on GPU nodes")
     if offer.nodes_free >= task.num_nodes:
         offer.est_start = view.now
+        return offer
+    _, cpus, mem_gb = shape(req)
+    need = {GPU_RESOURCE: float(gpus), "cpu": cpus, "memory": mem_gb * 2**30, "pods": 1.0}
+    selector = {**s.node_selector, **choice.node_selector}
+    job = [PodInfo(name=f"new[{i}]", namespace=s.namespace, node=None, requests=dict(need),
+                   created=view.now, selector=selector, tolerations=tolerations)
+           for i in range(task.num_nodes)]
+    running = [p for p in view.pods if p.node]
+    est = estimate([sl for sl in slots if sl.name in mine], running, taken, job,
+                   view.runs or [], view.now)
+    if est.start is None:
+        offer.details["estimate"] = "unknown"
+        offer.details["estimate_why"] = est.basis
+        offer.notes.append(f"start unknown: {est.basis}")
+    else:
+        offer.est_start = max(est.start, view.now)
+        offer.details["estimate"] = est.basis
+        offer.notes.append(f"est. {est.basis}")
     return offer
+
+
+def _after(node: NodeView, slot: Slot, tolerations: list[dict[str, Any]]) -> PoolNode:
+    """A node as the fit rule sees it once the work ahead took its share (``slot``)."""
+    return PoolNode(name=node.name, cpus=node.cpus, cpus_free=slot.free.get("cpu", 0.0),
+                    memory_gb=node.memory_gb,
+                    memory_free_gb=slot.free.get("memory", 0.0) / 2**30, gpus=node.gpus,
+                    gpus_free=slot.free.get(GPU_RESOURCE, 0.0),
+                    usable=not node.why_unusable(tolerations),
+                    has_room=slot.free.get("pods", 0.0) >= 1)
+
+
+def _takes(node: PoolNode, req: ResourceRequest) -> bool:
+    gpus, cpus, mem = shape(req)
+    return node.usable and node.has_room and node.gpus_free >= gpus \
+        and node.cpus_free >= cpus and node.memory_free_gb >= mem
 
 
 def capacity_rows(conn_id: str, settings: KubernetesSettings,

@@ -24,6 +24,7 @@ commands), so a paused slurmctld or a hung login node is BackendUnreachable in b
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 
@@ -39,7 +40,12 @@ from airflow_skypilot.backends.slurm.cluster import (
     probe_script,
 )
 from airflow_skypilot.backends.slurm.remote import SSHRunner, aload_asyncssh
-from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings, task_conflicts
+from airflow_skypilot.backends.slurm.settings import (
+    BACKEND,
+    SlurmSettings,
+    task_conflicts,
+    task_sbatch_options,
+)
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
@@ -108,13 +114,24 @@ class SlurmBackend(Backend):
         s = self.settings
         return max(s.command_timeout, slurm_commands * s.slurm_timeout + 15)
 
+    def _history_file(self) -> str:
+        """Where the login node keeps the finished jobs' history (one file per cluster: a home
+        may be shared by several clusters' login nodes)."""
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.settings.cluster)
+        return f"{self.settings.remote_work_dir.rstrip('/')}/probe-history-{name}"
+
     def cluster_state(self, task: Task | None = None) -> ClusterState:
-        """Probe the cluster (with Slurm's start estimate for ``task``'s shapes, if given)."""
+        """Probe the cluster (with Slurm's start estimate for ``task``'s shapes, with its own
+        sbatch options, if given)."""
         s = self.settings
         shapes = offers.probe_shapes(task, s) if task else []
+        task_args = task_sbatch_options(task) if task else []
+        # sinfo, sinfo, squeue, and the history's two sacct at worst (test-only not counted)
         rc, out, err = self.remote.run(
-            probe_script(s.common_sbatch_args(), s.partitions, shapes, s.slurm_timeout),
-            self._budget(3))
+            probe_script(s.common_sbatch_args(), s.partitions, shapes, s.slurm_timeout,
+                         task_args=task_args,
+                         history_file=self._history_file() if task else None),
+            self._budget(5))
         if "@@nodes" not in out:
             raise BackendError(f"{self.conn_id}: probe failed (exit {rc}): {err.strip()[-300:]}")
         if failed := probe_failed(out):
@@ -193,7 +210,8 @@ class SlurmBackend(Backend):
 
     # --- status ------------------------------------------------------------------------------
     def _status_script(self, handles: list[JobHandle]) -> str:
-        return jobstatus.status_script(handles, self.settings.slurm_timeout)
+        return jobstatus.status_script(handles, self.settings.slurm_timeout,
+                                       history_file=self._history_file())
 
     def _statuses(self, out: str, err: str, handles: list[JobHandle]) -> dict[str, JobStatus]:
         if jobstatus.ANSWERED not in out:

@@ -2,13 +2,17 @@
 
 The probe uses only portable ``-o``/``-O`` formats that Slurm 22.05 to today print the same way:
 ``sinfo -N -O`` (per node and partition: state, CPUs, memory, GRES and GRES in use),
-``sinfo -o`` (partitions), ``squeue -t PENDING`` (queue depth) and ``sbatch --test-only``
-(Slurm's own estimate of when a job of each shape would start; it submits nothing).
-``sinfo -N`` repeats a node once per partition: the parser counts it once.
+``sinfo -o`` (partitions, their MaxTime and DefaultTime), ``squeue -t PENDING`` (the queue
+ahead: each pending job's request, reason, planned start and planned nodes, read by
+:mod:`.queue`), the finished jobs' elapsed time and time limit (``sacct``, else ``sacct -c``;
+kept on the login node for :data:`HISTORY_TTL_MIN` minutes, so a probe asks slurmdbd at most
+that often) and ``sbatch --test-only`` (Slurm's own estimate of when a job of each shape, with
+the task's own sbatch options, would start; it submits nothing). ``sinfo -N`` repeats a node
+once per partition: the parser counts it once.
 
 Each Slurm command runs under ``timeout`` and its exit status is reported: a failed ``sinfo``
 or ``squeue`` (slurmctld down, paused) makes the probe "could not ask" (:func:`probe_failed`),
-not an empty cluster.
+not an empty cluster. A failed history only leaves the estimate undiscounted.
 """
 
 from __future__ import annotations
@@ -18,21 +22,36 @@ import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 
+from airflow_skypilot.backends.slurm.queue import (
+    Discount,
+    PendingJob,
+    duration_s,
+    history_ratio,
+    parse_pending,
+)
 from airflow_skypilot.backends.slurm.shell import (
     bounded,
     parse_int,
     parse_sections,
+    remote_dir_expr,
     section_rc,
 )
 
-#: Node states in which a node cannot start a job now (any of these words in sinfo's StateLong)
+#: Node states in which a node cannot start a job now (any of these words in sinfo's StateLong).
+#: Not ``planned`` (22.05+: idle, but backfill plans a pending job on it): a job that ends
+#: before that one starts still runs there now; :mod:`.queue` says which resources are held.
 _BAD_STATES = ("down", "drain", "fail", "maint", "reserved", "power", "future", "inval",
-               "unknown", "reboot", "planned", "boot", "blocked")
+               "unknown", "reboot", "boot", "blocked")
 _GRES_RE = re.compile(r"(?P<name>[A-Za-z_]\w*):(?:(?P<type>[^:(,]+):)?(?P<count>\d+)")
 
 #: one ``sbatch --test-only`` question: (GPUs per node, nodes, CPUs per task, memory in MB)
 Shape = tuple[int, int, int, int]
+#: minutes the login node keeps the finished jobs' history between two ``sacct`` calls
+HISTORY_TTL_MIN = 15
+#: the finished jobs read for the history, at most (the most recent)
+HISTORY_JOBS = 500
 
 
 @dataclass
@@ -61,6 +80,11 @@ class NodeInfo:
     def mem_free_mb(self) -> int:
         return max(0, self.mem_total_mb - self.mem_alloc_mb)
 
+    @property
+    def planned(self) -> bool:
+        """Idle, but backfill plans a pending job on it (Slurm 22.05's PLANNED state)."""
+        return "planned" in self.state.lower()
+
     def gpus_free(self, gres_type: str) -> int:
         return max(0, self.gpus.get(gres_type, 0) - self.gpus_used.get(gres_type, 0))
 
@@ -70,8 +94,19 @@ class PartitionInfo:
     name: str
     up: bool = True
     default: bool = False
-    time_limit: str = ""
+    time_limit: str = ""  # MaxTime as sinfo prints it
     pending: int = 0
+    default_time: str = ""  # DefaultTime as sinfo prints it (``n/a``: MaxTime applies)
+
+    @property
+    def max_time_s(self) -> float | None:
+        """MaxTime in seconds (``math.inf``: unlimited; None: unknown)."""
+        return duration_s(self.time_limit)
+
+    @property
+    def default_time_s(self) -> float | None:
+        """The time limit of a job that gives none: DefaultTime, else MaxTime."""
+        return duration_s(self.default_time) or self.max_time_s
 
 
 @dataclass
@@ -82,26 +117,57 @@ class ClusterState:
     partitions: dict[str, PartitionInfo]
     now: float
     home: str = ""
-    #: (partition, gres type, GPUs per node, nodes) -> start epoch, or sbatch's refusal text
-    starts: dict[tuple[str, str, int, int], float | str] = field(default_factory=dict)
+    #: (partition, gres type, GPUs per node, nodes, CPUs per task, memory MB) -> start epoch,
+    #: or sbatch's refusal text
+    starts: dict[tuple[str, str, int, int, int, int], float | str] = field(default_factory=dict)
+    #: every pending job (all partitions, all users), as squeue listed them
+    pending_jobs: list[PendingJob] = field(default_factory=list)
+    #: the login user (whose pending jobs are "ours")
+    user: str = ""
+    #: finished jobs ``elapsed s|limit s|state`` (None: the history could not be read)
+    history: list[str] | None = None
+
+    @cached_property
+    def discount(self) -> Discount | None:
+        """How jobs really end here (None: no history read)."""
+        return None if self.history is None else _discount(tuple(self.history))
 
     def nodes_in(self, partition: str) -> list[NodeInfo]:
         return [n for n in self.nodes.values() if partition in n.partitions]
 
 
+@lru_cache(maxsize=16)  # the login node keeps one history for 15 minutes: probes repeat it
+def _discount(history: tuple[str, ...]) -> Discount:
+    return history_ratio(history)
+
+
 PROBE_SCRIPT = r"""
 echo "@@now"; date +%s
 echo "@@home"; printf '%s\n' "$HOME"
+echo "@@user"; id -un
 echo "@@nodes"
 _t sinfo -h -N -O \
   'NodeList:|,Partition:|,StateLong:|,CPUsState:|,Memory:|,AllocMem:|,Gres:|,GresUsed:|,NodeAddr:|'
 rc=$?; printf "@@nodes_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@partitions"
-_t sinfo -h -o '%R|%a|%l'
+_t sinfo -h -o '%R|%a|%l|%L'
 rc=$?; printf "@@partitions_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@pending"
-_t squeue -h -t PENDING -o '%i|%P|%D|%r'
+_t env SLURM_TIME_FORMAT=%s squeue -h -t PENDING -o '%i|%P|%D|%r|%b|%C|%m|%S|%Y|%u|%Q|%l'
 rc=$?; printf "@@pending_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
+echo "@@history"
+if [ -n "$HIST" ]; then
+  if [ -z "$(find "$HIST" -mmin -"$HIST_TTL" 2>/dev/null)" ]; then
+    mkdir -p "$(dirname "$HIST")" 2>/dev/null
+    { _t sacct -a -X -n -P -S now-1days -o ElapsedRaw,TimelimitRaw,State 2>/dev/null ||
+      _t sacct -c -a -X -n -P -o ElapsedRaw,TimelimitRaw,State 2>/dev/null; } |
+      awk -F'|' '$1 > 0 && $2 ~ /^[0-9]+$/ && $2 > 0 { print $1 "|" $2 * 60 "|" $3 }' |
+      tail -n "$HIST_JOBS" > "$HIST.$$"
+    if [ "${PIPESTATUS[0]}" = 0 ]; then mv -f "$HIST.$$" "$HIST"; else rm -f "$HIST.$$"; fi
+  fi
+  cat "$HIST" 2>/dev/null
+  printf "@@history_rc\n%s\n" "$?"
+fi
 echo "@@testonly"
 test_one() {  # partition gres_type gpus nodes cpus mem_mb
   local gres=()
@@ -112,11 +178,12 @@ test_one() {  # partition gres_type gpus nodes cpus mem_mb
   [ "$5" -gt 0 ] && extra+=(--cpus-per-task="$5")
   [ "$6" -gt 0 ] && extra+=(--mem="${6}M")
   local out when
-  out=$(_t sbatch --test-only --wrap=true -p "$1" -N "$4" "${gres[@]}" "${extra[@]}" \
-        "${COMMON[@]}" 2>&1 | tail -n 1)
+  # as the job script orders them: the task's options, the connection's, then the backend's
+  out=$(_t sbatch --test-only --wrap=true "${TASKOPTS[@]}" "${COMMON[@]}" -p "$1" -N "$4" \
+        "${gres[@]}" "${extra[@]}" 2>&1 | tail -n 1)
   when=$(printf '%s\n' "$out" | sed -n 's/.* to start at \([^ ]*\) .*/\1/p')
   if [ -n "$when" ]; then when=$(date -d "$when" +%s 2>/dev/null || echo "$out"); else when=$out; fi
-  printf '%s|%s|%s|%s|%s\n' "$1" "$2" "$3" "$4" "$when"
+  printf '%s|%s|%s|%s|%s|%s|%s\n' "$1" "$2" "$3" "$4" "$5" "$6" "$when"
 }
 sinfo -h -N -O 'Partition:|,Gres:|' | sort -u | while IFS='|' read -r part gres _; do
   part=${part%\*}
@@ -140,15 +207,23 @@ done | sort -u
 
 
 def probe_script(common_args: Sequence[str], partitions: Sequence[str] | None,
-                 shapes: Sequence[Shape], slurm_timeout: float = 20.0) -> str:
-    """The probe for ``partitions`` (all when None), with a ``--test-only`` per shape."""
+                 shapes: Sequence[Shape], slurm_timeout: float = 20.0,
+                 task_args: Sequence[str] = (), history_file: str | None = None) -> str:
+    """The probe for ``partitions`` (all when None), with a ``--test-only`` per shape (with
+    the task's own ``task_args``), and the finished jobs' history kept in ``history_file``
+    on the login node (a ``~/`` path; None: no history)."""
     common = " ".join(shlex.quote(a) for a in common_args)
+    task_opts = " ".join(shlex.quote(a) for a in task_args)
     parts = " ".join(partitions or [])
     return "\n".join([
         bounded(slurm_timeout),
         f"COMMON=({common})",
+        f"TASKOPTS=({task_opts})",
         f"PARTS={shlex.quote(parts)}",
         f"SHAPES={shlex.quote(' '.join(':'.join(map(str, s)) for s in shapes))}",
+        f"HIST={remote_dir_expr(history_file) if history_file else chr(39) * 2}",
+        f"HIST_TTL={HISTORY_TTL_MIN}",
+        f"HIST_JOBS={HISTORY_JOBS}",
         PROBE_SCRIPT,
     ])
 
@@ -205,21 +280,31 @@ def parse_cluster(output: str) -> ClusterState:
             info = partitions.setdefault(name, PartitionInfo(name=name))
             info.up = parts[1].strip().lower() == "up"
             info.time_limit = parts[2].strip()
+            if len(parts) >= 4:
+                info.default_time = parts[3].strip()
+    pending = []
     for line in sec.get("pending", []):
-        parts = line.split("|")
-        if len(parts) >= 2:
-            for part in parts[1].split(","):
-                if part in partitions:
-                    partitions[part].pending += 1
-    starts: dict[tuple[str, str, int, int], float | str] = {}
+        job = parse_pending(line)
+        if job is None:
+            continue
+        pending.append(job)
+        for part in job.partitions:
+            if part in partitions:
+                partitions[part].pending += 1
+    starts: dict[tuple[str, str, int, int, int, int], float | str] = {}
     for line in sec.get("testonly", []):
-        # partition|gres type|gpus per node|nodes|epoch or error text
-        parts = line.split("|", 4)
-        if len(parts) == 5:
-            key = (parts[0], parts[1], parse_int(parts[2]), parse_int(parts[3]))
-            starts[key] = float(parts[4]) if parts[4].strip().isdigit() else parts[4].strip()
+        # partition|gres type|gpus per node|nodes|cpus|mem MB|epoch or error text
+        parts = line.split("|", 6)
+        if len(parts) == 7:
+            key = (parts[0], parts[1], parse_int(parts[2]), parse_int(parts[3]),
+                   parse_int(parts[4]), parse_int(parts[5]))
+            starts[key] = float(parts[6]) if parts[6].strip().isdigit() else parts[6].strip()
     now_lines = sec.get("now", [])
     home_lines = sec.get("home", [])
+    user_lines = sec.get("user", [])
+    history = sec.get("history") if section_rc(sec, "history") == 0 else None
     return ClusterState(nodes=nodes, partitions=partitions,
                         now=float(now_lines[0]) if now_lines else time.time(),
-                        home=home_lines[0] if home_lines else "", starts=starts)
+                        home=home_lines[0] if home_lines else "", starts=starts,
+                        pending_jobs=pending, user=user_lines[0].strip() if user_lines else "",
+                        history=history)

@@ -4,8 +4,21 @@
 The "clouds" side of the backend: no I/O here, only a :class:`ClusterState` read against the
 task. A partition is a node pool: its nodes (those with the requested GPU type, when one is
 asked for) go through the shared fit rule (:func:`fit_pool`, with at least one CPU, as Slurm
-allocates one to every job). Slurm's own start estimate (``sbatch --test-only``) sets
-``est_start`` when no node is free now; prices come from the connection's extras.
+allocates one to every job). Prices come from the connection's extras.
+
+- **Fit**: the task's time limit (its own ``--time``, or the connection's) over the
+  partition's MaxTime does not fit: Slurm would keep it pending for ever (PartitionTimeLimit).
+- **Free now** only when Slurm would start the job now: idle resources that pending jobs
+  ahead will take before the job would end (backfill's plan, or jobs just submitted that fit
+  them now: placements made moments ago, ours or others') are held, not free
+  (:func:`.queue.hold`; ``details["reserved_by_pending"]``).
+- **Estimate** when not free now: Slurm's own (``sbatch --test-only`` with the task's sbatch
+  options), discounted by how jobs really end on the cluster (the median elapsed/limit of its
+  recent finished jobs, when there are enough: :func:`.queue.history_ratio`).
+- A CPU-only candidate on a partition whose free nodes all have GPUs is marked
+  ``details["gpu_place"]`` (ranking prefers places without GPUs for it).
+
+``Offer.notes`` say the same in the placement table's words.
 """
 
 from __future__ import annotations
@@ -15,13 +28,29 @@ from collections.abc import Callable
 from airflow_skypilot.backends.base import CapacityRow, Offer
 from airflow_skypilot.backends.common.fit import PoolNode, fit_pool, hourly_price, shape
 from airflow_skypilot.backends.slurm.cluster import ClusterState, NodeInfo, Shape
-from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings
+from airflow_skypilot.backends.slurm.queue import (
+    Discount,
+    Room,
+    duration_s,
+    duration_text,
+    hold,
+)
+from airflow_skypilot.backends.slurm.settings import (
+    BACKEND,
+    SlurmSettings,
+    task_constraints,
+    time_option,
+)
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import fields
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
 #: a start estimate further away than this is no estimate (jobs without time limits)
 _HORIZON_S = 30 * 86400
+#: idle resources held for a job ahead: the soonest a "held" offer says it could start
+HELD_MIN_WAIT_S = 60.0
+#: what ``sbatch --test-only`` says when Slurm would refuse the job there
+_REFUSALS = ("not available", "violates", "invalid", "exceed")
 
 
 def applies(req: ResourceRequest, settings: SlurmSettings) -> bool:
@@ -32,13 +61,14 @@ def applies(req: ResourceRequest, settings: SlurmSettings) -> bool:
 
 def probe_shapes(task: Task, settings: SlurmSettings) -> list[Shape]:
     """The job shapes to ask ``sbatch --test-only`` about, one per distinct candidate."""
-    shapes = set()
-    for req in task.candidates:
-        if not applies(req, settings):
-            continue
-        gpus, cpus, mem_gb = shape(req)
-        shapes.add((gpus, task.num_nodes, int(cpus), int(mem_gb * 1024)))
-    return sorted(shapes)
+    return sorted({shape_of(req, task.num_nodes) for req in task.candidates
+                   if applies(req, settings)})
+
+
+def shape_of(req: ResourceRequest, num_nodes: int) -> Shape:
+    """The ``--test-only`` question for a candidate: (GPUs per node, nodes, CPUs, MB)."""
+    gpus, cpus, mem_gb = shape(req)
+    return gpus, num_nodes, int(cpus), int(mem_gb * 1024)
 
 
 def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: str,
@@ -49,6 +79,7 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
     backend's :meth:`~airflow_skypilot.backends.base.Backend.unsupported`.
     """
     out = []
+    discount = state.discount
     for req in task.candidates:
         if not applies(req, settings):
             continue
@@ -56,21 +87,42 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
         for part in sorted(state.partitions):
             if not fields.infra_matches(req.infra, settings.infra(part)):
                 continue
-            out.append(offer_at(task, req, part, state, settings, conn_id, why))
+            out.append(offer_at(task, req, part, state, settings, conn_id, why, discount))
     return out
 
 
-def _pool_node(node: NodeInfo, gres_type: str) -> PoolNode:
-    return PoolNode(name=node.name, cpus=node.cpus_total, cpus_free=node.cpus_free,
-                    memory_gb=node.mem_total_mb / 1024, memory_free_gb=node.mem_free_mb / 1024,
-                    gpus=node.gpus.get(gres_type, 0), gpus_free=node.gpus_free(gres_type),
+def _pool_node(node: NodeInfo, gres_type: str, room: Room | None = None) -> PoolNode:
+    """A node as the fit rule sees it: what is idle, or ``room`` (what is left of it once the
+    pending jobs ahead took theirs)."""
+    if room is None:
+        gpus_free, cpus_free, mem_free = node.gpus_free(gres_type), node.cpus_free, \
+            node.mem_free_mb
+    else:
+        gpus_free, cpus_free, mem_free = room.gpus.get(gres_type, 0), room.cpus, room.mem_mb
+    return PoolNode(name=node.name, cpus=node.cpus_total, cpus_free=cpus_free,
+                    memory_gb=node.mem_total_mb / 1024, memory_free_gb=mem_free / 1024,
+                    gpus=node.gpus.get(gres_type, 0), gpus_free=gpus_free,
                     usable=node.usable)
 
 
+def _rooms(st: ClusterState) -> dict[str, Room]:
+    return {n.name: Room(gpus={t: n.gpus_free(t) for t in n.gpus}, cpus=n.cpus_free,
+                         mem_mb=n.mem_free_mb) for n in st.nodes.values() if n.usable}
+
+
+def _takes(node: PoolNode, req: ResourceRequest) -> bool:
+    """Could this node take one node's share of ``req`` now (Slurm's one CPU at least)?"""
+    gpus, cpus, mem = shape(req)
+    return node.usable and node.gpus_free >= gpus and node.cpus_free >= max(cpus, 1) \
+        and node.memory_free_gb >= mem
+
+
 def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
-             settings: SlurmSettings, conn_id: str, unsupported: str = "") -> Offer:
-    """Candidate ``req`` in partition ``part``: does it fit, how much is free, when could it
-    start, at what price."""
+             settings: SlurmSettings, conn_id: str, unsupported: str = "",
+             discount: Discount | None = None) -> Offer:
+    """Candidate ``req`` in partition ``part``: does it fit (shape, MaxTime), is it free now
+    (beside the pending jobs ahead), when could it start (Slurm's estimate, discounted by
+    ``discount``), at what price."""
     s = settings
     info = st.partitions[part]
     nodes = st.nodes_in(part)
@@ -91,6 +143,15 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
         return no(f"partition {part} is down")
     if unsupported:
         return no(unsupported)
+    asked = time_option(task, s)
+    asked_s = duration_s(asked) if asked else None
+    max_s = info.max_time_s
+    if asked_s is not None and max_s is not None and asked_s > max_s:
+        return no(f"asks --time={asked} ({duration_text(asked_s)}); partition {part} allows "
+                  f"at most {duration_text(max_s)} (MaxTime): Slurm would keep it pending")
+    limit_s = asked_s if asked_s is not None else info.default_time_s
+    if limit_s is not None:
+        offer.details["time_limit"] = duration_text(limit_s)
     gres_type = ""
     if req.accelerator:
         if not float(req.accelerator_count).is_integer():
@@ -113,22 +174,75 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     if fit.reason:
         return no(fit.reason)
     need = shape(req)[0]
-    offer.nodes_free = fit.nodes_free
+    # what the pending jobs ahead take of the idle resources before this job would end
+    held = hold(_rooms(st), [n.name for n in nodes], st.pending_jobs,
+                {n.name: n.partitions for n in st.nodes.values()}, now=st.now,
+                time_limit_s=limit_s, gres_type=gres_type, user=st.user,
+                planned=[n.name for n in st.nodes.values() if n.planned])
+    pool = [_pool_node(n, gres_type, held.room.get(n.name, Room({}, 0, 0))) for n in nodes]
+    after = fit_pool(pool, req, task.num_nodes, part, min_cpus=1)
+    offer.nodes_free = after.nodes_free
     offer.nodes_total = fit.nodes_total
+    if req.accelerator:
+        offer.gpus_free = after.gpus_free
+    ours = [j.job_id for j in st.pending_jobs if st.user and j.user == st.user
+            and part in j.partitions]
     offer.details.update({"gres_type": gres_type, "gpus_per_node": need,
-                          "usable_nodes": sum(n.usable for n in nodes)})
-    start = st.starts.get((part, gres_type, need, task.num_nodes))
+                          "usable_nodes": sum(n.usable for n in nodes),
+                          "nodes_idle": fit.nodes_free, "pending_ours": len(ours)})
+    if req.accelerator:
+        offer.details["gpus_idle"] = fit.gpus_free
+    if held.jobs and (held.gpus or after.nodes_free < fit.nodes_free):
+        offer.details.update({"reserved_by_pending": held.gpus, "held_for": held.jobs[:20]})
+        what = f"{held.gpus} idle {offer.accelerator}" if held.gpus else "idle nodes"
+        mine = f", {len(held.ours)} of them ours" if held.ours else ""
+        offer.notes.append(f"{what} held for {len(held.jobs)} pending job(s) ahead{mine}")
+    if not req.accelerator:
+        takers = [p for p in pool if _takes(p, req)]
+        gpu_nodes = {n.name for n in nodes if n.gpus}
+        offer.details["gpu_place"] = all(p.name in gpu_nodes for p in (takers or pool))
+        if offer.details["gpu_place"]:
+            offer.notes.append("CPU-only on GPU nodes")
+    start = st.starts.get((part, gres_type, *shape_of(req, task.num_nodes)))
+    own = task_constraints(task)
+    # test-only's "later" beside idle nodes is its pessimism about the queue ahead, unless
+    # nothing is queued there or the task's own options (--begin, --nodelist...) explain it
+    queued_here = any(part in j.partitions for j in st.pending_jobs)
+    trust_later = bool(own) or not queued_here
+    later = isinstance(start, float) and start > st.now + HELD_MIN_WAIT_S
     if isinstance(start, float):
         if start - st.now < _HORIZON_S:
-            offer.est_start = max(start, st.now)
+            raw = max(start, st.now)
+            offer.details["test_only_start"] = raw
+            est = raw
+            basis = "sbatch --test-only"
+            if own:
+                basis += f" with the task's {' '.join(own)}"
+            elif discount is not None:  # time limits are not run times: what jobs really use
+                if discount.ratio is not None:
+                    est = st.now + (raw - st.now) * discount.ratio
+                basis += f", {discount.describe()}"
+            offer.est_start = est
+            offer.details["estimate"] = basis
         else:  # jobs without time limits make Slurm answer "in decades": that is unknown
             offer.details["test_only"] = "no start estimate within 30 days"
+            offer.details["estimate"] = "unknown"
     elif isinstance(start, str) and start:
         offer.details["test_only"] = start
-        if "not available" in start.lower() or "violates" in start.lower():
+        if any(word in start.lower() for word in _REFUSALS):
             return no(f"Slurm refuses this shape in {part}: {start}")
+    if offer.nodes_free >= task.num_nodes and later and trust_later:
+        offer.nodes_free = 0  # idle, but Slurm says it will not start it now
+        why = (f"the task's {' '.join(own)}" if own else "nothing queued here")
+        offer.notes.append(f"idle, but sbatch --test-only says later ({why})")
     if offer.nodes_free >= task.num_nodes:
         offer.est_start = st.now
+    else:
+        if fit.nodes_free >= task.num_nodes and offer.est_start is not None:
+            # idle but held: not before the jobs ahead have taken their share
+            offer.est_start = max(offer.est_start, st.now + HELD_MIN_WAIT_S)
+        if "estimate" in offer.details:
+            offer.notes.append(f"est. by {offer.details['estimate']}")
     offer.price_per_hour = hourly_price(task.num_nodes, need, s.price_per_gpu_hour,
                                         s.price_per_node_hour)
     return offer

@@ -192,3 +192,32 @@ def task_conflicts(task: Task, settings: SlurmSettings) -> str:
         return f"config.slurm.sbatch_options: {exc}"
     hits = sbatch.refused(options, settings.owned_options())
     return "; ".join(f"config.slurm.sbatch_options: {message}" for _, message in hits)
+
+
+def time_option(task: Task, settings: SlurmSettings) -> str | None:
+    """The ``--time`` the job will be submitted with (None when none), as sbatch reads the
+    directives: the task's options, then the connection's; the last one given wins."""
+    try:
+        options = sbatch.parse_tokens(task_sbatch_options(task) + settings.common_sbatch_args())
+    except sbatch.OptionError:
+        return None
+    times = [o.value for o in options if sbatch.canonical(o.name) == "time" and o.value]
+    return times[-1] if times else None
+
+
+#: task sbatch options that do not change where or when Slurm may start the job
+_NEUTRAL = frozenset("""
+time time-min comment mail-type mail-user signal export export-file nice priority wckey
+acctg-freq profile propagate get-user-env kill-on-invalid-dep quiet verbose ignore-pbs
+mcs-label cpu-freq gpu-freq gpu-bind mem-bind network open-mode requeue no-requeue parsable
+""".split())
+
+
+def task_constraints(task: Task) -> list[str]:
+    """The task's own sbatch options that may keep Slurm from starting it now where resources
+    are idle (``--begin``, ``--dependency``, ``--nodelist``, ``--exclusive``...), as given."""
+    try:
+        options = _task_options(task)
+    except sbatch.OptionError:
+        return []
+    return [o.given for o in options if sbatch.canonical(o.name) not in _NEUTRAL]

@@ -1,6 +1,9 @@
 """Where watched jobs are: one command for all of a connection's jobs, and its parser.
 
-The status script asks ``squeue -t all -u $USER`` (jobs still in the queue or just finished),
+The status script asks ``squeue -t all -u $USER`` (jobs still in the queue or just finished;
+a pending job's StartTime, backfill's plan for it, is its own estimated start,
+``JobStatus.est_start``, discounted by the finished jobs' history the last probe kept, as the
+probe's estimates are),
 ``sacct`` where accounting exists, and each job's ``exit_code`` file (written by the job itself)
 for jobs that already left the queue. Slurm states map to ours by SkyPilot's rule: the
 allocation is gone (node failure, preemption) -> infra; the program exited non-zero -> user.
@@ -30,11 +33,13 @@ import time
 from collections.abc import Sequence
 
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+from airflow_skypilot.backends.slurm.queue import history_ratio
 from airflow_skypilot.backends.slurm.shell import (
     bounded,
     parse_int,
     parse_sections,
     rc_line,
+    remote_dir_expr,
     section_rc,
 )
 
@@ -72,12 +77,15 @@ ANSWERED = "@@exits"
 EPOCH_TIMES = "env SLURM_TIME_FORMAT=%s"
 
 
-def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0) -> str:
-    """One script that reports on every job of ``handles``."""
+def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0,
+                  history_file: str | None = None) -> str:
+    """One script that reports on every job of ``handles`` (and, from ``history_file``, the
+    finished jobs' history the last probe kept: no ``sacct`` for it here)."""
     ids = ",".join(shlex.quote(h.job_id) for h in handles)
     lines = [
         bounded(slurm_timeout),
         'printf "@@tz\\n%s\\n" "$(date +%z)"',
+        'printf "@@now\\n%s\\n" "$(date +%s)"',
         "echo @@squeue",
         f"_t {EPOCH_TIMES} squeue -h -t all -u \"$USER\" -o '%i|%j|%T|%r|%N|%S|%e'",
         rc_line("squeue"),
@@ -92,6 +100,8 @@ def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0) -> 
         if job_dir:
             lines.append(f"[ -f {shlex.quote(job_dir)}/exit_code ] && printf '%s|%s\\n' "
                          f"{shlex.quote(h.job_id)} \"$(cat {shlex.quote(job_dir)}/exit_code)\"")
+    if history_file:
+        lines += ["echo @@history", f"cat {remote_dir_expr(history_file)} 2>/dev/null"]
     lines.append("true")
     return "\n".join(lines)
 
@@ -101,6 +111,7 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
     of who is authoritative)."""
     sec = parse_sections(output)
     offset = _utc_offset((sec.get("tz") or [""])[0])
+    now = epoch((sec.get("now") or [""])[0])
     squeue_rc = section_rc(sec, "squeue")
     answered = squeue_rc == 0
     queue: dict[str, list[str]] = {}
@@ -113,6 +124,8 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
         parts = line.split("|")
         if len(parts) >= 3 and "." not in parts[0]:
             accounted[parts[0].strip()] = [p.strip() for p in parts]
+    history = sec.get("history")
+    discount = history_ratio(history) if history else None
     exits: dict[str, str] = {}
     for line in sec.get("exits", []):
         job_id, _, code = line.partition("|")
@@ -125,7 +138,11 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
         if jid in queue:
             # id|name|state|reason|nodes|start|end
             _, _, raw, reason, nodes, start, end = (queue[jid] + [""] * 7)[:7]
-            out[jid] = _status_from(raw, reason, exit_code, nodes, start, end, offset)
+            out[jid] = _status_from(raw, reason, exit_code, nodes, start, end, offset, now)
+            est = out[jid].est_start
+            if est is not None and now is not None and discount and discount.ratio:
+                # Slurm plans from time limits: discounted as the probe's estimates are
+                out[jid].est_start = now + (est - now) * discount.ratio
         elif jid in accounted:
             _, raw, code, start, end = (accounted[jid] + [""] * 5)[:5]
             sacct_code = parse_int(code.split(":")[0], None) if code else None  # type: ignore[arg-type]
@@ -171,8 +188,13 @@ def epoch(text: str, utc_offset: float | None = None) -> float | None:
     return float(calendar.timegm(parsed)) - utc_offset
 
 
+#: a pending job's StartTime this far in the past is stale (a requeued job's last start)
+_STALE_START_S = 300.0
+
+
 def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start: str,
-                 end: str, utc_offset: float | None = None) -> JobStatus:
+                 end: str, utc_offset: float | None = None,
+                 now: float | None = None) -> JobStatus:
     words = raw.upper().split()
     if not words:  # sacct can print an empty State: the job is known, its state is not
         return JobStatus(JobState.UNKNOWN, reason="Slurm gave no state for the job",
@@ -200,7 +222,14 @@ def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start
         state, text = JobState.FAILED, f"exit code {exit_code}"
     if state == JobState.UNKNOWN:
         text = f"unknown Slurm state {raw}"
-    return JobStatus(state, reason=text, exit_code=exit_code,
+    est_start = None
+    if state == JobState.PENDING:
+        # squeue's StartTime of a pending job: when backfill plans to start it (its own
+        # place in the queue, the same time ``squeue --start`` shows); none when unplanned
+        est_start = epoch(start, utc_offset)
+        if est_start is not None and now is not None:
+            est_start = None if est_start < now - _STALE_START_S else max(est_start, now)
+    return JobStatus(state, reason=text, exit_code=exit_code, est_start=est_start,
                      started_at=epoch(start, utc_offset) if state != JobState.PENDING else None,
                      ended_at=epoch(end, utc_offset) if state.terminal else None,
                      nodes=[n for n in nodes.split(",") if n and n != "(null)"] if nodes else [],

@@ -23,20 +23,22 @@ PARAMS = {"task": "tasks/ok.yaml", "envs": {}, "policy": "fastest",
           "unreachable_timeout": None, "confirm_timeout": 30, "wait_for_completion": True}
 
 
+#: the operator's arguments in every e2e DAG (the run's conf picks the templated ones)
+ARGS = dict(
+    task_id="run",
+    task="{{ params.task }}",
+    policy="{{ params.policy }}",
+    unreachable_timeout="{{ params.unreachable_timeout }}",
+    confirm_timeout="{{ params.confirm_timeout }}",
+    wait_for_completion="{{ params.wait_for_completion }}",
+    poll_interval=1,
+    reprobe_interval=5,
+    max_failovers=2,
+)
+
+
 def _operator(**kwargs) -> E2EOperator:
-    return E2EOperator(
-        task_id="run",
-        task="{{ params.task }}",
-        envs="{{ params.envs }}",
-        policy="{{ params.policy }}",
-        unreachable_timeout="{{ params.unreachable_timeout }}",
-        confirm_timeout="{{ params.confirm_timeout }}",
-        wait_for_completion="{{ params.wait_for_completion }}",
-        poll_interval=1,
-        reprobe_interval=5,
-        max_failovers=2,
-        **kwargs,
-    )
+    return E2EOperator(envs="{{ params.envs }}", **ARGS, **kwargs)
 
 
 def _dag(dag_id: str) -> DAG:
@@ -74,3 +76,10 @@ with DAG(
         poll_interval=1,
         execution_timeout=timedelta(seconds=30),
     )
+
+# A sweep of eight whose members place at the same moment (the deployment test): each its own
+# counter file, ``<params.envs.COUNTER>-<i>``.
+with _dag("e2e_spread") as spread_dag:
+    E2EOperator.partial(**ARGS).expand(envs=[
+        {"COUNTER": f"{{{{ params.envs.COUNTER }}}}-{i}",
+         "WORK_SECONDS": "{{ params.envs.WORK_SECONDS }}"} for i in range(8)])

@@ -1,0 +1,161 @@
+"""The deployment's own placements decided moments ago, so a sweep does not herd.
+
+N mapped tasks that place at the same moment all probe before any of them has submitted: each
+sees the same free place, and all but the first queue behind it (or are refused by it). The
+backends cannot show a job that does not exist yet, so placement keeps its own note.
+
+Protocol (one JSON file, ``[skypilot] placement_ledger``, shared by the workers of one machine
+or of any that mount it; an empty value turns it off):
+
+1. A placer probes (slowly, outside any lock).
+2. Under an exclusive ``flock`` on the file it reads the live entries, takes from each offer
+   what entries not yet visible to that offer hold (:func:`hold`), ranks, and writes its own
+   entry for the chosen place: ``{"copy", "place", "gpus", "nodes", "at"}``. The lock is held
+   for the ranking only (milliseconds), never across a submission.
+3. After the submission it stamps ``submitted`` on its entry (or drops the entry when the place
+   refused). An entry counts against an offer only while that offer cannot see the job: the
+   job was not yet submitted, or the offer was probed before ``submitted + VISIBLE_AFTER``.
+   After that the backend itself shows the job (pending jobs, pods, launching instances).
+4. Entries lapse ``TTL`` seconds after they were written (a worker that died mid-placement).
+
+A ledger that cannot be read or written is logged and ignored: it only ever makes a place
+look fuller, so without it placement is what it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from airflow_skypilot.backends.base import Offer
+
+log = logging.getLogger(__name__)
+
+#: seconds an entry lives at most (a placement whose worker died before it submitted)
+TTL = 180.0
+#: seconds after a submission before every backend's probe shows the job itself
+VISIBLE_AFTER = 5.0
+
+
+def ledger_path() -> str:
+    """``[skypilot] placement_ledger``, else ``$AIRFLOW_HOME/skypilot/placements.json``."""
+    from airflow.configuration import conf
+
+    home = os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow")
+    return conf.get("skypilot", "placement_ledger",
+                    fallback=os.path.join(home, "skypilot", "placements.json")) or ""
+
+
+def _gpus(offer: Offer) -> int:
+    return int(math.ceil(offer.gpus_per_node * offer.num_nodes)) if offer.gpus_per_node else 0
+
+
+def hold(offers: list[Offer], entries: list[dict[str, Any]], *, own: str = "") -> list[Offer]:
+    """``offers`` with what ``entries`` hold taken from their places (in place; returned).
+
+    GPUs first: a place's free GPUs shrink by the entries' GPUs, and its free nodes to what
+    the GPUs left can fill. A CPU-only entry takes whole nodes (we do not know how it packs).
+    An offer that is no longer free now gets an unknown start (it waits behind jobs whose
+    length nobody knows yet), ``details["held_by_placements"]`` and a note for the table.
+    """
+    for offer in offers:
+        mine = [e for e in entries if e.get("place") == offer.place_key
+                and e.get("copy") != own and _unseen(e, offer)]
+        if not mine or not offer.fits:
+            continue
+        was_free = offer.free_now
+        gpus = sum(int(e.get("gpus") or 0) for e in mine)
+        nodes = sum(int(e.get("nodes") or 1) for e in mine if not e.get("gpus"))
+        if offer.gpus_free is not None and gpus:
+            offer.gpus_free = max(0, offer.gpus_free - gpus)
+        if offer.nodes_free is not None:
+            free = offer.nodes_free - nodes
+            if offer.gpus_per_node and offer.gpus_free is not None and gpus:
+                free = min(free, int(offer.gpus_free // offer.gpus_per_node))
+            elif gpus and not offer.gpus_per_node:
+                free -= sum(int(e.get("nodes") or 1) for e in mine if e.get("gpus"))
+            offer.nodes_free = max(0, free)
+        offer.details["held_by_placements"] = len(mine)
+        what = f"{gpus} GPUs" if gpus else f"{nodes} nodes"
+        offer.notes.append(f"{what} taken by {len(mine)} placement(s) made moments ago")
+        if was_free and not offer.free_now:
+            offer.est_start = None
+            offer.details["estimate"] = "unknown"
+    return offers
+
+
+def _unseen(entry: dict[str, Any], offer: Offer) -> bool:
+    submitted = entry.get("submitted")
+    return submitted is None or offer.probed_at < float(submitted) + VISIBLE_AFTER
+
+
+class PlacementLedger:
+    """The file of the protocol above. ``path`` empty: a ledger that holds nothing."""
+
+    def __init__(self, path: str, *, ttl: float = TTL):
+        self.path = Path(path) if path else None
+        self.ttl = ttl
+
+    @contextlib.contextmanager
+    def deciding(self) -> Iterator[list[dict[str, Any]]]:
+        """Hold the lock while the caller ranks; yields the live entries (a list the caller
+        appends its own entry to, written back on exit)."""
+        if self.path is None:
+            yield []
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            log.warning("Placement ledger %s unusable, placing without it: %s", self.path, exc)
+            yield []
+            return
+        with os.fdopen(fd, "r+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            text = fh.read()
+            entries = self._live(text)
+            yield entries
+            if json.dumps(entries) != text:  # ours added or stamped, or some lapsed
+                self._write(fh, entries)
+
+    def _live(self, text: str) -> list[dict[str, Any]]:
+        try:
+            raw = json.loads(text) if text.strip() else []
+        except ValueError:
+            log.warning("Placement ledger %s is not JSON; starting it afresh", self.path)
+            return []
+        now = time.time()
+        return [e for e in raw if isinstance(e, dict) and now - float(e.get("at", 0)) < self.ttl]
+
+    @staticmethod
+    def _write(fh, entries: list[dict[str, Any]]) -> None:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(entries))
+        fh.flush()
+
+    def note(self, entries: list[dict[str, Any]], copy: str, offer: Offer) -> None:
+        """Inside :meth:`deciding`: this task's copy goes to ``offer``'s place (``copy`` names
+        the task instance: it has one live copy, so a later placement replaces the entry)."""
+        entries[:] = [e for e in entries if e.get("copy") != copy]
+        entries.append({"copy": copy, "place": offer.place_key, "gpus": _gpus(offer),
+                        "nodes": offer.num_nodes, "at": time.time()})
+
+    def submitted(self, copy: str, ok: bool) -> None:
+        """After the submission: stamp the entry (the backend shows the job from now), or drop
+        it (the place refused, nothing holds room there)."""
+        with self.deciding() as entries:
+            if ok:
+                for e in entries:
+                    if e.get("copy") == copy:
+                        e["submitted"] = time.time()
+            else:
+                entries[:] = [e for e in entries if e.get("copy") != copy]

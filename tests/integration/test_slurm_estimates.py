@@ -1,0 +1,151 @@
+"""Start estimates and "free now" against real Slurm 22.05 (tests/sandbox/slurm.py): what the
+probe says must be what Slurm then does.
+
+alpha: a1, a2 with 4 A100 each; batch = a1+a2, short = a2 (MaxTime 10 min). beta: b1 with
+8 H100. Backfill runs every second (bf_interval=1).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from airflow_skypilot.backends.base import JobState
+from airflow_skypilot.backends.slurm import SlurmBackend
+from airflow_skypilot.spec import load_task
+
+pytestmark = pytest.mark.sandbox
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _task(resources, options=None, num_nodes=1, run="sleep 600"):
+    spec = {"run": run, "num_nodes": num_nodes, "resources": resources}
+    if options:
+        spec["config"] = {"slurm": {"sbatch_options": options}}
+    return load_task(spec)
+
+
+def _at(backend, task, location):
+    offers = [o for o in backend.probe(task) if o.location == location]
+    assert len(offers) == 1, offers
+    return offers[0]
+
+
+def _squeue(slurm, cluster, job_id, fmt):
+    return slurm.run(cluster, "env", "SLURM_TIME_FORMAT=%s", "squeue", "-h", "-j", job_id,
+                     "-o", fmt).stdout.strip()
+
+
+def _until(pred, timeout=30.0, interval=0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def _filler(slurm, cluster, *args):
+    job = slurm.run(cluster, "sbatch", "--parsable", "-o", "/dev/null", "--mem=100M", *args,
+                    "--wrap", "sleep 900").stdout.strip().split(";")[0]
+    _until(lambda: _squeue(slurm, cluster, job, "%T") == "RUNNING")
+    return job
+
+
+def test_a_pending_jobs_status_carries_its_own_start_from_the_queue(slurm):
+    beta = SlurmBackend("slurm_beta")
+    _filler(slurm, "beta", "--gres=gpu:h100:8", "-t", "30")
+    started = time.time()
+    task = _task({"accelerators": "H100:4"}, {"time": "60"})
+    offer = _at(beta, task, "main")
+    assert offer.fits and not offer.free_now and offer.est_start is not None
+    handle = beta.submit(task, offer, _name("sky-est"), {"SKYPILOT_TASK_ID": "t"})
+    status = _until(lambda: (s := beta.status([handle])[handle.job_id]).est_start and s)
+    assert status.state == JobState.PENDING
+    # backfill plans it when the filler reaches its 30-minute limit: squeue's StartTime
+    assert abs(status.est_start - (started + 1800)) < 120, status
+    assert status.est_start == float(_squeue(slurm, "beta", handle.job_id, "%S"))
+
+
+def test_idle_gpus_held_for_the_first_placements_pending_job_are_not_free(slurm):
+    """Two placements moments apart: the first queues a 2-node job that backfill plans on a1
+    (busy 30 more minutes) and a2 (idle); the second sees a2's idle GPUs held for it, unless
+    it ends before then, and Slurm does exactly that."""
+    alpha = SlurmBackend("slurm_alpha")
+    _filler(slurm, "alpha", "-p", "batch", "-w", "a1", "--gres=gpu:a100:4", "-t", "30")
+    first_task = _task({"accelerators": "A100:4"}, {"time": "60"}, num_nodes=2)
+    first_offer = _at(alpha, first_task, "batch")
+    assert not first_offer.free_now
+    first = alpha.submit(first_task, first_offer, _name("sky-first"), {"SKYPILOT_TASK_ID": "1"})
+    _until(lambda: _squeue(slurm, "alpha", first.job_id, "%Y") not in ("", "(null)"))
+
+    long_task = _task({"accelerators": "A100:1"}, {"time": "60"})
+    long = _at(alpha, long_task, "batch")
+    assert long.details["gpus_idle"] == 4 and long.gpus_free == 0 and not long.free_now
+    assert long.details["reserved_by_pending"] == 4
+    assert long.details["held_for"] == [first.job_id] and long.details["pending_ours"] == 1
+    assert long.notes[0] == "4 idle A100 held for 1 pending job(s) ahead, 1 of them ours"
+    short_task = _task({"accelerators": "A100:1"}, {"time": "10"})
+    short = _at(alpha, short_task, "batch")
+    assert short.free_now  # ends before the 2-node job starts: backfill takes it now
+
+    ran = alpha.submit(short_task, short, _name("sky-short"), {"SKYPILOT_TASK_ID": "2"})
+    waits = alpha.submit(long_task, long, _name("sky-long"), {"SKYPILOT_TASK_ID": "3"})
+    _until(lambda: alpha.status([ran])[ran.job_id].state == JobState.RUNNING)
+    time.sleep(3)  # several backfill passes
+    assert alpha.status([waits])[waits.job_id].state == JobState.PENDING
+
+
+def test_a_time_limit_over_max_time_does_not_fit_and_slurm_would_never_start_it(slurm):
+    alpha = SlurmBackend("slurm_alpha")
+    task = _task({"accelerators": "A100:1"}, {"time": "20"})
+    offers = {o.location: o for o in alpha.probe(task)}
+    assert offers["batch"].fits and offers["batch"].free_now
+    assert not offers["short"].fits
+    assert offers["short"].reason == ("asks --time=20 (20m); partition short allows at most "
+                                      "10m (MaxTime): Slurm would keep it pending")
+    # the fact behind it (test-only says "now" for it all the same)
+    job = slurm.run("alpha", "sbatch", "--parsable", "-p", "short", "-t", "20", "-o",
+                    "/dev/null", "--wrap", "true").stdout.strip()
+    _until(lambda: _squeue(slurm, "alpha", job, "%r") == "PartitionTimeLimit")
+    assert _at(alpha, _task({"accelerators": "A100:1"}, {"time": "10"}), "short").fits
+
+
+def test_test_only_is_asked_with_the_tasks_own_sbatch_options(slurm):
+    alpha = SlurmBackend("slurm_alpha")
+    now = time.time()
+    later = _at(alpha, _task({"accelerators": "A100:1"}, {"begin": "now+2hours"}), "batch")
+    assert not later.free_now and abs(later.est_start - (now + 7200)) < 120
+    assert later.details["estimate"] == "sbatch --test-only with the task's --begin=now+2hours"
+    _filler(slurm, "alpha", "-p", "batch", "-w", "a1", "--gres=gpu:a100:4", "-t", "30")
+    pinned = _at(alpha, _task({"accelerators": "A100:1"}, {"nodelist": "a1"}), "batch")
+    assert not pinned.free_now and abs(pinned.est_start - (now + 1800)) < 120
+    assert _at(alpha, _task({"accelerators": "A100:1"}), "batch").free_now  # a2 is idle
+
+
+def test_the_history_of_finished_jobs_discounts_the_estimate(slurm):
+    alpha = SlurmBackend("slurm_alpha")
+    history = "~/.airflow-skypilot/probe-history-alpha"
+    slurm.run("alpha", "bash", "-c", f"rm -f {history}")
+    jobs = [slurm.run("alpha", "sbatch", "--parsable", "-p", "batch", "-t", "10", "-o",
+                      "/dev/null", "--wrap", "sleep 1").stdout.strip() for _ in range(22)]
+    _until(lambda: not slurm.run("alpha", "squeue", "-h", "-j", ",".join(jobs), "-t",
+                                 "PENDING,RUNNING,COMPLETING", "-o", "%i").stdout.strip(),
+           timeout=60)
+    _filler(slurm, "alpha", "-p", "batch", "--gres=gpu:a100:4", "-w", "a1", "-t", "30")
+    _filler(slurm, "alpha", "-p", "batch", "--gres=gpu:a100:4", "-w", "a2", "-t", "30")
+    state = alpha.cluster_state(_task({"accelerators": "A100:4"}))
+    assert state.history is not None and len(state.history) >= 22  # sacct -c (no slurmdbd)
+    offer = _at(alpha, _task({"accelerators": "A100:4"}), "batch")
+    raw = offer.details["test_only_start"]
+    assert "recent jobs end at a median" in offer.details["estimate"]
+    assert offer.probed_at < offer.est_start < raw
+    # the login node keeps the history: the next probe reads the file, not sacct
+    assert slurm.run("alpha", "bash", "-c", f"test -s {history} && echo ok").stdout.strip() \
+        == "ok"
