@@ -14,7 +14,8 @@ or of any that mount it; an empty value turns it off):
    for the ranking only (milliseconds), never across a submission.
 3. After the submission it stamps ``submitted`` on its entry (or drops the entry when the place
    refused). An entry counts against an offer only while that offer cannot see the job: the
-   job was not yet submitted, or the offer was probed before ``submitted + VISIBLE_AFTER``.
+   job was not yet submitted, or the offer was probed before ``submitted + VISIBLE_AFTER``
+   (or the offer's own ``shows_jobs_after``: Slurm shows a job once ``sbatch`` returns).
    After that the backend itself shows the job (pending jobs, pods, launching instances).
 4. Entries lapse ``TTL`` seconds after they were written (a worker that died mid-placement).
 
@@ -94,7 +95,8 @@ def hold(offers: list[Offer], entries: list[dict[str, Any]], *, own: str = "") -
 
 def _unseen(entry: dict[str, Any], offer: Offer) -> bool:
     submitted = entry.get("submitted")
-    return submitted is None or offer.probed_at < float(submitted) + VISIBLE_AFTER
+    lag = VISIBLE_AFTER if offer.shows_jobs_after is None else offer.shows_jobs_after
+    return submitted is None or offer.probed_at < float(submitted) + lag
 
 
 class PlacementLedger:

@@ -145,6 +145,10 @@ class Offer:
     instance_type: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     probed_at: float = field(default_factory=time.time)
+    #: seconds after a submission returns before this place's probe shows the job (None: the
+    #: ledger's default, ``ledger.VISIBLE_AFTER``); a probe that began at least this long
+    #: after a placement's submission counts that job itself (``ledger.hold``)
+    shows_jobs_after: float | None = None
     #: phrases for the placement table's "why": how the estimate was made, idle GPUs held
     #: for jobs ahead, the GPUs a larger instance wastes...
     notes: list[str] = field(default_factory=list)

@@ -367,10 +367,12 @@ class Deployment:
                                       f"task_id={task_id}/*.log.trigger.*.log"))
         return {int(f.name.split(".")[-2]): f.read_text(errors="replace") for f in files}
 
-    def task_log(self, run_id: str, dag_id: str = DAG_ID, task_id: str = "run") -> str:
-        """What the workers logged for this run's task."""
+    def task_log(self, run_id: str, dag_id: str = DAG_ID, task_id: str = "run",
+                 map_index: int = -1) -> str:
+        """What the workers logged for this run's task (of this map index)."""
+        mapped = "" if map_index < 0 else f"map_index={map_index}/"
         files = sorted(self.home.glob(f"logs/dag_id={dag_id}/run_id={run_id}/"
-                                      f"task_id={task_id}/attempt=*.log"))
+                                      f"task_id={task_id}/{mapped}attempt=*.log"))
         return "".join(f.read_text(errors="replace") for f in files)
 
     # ---- REST API

@@ -621,8 +621,11 @@ def test_a_sweep_placing_at_once_spreads_over_the_places_with_free_gpus(deployme
             results.append(json.loads(value) if isinstance(value, str) else value)
         assert Counter(r["connection"] for r in results) == {"slurm_beta": 5,
                                                               "slurm_alpha": 3}, results
-        for r in results:
-            (attempt,) = r["attempts"]  # nobody queued behind a sweep-mate and moved
+        for i, r in enumerate(results):
+            # nobody queued behind a sweep-mate and moved
+            assert len(r["attempts"]) == 1, (r, deployment.task_log(
+                run_id, SPREAD_DAG_ID, map_index=i)[-6000:])
+            (attempt,) = r["attempts"]
             # started as soon as Slurm schedules it: no sweep-mate's 20 s ahead of it
             assert attempt["started_at"] - attempt["submitted_at"] < 15, attempt
         for i in range(8):

@@ -137,3 +137,43 @@ def test_a_sweep_placing_at_once_spreads_over_the_free_places():
 def test_without_the_ledger_the_same_sweep_herds(monkeypatch):
     monkeypatch.setenv("AIRFLOW__SKYPILOT__PLACEMENT_LEDGER", "")
     assert _sweep_of(8) == {"c1": 8}
+
+
+def test_a_place_that_shows_jobs_at_once_stops_counting_them_sooner():
+    # Slurm shows a job once sbatch returns: a probe 2 s after the submission counts the job
+    # itself, and the ledger's entry must not take its GPU a second time
+    submitted = time.time() - 2
+    o = offer("c1", "p", gpus_free=1)
+    o.shows_jobs_after = 1.0
+    hold([o], [_entry("c1/p", submitted=submitted)])
+    assert o.gpus_free == 1 and "held_by_placements" not in o.details
+    # ...but one that began before the submission's end (plus the skew margin) is held
+    o = offer("c1", "p", gpus_free=1)
+    o.shows_jobs_after = 1.0
+    o.probed_at = submitted + 0.5
+    hold([o], [_entry("c1/p", submitted=submitted)])
+    assert o.gpus_free == 0
+    # the default lag still holds an offer that says nothing
+    o = offer("c1", "p", gpus_free=1)
+    hold([o], [_entry("c1/p", submitted=submitted)])
+    assert o.gpus_free == 0
+
+
+
+def test_slurm_offers_show_jobs_at_once_and_their_probe_time_is_sub_second():
+    from airflow_skypilot.backends.slurm.cluster import parse_cluster
+    from tests.unit.test_slurm_package import _offers
+    from tests.unit.test_slurm_parse import PROBE
+
+    _, got = _offers({"accelerators": "A100:1"})
+    batch = got["batch"]
+    assert batch.shows_jobs_after is not None and 0 < batch.shows_jobs_after < VISIBLE_AFTER
+    free = batch.gpus_free
+    # a sweep-mate submitted there 2 s before this probe: the probe counts its job itself
+    hold([batch], [_entry(batch.place_key, submitted=batch.probed_at - 2)])
+    assert batch.gpus_free == free
+    # the login node's clock with its fraction (``date +%s.%N``): a second's truncation would
+    # make a probe look up to a second older than it is
+    head, _, rest = PROBE.partition("@@now\n")
+    state = parse_cluster(head + "@@now\n1764565691.25\n" + rest.split("\n", 1)[1])
+    assert state.now == 1764565691.25

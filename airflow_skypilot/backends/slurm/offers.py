@@ -49,6 +49,12 @@ from airflow_skypilot.spec.task import ResourceRequest, Task
 _HORIZON_S = 30 * 86400
 #: idle resources held for a job ahead: the soonest a "held" offer says it could start
 HELD_MIN_WAIT_S = 60.0
+#: a job is in ``squeue`` once ``sbatch`` returns, and a probe counts it from then on (running: in
+#: the nodes' used GRES; pending: held by :func:`.queue.hold`). A probe whose clock (the login
+#: node's ``date``, read before its ``sinfo``/``squeue``) is this much past a submission's end
+#: (the worker's clock) shows that job: the placement ledger stops counting it (no double
+#: count while a sweep places over a few seconds). One second covers NTP-level skew.
+SHOWS_JOBS_AFTER_S = 1.0
 #: what ``sbatch --test-only`` says when Slurm would refuse the job there
 _REFUSALS = ("not available", "violates", "invalid", "exceed")
 
@@ -130,6 +136,7 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
                   request=req, num_nodes=task.num_nodes, accelerator=req.accelerator,
                   gpus_per_node=req.accelerator_count, nodes_total=len(nodes),
                   pending_jobs=info.pending, probed_at=st.now,
+                  shows_jobs_after=SHOWS_JOBS_AFTER_S,
                   details={"cluster": s.cluster, "partition": part})
 
     def no(reason: str) -> Offer:
