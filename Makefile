@@ -12,10 +12,13 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml .ci/constraints.txt | sha
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Python venv support; real Slurm (controller, node daemon, client, munge); sshd for the login
 # nodes; util-linux/procps/iproute2/curl for the job scripts and the sandboxes' process control;
-# shellcheck and docker-compose for the static checks of docker/ (no Docker engine is needed).
+# shellcheck and docker-compose for the static checks of docker/ (no Docker engine is needed);
+# postgresql and redis-server for the production-shaped deployment test (tests/e2e/deployment.py
+# runs its own postmaster and redis on free loopback ports under a temp dir; the services the
+# packages install are not used).
 DEBS := python3-venv python3-pip python3-dev gcc slurmctld slurmd slurm-client munge \
         openssh-server openssh-client util-linux procps iproute2 curl ca-certificates \
-        shellcheck docker-compose
+        shellcheck docker-compose postgresql redis-server
 PYTEST_ARGS ?=
 
 .PHONY: help venv system-deps lint unit test demo sandbox sandbox-down sandbox-status clean
