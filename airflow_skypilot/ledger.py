@@ -62,13 +62,17 @@ def _gpus(offer: Offer) -> int:
 def hold(offers: list[Offer], entries: list[dict[str, Any]], *, own: str = "") -> list[Offer]:
     """``offers`` with what ``entries`` hold taken from their places (in place; returned).
 
+    An entry holds room at its own place and at every place that shares capacity with it
+    (``Offer.shares_capacity_with``: a Slurm partition whose nodes another one has too; an
+    entry there is counted whole, as if its job took the shared nodes: conservative).
     GPUs first: a place's free GPUs shrink by the entries' GPUs, and its free nodes to what
     the GPUs left can fill. A CPU-only entry takes whole nodes (we do not know how it packs).
     An offer that is no longer free now gets an unknown start (it waits behind jobs whose
     length nobody knows yet), ``details["held_by_placements"]`` and a note for the table.
     """
     for offer in offers:
-        mine = [e for e in entries if e.get("place") == offer.place_key
+        places = {offer.place_key, *offer.shares_capacity_with}
+        mine = [e for e in entries if e.get("place") in places
                 and e.get("copy") != own and _unseen(e, offer)]
         if not mine or not offer.fits:
             continue

@@ -149,6 +149,9 @@ class Offer:
     #: ledger's default, ``ledger.VISIBLE_AFTER``); a probe that began at least this long
     #: after a placement's submission counts that job itself (``ledger.hold``)
     shows_jobs_after: float | None = None
+    #: the place keys of other places whose capacity overlaps this one's (Slurm partitions
+    #: sharing nodes): a placement made moments ago there takes room here too (``ledger.hold``)
+    shares_capacity_with: list[str] = field(default_factory=list)
     #: phrases for the placement table's "why": how the estimate was made, idle GPUs held
     #: for jobs ahead, the GPUs a larger instance wastes...
     notes: list[str] = field(default_factory=list)

@@ -177,3 +177,19 @@ def test_slurm_offers_show_jobs_at_once_and_their_probe_time_is_sub_second():
     head, _, rest = PROBE.partition("@@now\n")
     state = parse_cluster(head + "@@now\n1764565691.25\n" + rest.split("\n", 1)[1])
     assert state.now == 1764565691.25
+
+
+def test_a_placement_in_a_partition_holds_room_in_the_partitions_sharing_its_nodes():
+    # alpha: batch = a1 + a2, short = a2. A placement on short takes a GPU batch has too (and
+    # one on batch may take one of short's): the other partition's offer counts it.
+    from tests.unit.test_slurm_package import _offers
+
+    _, got = _offers({"accelerators": "A100:1"})
+    batch, short = got["batch"], got["short"]
+    assert short.place_key in batch.shares_capacity_with
+    assert batch.place_key in short.shares_capacity_with
+    free = batch.gpus_free, short.gpus_free
+    hold([batch, short], [_entry(short.place_key), _entry(batch.place_key, copy="b")])
+    assert (batch.gpus_free, short.gpus_free) == (free[0] - 2, free[1] - 2)
+    # a partition of no shared node is left alone
+    assert got["empty"].shares_capacity_with == []

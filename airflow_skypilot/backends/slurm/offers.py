@@ -137,6 +137,8 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
                   gpus_per_node=req.accelerator_count, nodes_total=len(nodes),
                   pending_jobs=info.pending, probed_at=st.now,
                   shows_jobs_after=SHOWS_JOBS_AFTER_S,
+                  shares_capacity_with=sorted({f"{conn_id}/{p}" for n in nodes
+                                               for p in n.partitions if p != part}),
                   details={"cluster": s.cluster, "partition": part})
 
     def no(reason: str) -> Offer:
