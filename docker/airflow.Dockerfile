@@ -2,7 +2,10 @@
 # Build context: the repository root (see docker-compose.yml); airflow.Dockerfile.dockerignore
 # keeps the context to what is copied below.
 ARG AIRFLOW_VERSION=3.3.2
-FROM apache/airflow:${AIRFLOW_VERSION}
+# The official image; docker/offline/build.sh builds a stand-in where no registry is reachable.
+ARG AIRFLOW_BASE_IMAGE=apache/airflow:${AIRFLOW_VERSION}
+FROM ${AIRFLOW_BASE_IMAGE}
+ARG AIRFLOW_VERSION
 
 USER airflow
 

@@ -1,0 +1,33 @@
+# A stand-in for the official apache/airflow image, for machines that reach Debian's mirror
+# and PyPI but no image registry (build.sh). What docker-compose.yml and airflow.Dockerfile
+# rely on is the same: user `airflow` (uid 50000, gid 0), HOME /home/airflow with the
+# constraints file the image was built with at ~/constraints.txt, AIRFLOW_HOME /opt/airflow,
+# `pip install` as that user, curl, and an entrypoint that runs `airflow <command>` for a bare
+# Airflow command (`scheduler`) and anything else (`bash ...`) as it is.
+FROM debian:bookworm-slim
+
+ARG AIRFLOW_VERSION=3.3.2
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        python3 python3-venv ca-certificates curl \
+    && rm -rf /var/lib/apt/lists/*
+# extra CA certificates (build.sh copies the host's: a TLS-inspecting proxy on the way to PyPI)
+COPY ca/ /usr/local/share/ca-certificates/
+RUN update-ca-certificates >/dev/null
+RUN useradd --uid 50000 --gid 0 --create-home --home-dir /home/airflow --shell /bin/bash airflow \
+    && install -d -o airflow -g 0 -m 0775 /opt/airflow /opt/airflow/dags /opt/airflow/logs
+ENV AIRFLOW_HOME=/opt/airflow \
+    PATH=/home/airflow/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONUNBUFFERED=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+USER airflow
+COPY --chown=airflow:0 constraints.txt /home/airflow/constraints.txt
+# a current pip: bookworm's (23.0) takes minutes per package resolving the providers' extras
+RUN python3 -m venv /home/airflow/.local \
+    && pip install --no-cache-dir -q --upgrade pip \
+    && pip install --no-cache-dir -q "apache-airflow[postgres]==${AIRFLOW_VERSION}" \
+        --constraint /home/airflow/constraints.txt
+COPY airflow-entrypoint.sh /entrypoint
+WORKDIR /opt/airflow
+ENTRYPOINT ["/entrypoint"]
+CMD ["--help"]
