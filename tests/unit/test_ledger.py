@@ -144,13 +144,13 @@ def test_a_place_that_shows_jobs_at_once_stops_counting_them_sooner():
     # itself, and the ledger's entry must not take its GPU a second time
     submitted = time.time() - 2
     o = offer("c1", "p", gpus_free=1)
-    o.shows_jobs_after = 1.0
+    o.shows_jobs_after = 0.1
     hold([o], [_entry("c1/p", submitted=submitted)])
     assert o.gpus_free == 1 and "held_by_placements" not in o.details
     # ...but one that began before the submission's end (plus the skew margin) is held
     o = offer("c1", "p", gpus_free=1)
-    o.shows_jobs_after = 1.0
-    o.probed_at = submitted + 0.5
+    o.shows_jobs_after = 0.1
+    o.probed_at = submitted + 0.05
     hold([o], [_entry("c1/p", submitted=submitted)])
     assert o.gpus_free == 0
     # the default lag still holds an offer that says nothing

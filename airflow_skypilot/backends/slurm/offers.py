@@ -52,9 +52,11 @@ HELD_MIN_WAIT_S = 60.0
 #: a job is in ``squeue`` once ``sbatch`` returns, and a probe counts it from then on (running: in
 #: the nodes' used GRES; pending: held by :func:`.queue.hold`). A probe whose clock (the login
 #: node's ``date``, read before its ``sinfo``/``squeue``) is this much past a submission's end
-#: (the worker's clock) shows that job: the placement ledger stops counting it (no double
-#: count while a sweep places over a few seconds). One second covers NTP-level skew.
-SHOWS_JOBS_AFTER_S = 1.0
+#: (the worker's clock, stamped after ``sbatch`` returned) shows that job: the placement ledger
+#: stops counting it (no double count while a sweep places over a few seconds). 0.1 s covers
+#: NTP-level skew; a probe that began before the submission and ran its ``squeue`` after it
+#: still counts the job twice (conservative: the place looks fuller).
+SHOWS_JOBS_AFTER_S = 0.1
 #: what ``sbatch --test-only`` says when Slurm would refuse the job there
 _REFUSALS = ("not available", "violates", "invalid", "exceed")
 
