@@ -142,7 +142,7 @@ def _discount(history: tuple[str, ...]) -> Discount:
 
 
 PROBE_SCRIPT = r"""
-echo "@@now"; date +%s
+echo "@@now"; date +%s.%N
 echo "@@home"; printf '%s\n' "$HOME"
 echo "@@user"; id -un
 echo "@@nodes"
