@@ -12,11 +12,14 @@ or of any that mount it; an empty value turns it off):
    what entries not yet visible to that offer hold (:func:`hold`), ranks, and writes its own
    entry for the chosen place: ``{"copy", "place", "gpus", "nodes", "at"}``. The lock is held
    for the ranking only (milliseconds), never across a submission.
-3. After the submission it stamps ``submitted`` on its entry (or drops the entry when the place
-   refused). An entry counts against a probe only while that probe cannot have seen the job:
-   the job was not yet submitted, or was submitted after the probe began (less the backend's
-   ``VISIBLE_AFTER``). A probe begun later sees the job itself (pending jobs, pods, launching
-   instances): counting it again would make the place look fuller than it is.
+3. After the submission it stamps ``submitted`` and the job's name on its entry (or drops the
+   entry when the place refused). An entry counts against a probe only while that probe cannot
+   have seen the job: the job was not yet submitted, or was submitted after the probe began
+   (less the backend's ``VISIBLE_AFTER``). A probe begun later sees the job itself (pending
+   jobs, pods, launching instances): counting it again would make the place look fuller than
+   it is. A probe that lists its connection's jobs by name before it reads the capacity
+   (``Offer.jobs_seen``: Slurm) settles the case time cannot: begun before a submission, it
+   read the queue after it; an entry whose job it listed is in its counts already.
 4. Entries lapse ``TTL`` seconds after they were written (a worker that died mid-placement).
 
 A ledger that cannot be read or written is logged and ignored: it only ever makes a place
@@ -77,8 +80,8 @@ def hold(offers: list[Offer], entries: list[dict[str, Any]], *, probe_began: flo
     for offer in offers:
         places = {offer.place_key, *offer.shares_capacity_with}
         lag = VISIBLE_AFTER.get(offer.backend, VISIBLE_AFTER_DEFAULT)
-        mine = [e for e in entries if e.get("place") in places
-                and e.get("copy") != own and _unseen(e, probe_began, lag)]
+        mine = [e for e in entries if e.get("place") in places and e.get("copy") != own
+                and _unseen(e, probe_began, lag) and e.get("job") not in (offer.jobs_seen or ())]
         if not mine or not offer.fits:
             continue
         was_free = offer.free_now
@@ -159,13 +162,15 @@ class PlacementLedger:
         entries.append({"copy": copy, "place": offer.place_key, "gpus": _gpus(offer),
                         "nodes": offer.num_nodes, "at": time.time()})
 
-    def submitted(self, copy: str, ok: bool) -> None:
-        """After the submission: stamp the entry (the backend shows the job from now), or drop
-        it (the place refused, nothing holds room there)."""
+    def submitted(self, copy: str, ok: bool, job: str | None = None) -> None:
+        """After the submission: stamp the entry with the time and the job's name (the backend
+        shows the job from now), or drop it (the place refused, nothing holds room there)."""
         with self.deciding() as entries:
             if ok:
                 for e in entries:
                     if e.get("copy") == copy:
                         e["submitted"] = time.time()
+                        if job:
+                            e["job"] = job
             else:
                 entries[:] = [e for e in entries if e.get("copy") != copy]

@@ -125,7 +125,7 @@ class Placer:
                 return None
             run.places = sorted({o.place_key for o in plan.ranked})
             handle = self.submit_at(task, run, plan.chosen)
-            self.ledger.submitted(run.prefix, handle is not None)
+            self.ledger.submitted(run.prefix, handle is not None, handle and handle.job_name)
             if handle is not None:
                 return handle
         raise AirflowException(f"no place accepted the job after {MAX_SUBMISSIONS} submissions")
@@ -222,7 +222,7 @@ class Placer:
         run.attempt += 1
         self.log.warning("Job %s %s", handle.job_id, why)
         moved = self.submit_at(task, run, fresh)
-        self.ledger.submitted(run.prefix, moved is not None)
+        self.ledger.submitted(run.prefix, moved is not None, moved and moved.job_name)
         return moved, True
 
     def _still_good(self, task: Task, run: RunState, to: Offer) -> Offer | None:

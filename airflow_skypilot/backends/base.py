@@ -151,6 +151,10 @@ class Offer:
     #: phrases for the placement table's "why": how the estimate was made, idle GPUs held
     #: for jobs ahead, the GPUs a larger instance wastes...
     notes: list[str] = field(default_factory=list)
+    #: names of the connection's live jobs (of its user) that the probe listed before it read
+    #: the capacity: a placement made moments ago whose job is among them is already in that
+    #: capacity (``ledger.hold``). None: the backend lists none. Not serialized.
+    jobs_seen: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def free_now(self) -> bool:
@@ -176,6 +180,7 @@ class Offer:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["jobs_seen"]
         out["request"] = {"index": self.request.index, **self.request.to_json()}
         return out
 

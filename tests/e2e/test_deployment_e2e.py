@@ -621,16 +621,19 @@ def test_a_sweep_placing_at_once_spreads_over_the_places_with_free_gpus(deployme
             results.append(json.loads(value) if isinstance(value, str) else value)
         assert Counter(r["connection"] for r in results) == {"slurm_beta": 5,
                                                               "slurm_alpha": 3}, results
-        # a member whose probe overlapped a sweep-mate's submission may count that job twice
-        # (the ledger's entry and the backend's view: ledger.py) and go to a queue; it is moved
-        # within a reprobe interval (5 s here). None waits behind a sweep-mate's 45 s of work.
+        # the Slurm probe lists our jobs by name before it reads the nodes, so a sweep-mate's
+        # job is counted once (ledger.py); only one submitted in the milliseconds between that
+        # listing and the node read is counted twice, and the member it misleads goes to a queue
+        # and is moved within a reprobe interval (5 s here). None waits behind a sweep-mate's
+        # 45 s of work.
         for r in results:
             first, last = r["attempts"][0], r["attempts"][-1]
             assert [a["state"] for a in r["attempts"][:-1]] == ["moved"] * \
                 (len(r["attempts"]) - 1) and last["state"] == "succeeded", r["attempts"]
             assert last["started_at"] - first["submitted_at"] < 35, r["attempts"]
         moved = [r["attempts"] for r in results if len(r["attempts"]) > 1]
-        assert len(moved) <= 2, f"most members placed right at once: {moved}"
+        print(f"\nsweep of 8: {len(moved)} member(s) moved from a queue")
+        assert len(moved) <= 1, f"the members placed right at once: {moved}"
         for i in range(8):
             assert_ran_once(f"{counter}-{i}")
     finally:

@@ -100,6 +100,28 @@ def test_capacity_is_right_under_load(slurm):
     assert pending
 
 
+def test_the_probe_lists_our_live_jobs_by_name(slurm):
+    # the ledger's "already counted" check (ledger.hold): a job of the login user that is
+    # pending or running is in every offer's jobs_seen; one that ended, and anybody else's, not
+    alpha = SlurmBackend("slurm_alpha")
+    task = _task(run="sleep 300")
+    running = _submit(alpha, task, "seen-run")
+    _wait(alpha, running, {JobState.RUNNING})
+    done = _submit(alpha, _task(), "seen-done")
+    _wait(alpha, done, {JobState.SUCCEEDED})
+    root = slurm.run("alpha", "sbatch", "--parsable", "-J", "not-ours", "--wrap", "sleep 300",
+                     as_root=True).stdout.strip()
+    offers = alpha.probe(_task(resources={"accelerators": "A100:1"}))
+    try:
+        assert offers and all(o.jobs_seen is not None for o in offers)
+        seen = offers[0].jobs_seen
+        assert running.job_name in seen
+        assert done.job_name not in seen and "not-ours" not in seen
+    finally:
+        alpha.cancel(running)
+        slurm.run("alpha", "scancel", root.split(";")[0], as_root=True)
+
+
 def test_two_node_job_gets_every_skypilot_env_var(slurm, tmp_path):
     alpha = SlurmBackend("slurm_alpha")
     task = load_task({

@@ -49,6 +49,40 @@ def test_a_job_the_backend_already_shows_is_not_counted_twice():
     assert o.gpus_free == 0
 
 
+def test_a_job_the_probe_listed_by_name_is_not_counted_twice():
+    # the probe began before the sweep-mate's submission but listed its job (then read the
+    # capacity with it): time alone would count it twice, the name says it is in the counts
+    began = time.time()
+    entry = _entry("c1/p", submitted=began + 0.5)
+    entry["job"] = "sky-mate-a0"
+    o = offer("c1", "p", gpus_free=1)
+    o.jobs_seen = frozenset({"sky-mate-a0", "someone-elses"})
+    hold([o], [entry], probe_began=began)
+    assert o.gpus_free == 1 and "held_by_placements" not in o.details
+    # a probe that listed other jobs (it read the queue before the submission) holds the room
+    o = offer("c1", "p", gpus_free=1)
+    o.jobs_seen = frozenset({"sky-other-a0"})
+    hold([o], [entry], probe_began=began)
+    assert o.gpus_free == 0
+    # so does one whose backend lists no jobs, and an entry not yet submitted (no name)
+    o = offer("c1", "p", gpus_free=1)
+    hold([o], [entry], probe_began=began)
+    assert o.gpus_free == 0
+    o = offer("c1", "p", gpus_free=1)
+    o.jobs_seen = frozenset({"sky-mate-a0"})
+    hold([o], [_entry("c1/p")], probe_began=began)
+    assert o.gpus_free == 0
+
+
+def test_the_submitted_stamp_names_the_job(tmp_path):
+    ledger = PlacementLedger(str(tmp_path / "l.json"))
+    with ledger.deciding() as entries:
+        ledger.note(entries, "sky-t-", offer("c1", "p", gpus_free=1))
+    ledger.submitted("sky-t-", True, "sky-t-c0-t1-a0")
+    [entry] = json.loads((tmp_path / "l.json").read_text())
+    assert entry["job"] == "sky-t-c0-t1-a0" and entry["submitted"] <= time.time()
+
+
 def test_a_partition_sharing_nodes_with_the_placements_is_held_too():
     batch = offer("slurm_alpha", "batch", gpus_free=3)  # a1 + a2
     batch.shares_capacity_with = ["slurm_alpha/short"]

@@ -46,6 +46,25 @@ def test_cluster_parse_counts_a_node_in_two_partitions_once():
     assert st.home == "/home/skyuser" and st.now == 1795988258.0
 
 
+def test_the_probe_lists_its_users_jobs_by_name_before_it_reads_the_capacity():
+    from airflow_skypilot.backends.slurm.cluster import PROBE_SCRIPT
+
+    # a job listed here was in slurmctld before the nodes and the queue were read: in their
+    # counts (ledger.hold relies on that order)
+    assert PROBE_SCRIPT.index("@@ours") < PROBE_SCRIPT.index("@@nodes")
+    head, _, rest = PROBE.partition("@@nodes\n")
+    st = parse_cluster(head + "@@ours\nsky-a-c0-t1-a0\n\nsky-b-c0-t1-a0\n@@ours_rc\n0\n"
+                       "@@nodes\n" + rest)
+    assert st.our_jobs == {"sky-a-c0-t1-a0", "sky-b-c0-t1-a0"}
+    # a listing that failed says nothing (not: "none of our jobs is there")
+    st = parse_cluster(head + "@@ours\n@@ours_rc\n1\n@@nodes\n" + rest)
+    assert st.our_jobs is None
+    assert parse_cluster(PROBE).our_jobs is None
+    # the login node's clock with its fraction: the probe's time is not truncated
+    assert parse_cluster(PROBE.replace("1795988258\n@@home", "1795988258.25\n@@home")).now \
+        == 1795988258.25
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ("gpu:a100:4", {"a100": 4}),
     ("gpu:a100:4(S:0-1)", {"a100": 4}),

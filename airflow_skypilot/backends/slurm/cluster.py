@@ -126,6 +126,9 @@ class ClusterState:
     user: str = ""
     #: finished jobs ``elapsed s|limit s|state`` (None: the history could not be read)
     history: list[str] | None = None
+    #: the names of the login user's live jobs, listed before the nodes were read (None: not
+    #: listed); a job among them is in the nodes' and the queue's counts
+    our_jobs: frozenset[str] | None = None
 
     @cached_property
     def discount(self) -> Discount | None:
@@ -145,6 +148,9 @@ PROBE_SCRIPT = r"""
 echo "@@now"; date +%s.%N
 echo "@@home"; printf '%s\n' "$HOME"
 echo "@@user"; id -un
+echo "@@ours"
+_t squeue -h --me -t PENDING,CONFIGURING,RUNNING,COMPLETING -o '%j'
+rc=$?; printf "@@ours_rc\n%s\n" "$rc"
 echo "@@nodes"
 _t sinfo -h -N -O \
   'NodeList:|,Partition:|,StateLong:|,CPUsState:|,Memory:|,AllocMem:|,Gres:|,GresUsed:|,NodeAddr:|'
@@ -303,8 +309,10 @@ def parse_cluster(output: str) -> ClusterState:
     home_lines = sec.get("home", [])
     user_lines = sec.get("user", [])
     history = sec.get("history") if section_rc(sec, "history") == 0 else None
+    ours = (frozenset(n.strip() for n in sec.get("ours", []) if n.strip())
+            if section_rc(sec, "ours") == 0 else None)
     return ClusterState(nodes=nodes, partitions=partitions,
                         now=float(now_lines[0]) if now_lines else time.time(),
                         home=home_lines[0] if home_lines else "", starts=starts,
                         pending_jobs=pending, user=user_lines[0].strip() if user_lines else "",
-                        history=history)
+                        history=history, our_jobs=ours)

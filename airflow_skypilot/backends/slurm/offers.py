@@ -132,7 +132,7 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
                   pending_jobs=info.pending, probed_at=st.now,
                   shares_capacity_with=sorted({f"{conn_id}/{p}" for n in nodes
                                                for p in n.partitions if p != part}),
-                  details={"cluster": s.cluster, "partition": part})
+                  details={"cluster": s.cluster, "partition": part}, jobs_seen=st.our_jobs)
 
     def no(reason: str) -> Offer:
         offer.fits, offer.reason = False, reason
