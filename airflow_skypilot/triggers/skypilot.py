@@ -400,14 +400,48 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                 "log_tail": tail, "log_offset": offset, "at": time.time(), "state": self.state}
 
     async def on_kill(self) -> None:
-        """Airflow >= 3.3 calls this when a user kills the deferred task: cancel the job."""
+        """Airflow >= 3.3 calls this when a user kills the deferred task: cancel the job.
+
+        Airflow 3.3 also calls it on a triggerer whose trigger was handed to another triggerer
+        (its heartbeat was late: ``[triggerer] triggerer_health_check_threshold``), as if a user
+        had acted (apache/airflow#73454). The task is then still deferred, and the other
+        triggerer watches the job: it is left running. Only when the task's state cannot be
+        read is the job cancelled regardless, as the user asked.
+        """
         if not self.cancel_on_kill:
             return
         handle = JobHandle.from_dict(self.handle)
+        state = await self._atask_state()
+        if state == "deferred":
+            self.log.warning(
+                "This triggerer lost the trigger of job %s on %s, but its task is still deferred "
+                "(the trigger moved to another triggerer): the job is left running",
+                handle.job_id, handle.connection)
+            return
         backend = backend_for_handle(handle)
         self.log.info("Task killed while deferred: cancelling %s job %s on %s",
                       handle.backend, handle.job_id, handle.connection)
         await asyncio.to_thread(backend.cancel, handle)
+
+
+    async def _atask_state(self) -> str | None:
+        """The deferred task instance's state now, from Airflow (None: cannot tell)."""
+        ti = getattr(self, "task_instance", None)
+        if ti is None:
+            return None
+        try:
+            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+            states = await asyncio.to_thread(
+                RuntimeTaskInstance.get_task_states, dag_id=ti.dag_id, map_index=ti.map_index,
+                task_ids=[ti.task_id], run_ids=[ti.run_id])
+        except Exception as exc:  # an older Airflow, no supervisor: cannot tell
+            self.log.info("Could not read the state of task %s: %s", ti.task_id, exc)
+            return None
+        key = ti.task_id if ti.map_index is None or ti.map_index < 0 \
+            else f"{ti.task_id}_{ti.map_index}"
+        state = (states.get(ti.run_id) or {}).get(key)
+        return str(getattr(state, "value", state)) if state is not None else None
 
 
 class SkyPilotWaitTrigger(_SweepsMixin, BaseTrigger):

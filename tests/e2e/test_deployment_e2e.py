@@ -1,13 +1,17 @@
-"""A real Airflow deployment, not ``airflow dags test``: api-server, scheduler (LocalExecutor),
-dag-processor and triggerer as separate processes on one SQLite home, driven through the REST API.
+"""A real Airflow deployment, production-shaped, not ``airflow dags test``: PostgreSQL, the
+CeleryExecutor on Redis with two Celery workers, two triggerers, api-server, scheduler and
+dag-processor, each a process of its own, connections in the metadata DB, driven through the REST
+API (tests/e2e/deployment.py starts and stops it; one deployment for the whole module).
 
 This is the path users run: the worker defers, the trigger is serialized to the database and
-re-created in the triggerer process, the job's end wakes a second worker for
-``execute_complete``; and marking the deferred task failed in the UI makes the triggerer cancel
-the trigger, whose ``on_kill`` cancels the Slurm job. And at most one live copy when parts of it
-die: a worker killed after its submission (the retry adopts the job), the triggerer killed
-while it watches (the next one goes on), a run deleted and re-created under its id (nothing of
-the old run is adopted).
+re-created in a triggerer process, the job's end wakes a worker for ``execute_complete``; and
+marking the deferred task failed in the UI makes the triggerer cancel the trigger, whose
+``on_kill`` cancels the Slurm job. And at most one live copy when parts of it die: a worker
+killed after its submission (the retry adopts the job), the triggerer killed while it watches
+(another goes on), a run deleted and re-created under its id (nothing of the old run is
+adopted). Triggerer HA: 20 deferred tasks over two triggerers, one SIGKILLed: the other takes
+its triggers over, every job ends once, and each triggerer still sends one status request per
+connection per poll interval.
 """
 
 from __future__ import annotations
@@ -15,15 +19,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,191 +35,30 @@ from airflow_skypilot.identity import TaskKey
 from airflow_skypilot.links import job_path
 from tests.e2e.conftest import (
     E2E_DAGS,
-    REPO,
     assert_ran_once,
     counted,
     marks,
     shared_dir,
     wait_until,
 )
+from tests.e2e.deployment import TRIGGERER_1_CAPACITY, TRIGGERERS, Deployment, deployed
 
-AIRFLOW = str(Path(sys.executable).parent / "airflow")
 DAG_ID = "e2e_task"
 RETRY_DAG_ID = "e2e_retry"  # not deferrable, one retry
-COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Deployment:
-    home: Path
-    url: str
-    env: dict[str, str]
-    argv: dict[str, list[str]] = field(default_factory=dict)
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    token: str = ""
-
-    def start(self, component: str) -> None:
-        """Start a component in its own session, its output appended to its log."""
-        with open(self.home / f"{component}.log", "a") as log:
-            self.procs[component] = subprocess.Popen(
-                [AIRFLOW, *self.argv.get(component, [component])], env=self.env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
-
-    def kill(self, component: str) -> None:
-        """SIGKILL a component and every process it started (its session), as a crash."""
-        proc = self.procs[component]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-
-    def log(self, component: str) -> str:
-        return (self.home / f"{component}.log").read_text(errors="replace")
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {c} ---\n{self.log(c)[-3000:]}" for c in COMPONENTS)
-
-    def trigger_log(self, run_id: str, dag_id: str = DAG_ID) -> str:
-        """What the triggerer logged for this run's task (``attempt=1.log.trigger.<id>.log``)."""
-        return self._task_log(run_id, dag_id, "*.log.trigger.*.log")
-
-    def trigger_logs(self, run_id: str, dag_id: str = DAG_ID) -> dict[int, str]:
-        """The trigger's log per triggerer (job id) that ran it."""
-        files = self.home.glob(f"logs/dag_id={dag_id}/run_id={run_id}/task_id=run/"
-                               "*.log.trigger.*.log")
-        return {int(f.name.split(".")[-2]): f.read_text(errors="replace") for f in files}
-
-    def task_log(self, run_id: str, dag_id: str = DAG_ID) -> str:
-        """What the workers logged for this run's task."""
-        return self._task_log(run_id, dag_id, "attempt=*.log")
-
-    def _task_log(self, run_id: str, dag_id: str, pattern: str) -> str:
-        files = sorted(self.home.glob(f"logs/dag_id={dag_id}/run_id={run_id}/task_id=run/"
-                                      + pattern))
-        return "".join(f.read_text(errors="replace") for f in files)
-
-    def api(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        return httpx.request(method, f"{self.url}/api/v2{path}", timeout=30,
-                             headers={"Authorization": f"Bearer {self.token}"}, **kw)
-
-    def trigger(self, conf: dict[str, Any], dag_id: str = DAG_ID, run_id: str | None = None
-                ) -> str:
-        body: dict[str, Any] = {"logical_date": None, "conf": conf}
-        if run_id is not None:
-            body["dag_run_id"] = run_id
-        r = self.api("POST", f"/dags/{dag_id}/dagRuns", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["dag_run_id"]
-
-    def delete_run(self, run_id: str, dag_id: str = DAG_ID) -> None:
-        """Delete a finished run (the scheduler marks it a moment after its last task)."""
-        wait_until(lambda: self.run_state(run_id) in ("success", "failed"), 60, 0.5,
-                   what=f"run {run_id} finished")
-        r = self.api("DELETE", f"/dags/{dag_id}/dagRuns/{run_id}")
-        assert r.status_code == 204, r.text
-
-    def ti(self, run_id: str, dag_id: str = DAG_ID) -> dict[str, Any]:
-        r = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/run")
-        return r.json() if r.status_code == 200 else {}
-
-    def run_state(self, run_id: str) -> str:
-        return self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}").json().get("state", "")
-
-    def xcom(self, run_id: str, key: str, dag_id: str = DAG_ID) -> Any:
-        r = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/run/xcomEntries/{key}")
-        if r.status_code != 200:
-            return None
-        value = r.json()["value"]
-        return json.loads(value) if isinstance(value, str) else value
-
-    def wait_ti(self, run_id: str, states: set[str], timeout: float,
-                dag_id: str = DAG_ID) -> str:
-        def reached():
-            state = self.ti(run_id, dag_id).get("state")
-            return state if state in states else None
-        try:
-            return wait_until(reached, timeout, 1, what=f"task state in {states}")
-        except AssertionError:
-            raise AssertionError(f"task is {self.ti(run_id, dag_id).get('state')!r}, "
-                                 f"not in {states}\n"
-                                 + self.logs()) from None
+HA_DAG_ID = "e2e_ha"  # the same task as e2e_task, its runs apart
+SPREAD_DAG_ID = "e2e_spread"  # a sweep of 8 mapped members
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
                aws_sandbox_session) -> Iterator[Deployment]:
+    """One deployment for every scenario of this module (tests/e2e/deployment.py)."""
     sandboxes = (slurm_sandbox_session, k8s_sandbox_session, aws_sandbox_session)
     conns = {cid: c for box in sandboxes for cid, c in box.connections().items()}
     home = tmp_path_factory.mktemp("airflow-deployment")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    (home / "passwords.json").write_text(json.dumps({"admin": "admin"}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "PYTHONPATH": str(REPO),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(E2E_DAGS),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": "8",  # a sweep of 8 places at once
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
-        "AIRFLOW__API__BASE_URL": url,
-        "AIRFLOW__API_AUTH__JWT_SECRET": "e2e-deployment-not-a-real-secret",
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "AIRFLOW__SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL": "2",
-        # a killed triggerer's triggers go to the next one after this much silence (default 30)
-        "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "15",
-        "AIRFLOW__SKYPILOT__CONNECTIONS": ",".join(sorted(conns)),
-    })
-    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True,
-                   timeout=300)
-    # connections in the metadata DB, as users add them: the triggerer then reads them through
-    # its supervisor (env-var connections would skip that path)
-    (home / "connections.json").write_text(json.dumps(conns))
-    subprocess.run([AIRFLOW, "connections", "import", str(home / "connections.json")], env=env,
-                   check=True, capture_output=True, timeout=120)
-    dep = Deployment(home, url, env, argv={
-        "api-server": ["api-server", "--host", "127.0.0.1", "--port", str(port), "--workers",
-                       "1"]})
-    try:
-        for component in COMPONENTS:
-            dep.start(component)
-
-        def ready():
-            for name, proc in dep.procs.items():
-                assert proc.poll() is None, f"{name} exited\n{dep.logs()}"
-            try:
-                r = httpx.post(f"{url}/auth/token", json={"username": "admin",
-                                                          "password": "admin"}, timeout=5)
-            except httpx.HTTPError:
-                return False
-            if r.status_code != 201:
-                return False
-            dep.token = r.json()["access_token"]
-            return all(dep.api("GET", f"/dags/{d}").status_code == 200
-                       for d in (DAG_ID, RETRY_DAG_ID, "e2e_timeout"))
-        wait_until(ready, 180, 1, what="the deployment up with the DAG parsed")
+    with deployed(conns, home, wait_dags=(DAG_ID, RETRY_DAG_ID, HA_DAG_ID, "e2e_timeout",
+                                            SPREAD_DAG_ID)) as dep:
         yield dep
-    finally:
-        for proc in dep.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc in dep.procs.values():
-            try:
-                proc.wait(5)  # nothing to keep: the home is thrown away
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
 
 
 OK_TASK = """\
@@ -409,9 +248,18 @@ def test_a_worker_killed_right_after_submitting_its_retry_adopts_the_job(deploym
     assert f"Adopting job {job} ({prefix}c0-t1-a0) on slurm_{cluster}" in log, log[-4000:]
 
 
+def _watching(deployment: Deployment, run_id: str, dag_id: str = DAG_ID) -> tuple[int, str]:
+    """The triggerer that holds this deferred task's trigger: (its job id, its component)."""
+    def assigned():
+        trigger = deployment.ti(run_id, dag_id).get("trigger") or {}
+        return trigger.get("triggerer_id")
+    job_id = wait_until(assigned, 60, 0.5, what="the trigger assigned to a triggerer")
+    return job_id, deployment.triggerers()[job_id]
+
+
 def test_the_triggerer_killed_while_watching_the_job_still_completes_once(deployment, slurm):
-    # The triggerer that watches the job is SIGKILLed and started again: the trigger moves to
-    # the new one (from the database), which watches the same job to its end. Nothing is
+    # The triggerer that watches the job is SIGKILLed (and started again): the trigger moves to
+    # another one (from the database), which watches the same job to its end. Nothing is
     # submitted again, nothing is lost.
     counter = f"{shared_dir()}/counter"
     run_id = deployment.trigger(counted(counter, 20))
@@ -420,9 +268,10 @@ def test_the_triggerer_killed_while_watching_the_job_still_completes_once(deploy
     wait_until(lambda: "counted: attempt" in deployment.trigger_log(run_id), 90, 0.5,
                what="the triggerer streaming the job's output")
     assert not marks(counter, "END"), "killed while the job runs"
-    deployment.kill("triggerer")
+    killed_job, triggerer = _watching(deployment, run_id)
+    deployment.kill(triggerer)
     killed = time.time()
-    deployment.start("triggerer")
+    deployment.start(triggerer)
     assert deployment.wait_ti(run_id, {"success", "failed"}, 240) == "success", \
         deployment.logs()
     result = deployment.xcom(run_id, "return_value")
@@ -435,13 +284,15 @@ def test_the_triggerer_killed_while_watching_the_job_still_completes_once(deploy
     assert assert_ran_once(counter).copy == (cluster, job)
     log = deployment.task_log(run_id)
     assert log.count("Submitted slurm job") == 1, log[-4000:]
-    # the trigger ran in two triggerers (the log files carry their job ids): the new one
-    # watched the job to its end
+    # the trigger ran in two triggerers (the log files carry their job ids): the killed one,
+    # and the one (the other triggerer, or the restarted one) that watched the job to its end
     logs = deployment.trigger_logs(run_id)
-    assert len(logs) == 2, list(logs)
-    assert "counted: done" in logs[max(logs)] and "Trigger fired event" in logs[max(logs)]
-    assert "counted: done" not in logs[min(logs)]
+    assert len(logs) == 2 and killed_job in logs, (killed_job, list(logs))
+    [taker] = set(logs) - {killed_job}
+    assert "counted: done" in logs[taker] and "Trigger fired event" in logs[taker]
+    assert "counted: done" not in logs[killed_job]
     assert marks(counter, "END")[0].t > killed, "the job ran on after the kill"
+    deployment.wait_started(triggerer)
 
 
 def test_a_deleted_runs_jobs_are_not_adopted_by_the_run_recreated_under_its_id(deployment,
@@ -551,6 +402,192 @@ def test_a_training_steps_asset_event_triggers_the_dag_scheduled_on_it(deploymen
         (consumer, consumer_run)]
 
 
+# --- triggerer HA: two triggerers share the deferred tasks; one dies, the other takes over -----
+
+#: the HA scenario's jobs per cluster: 1-CPU jobs, no more on a cluster than it has CPUs, so
+#: none waits in a queue (none is looked at again or moved: the triggerers only poll)
+HA_PLACES = {"alpha": 12, "beta": 8}
+#: the e2e DAGs' poll_interval (tests/e2e/dags/e2e.py)
+POLL_INTERVAL = 1.0
+
+
+def _ha_task(cluster: str) -> str:
+    """tasks/counted.yaml, pinned to one cluster."""
+    text = (E2E_DAGS / "tasks" / "counted.yaml").read_text()
+    assert "  infra: slurm\n" in text
+    return text.replace("  infra: slurm\n", f"  infra: slurm/{cluster}\n")
+
+
+class _Ports(threading.Thread):
+    """Samples the TCP connections each triggerer's processes hold, to the end of the test: the
+    client port of an SSH command (the sandbox's commands log) then says which triggerer sent
+    it."""
+
+    def __init__(self, deployment: Deployment):
+        super().__init__(daemon=True)
+        self.deployment = deployment
+        self.owner: dict[int, str] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            for name in TRIGGERERS:
+                if self.deployment.alive(name):
+                    for port in self.deployment.tcp_ports(name):
+                        self.owner.setdefault(port, name)
+            self.done.wait(0.2)
+
+    def __enter__(self) -> _Ports:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.join(30)
+
+
+def _requests(commands: list[tuple[float, str | None]], who: str, start: float, end: float
+              ) -> tuple[int, int]:
+    """``who``'s SSH commands in [start, end): how many, and the most in one poll interval."""
+    times = [t for t, owner in commands if owner == who and start <= t < end]
+    per_interval = Counter(int((t - start) // POLL_INTERVAL) for t in times)
+    return len(times), max(per_interval.values(), default=0)
+
+
+def test_triggerer_ha_the_other_triggerer_takes_a_killed_ones_jobs_over(deployment, slurm):
+    # 20 deferred tasks over the two triggerers: the first ten defer while triggerer-2 is
+    # stopped, and fill triggerer-1 (`--capacity 10`); the other ten then go to triggerer-2.
+    # Their jobs run until a gate file appears. triggerer-1 is SIGKILLed: once its heartbeat is
+    # older than [triggerer] triggerer_health_check_threshold (30 s), triggerer-2 takes its
+    # triggers over. Every job then completes, each user code ran exactly once (one START, one
+    # END, one Slurm job per task), and each triggerer polled each cluster once per interval
+    # for all the jobs it watched (the e2e_ha DAG streams no logs: every SSH command a
+    # triggerer sends is a status request).
+    folder = shared_dir()
+    gate = f"{folder}/gate"
+    counters: dict[str, tuple[str, str]] = {}
+    victim, survivor = TRIGGERERS
+    killed = 0.0
+    wave = [c for c, n in HA_PLACES.items() for _ in range(n // 2)]
+    assert len(wave) == TRIGGERER_1_CAPACITY
+
+    def tis() -> dict[str, dict[str, Any]]:
+        return {t["dag_run_id"]: t for t in deployment.tis(HA_DAG_ID, set(counters))}
+
+    def holder(ti: dict[str, Any]) -> int | None:
+        return (ti.get("trigger") or {}).get("triggerer_id")
+
+    def all_watched():
+        now = tis()
+        failed = [r for r, t in now.items() if t["state"] in ("failed", "upstream_failed")]
+        assert not failed, deployment.task_log(failed[0], HA_DAG_ID)[-4000:]
+        ok = len(now) == len(counters) and all(
+            t["state"] == "deferred" and holder(t) for t in now.values())
+        return now if ok and all(marks(c, "START") for _, c in counters.values()) else None
+
+    def submit() -> dict[str, dict[str, Any]]:
+        """Ten more runs; their task instances once all are deferred, their jobs running."""
+        for cluster in wave:
+            counter = f"{folder}/counter{len(counters)}"
+            run_id = deployment.trigger(
+                {"task": _ha_task(cluster),
+                 "envs": {"COUNTER": counter, "WORK_SECONDS": "2", "GATE": gate}},
+                dag_id=HA_DAG_ID)
+            counters[run_id] = (cluster, counter)
+        return wait_until(all_watched, 300, 1, what=f"{len(counters)} tasks deferred, their "
+                          f"jobs running\n{deployment.logs()}")
+
+    try:
+        with _Ports(deployment) as ports:
+            started = time.time()
+            deployment.stop_component(survivor)
+            first = submit()
+            deployment.start(survivor)
+            deployment.wait_started(survivor)
+            before = submit()
+            watched = time.time()
+            runs = set(counters)
+            names = deployment.triggerers()
+            held = Counter(names[holder(t)] for t in before.values())
+            assert {names[holder(t)] for r, t in before.items() if r in first} == {victim}
+            assert held == {victim: TRIGGERER_1_CAPACITY, survivor: TRIGGERER_1_CAPACITY}, held
+            held_on = Counter((names[holder(t)], counters[r][0]) for r, t in before.items())
+
+            time.sleep(8)  # both triggerers poll their jobs for a while
+            survivor_job = deployment.triggerer_job(survivor)
+            deployment.kill(victim)
+            killed = time.time()
+
+            def taken_over():
+                now = tis()
+                return now if all(holder(t) == survivor_job for t in now.values()) else None
+            after = wait_until(taken_over, 120, 0.5, what=f"{survivor} holding every trigger")
+            took_over = time.time()
+            assert all(t["state"] == "deferred" for t in after.values())
+            assert not any(marks(c, "END") for _, c in counters.values()), "the jobs ran on"
+
+            time.sleep(8)  # the survivor polls all the jobs for a while
+            Path(gate).touch()
+            released = time.time()
+
+            def all_done():
+                now = tis()
+                states = Counter(t["state"] for t in now.values())
+                assert not states.keys() & {"failed", "upstream_failed"}, states
+                return states == Counter({"success": len(runs)})
+            wait_until(all_done, 300, 1, what=f"every task done\n{deployment.logs()}")
+            finished = time.time()
+
+        # exactly once: one attempt, one Slurm job, the user code's START and END once
+        for run_id, (cluster, counter) in counters.items():
+            result = deployment.xcom(run_id, "return_value", HA_DAG_ID)
+            [attempt] = result["attempts"]
+            assert (attempt["connection"], attempt["state"], attempt["adopted"]) == \
+                (f"slurm_{cluster}", "succeeded", False), attempt
+            assert result["old_copies"] == []
+            jobs = _jobs(slurm, TaskKey(HA_DAG_ID, "run", run_id).prefix)
+            assert [(c, j) for c, j, _ in jobs] == [(cluster, attempt["job_id"])], jobs
+            assert assert_ran_once(counter).copy == (cluster, attempt["job_id"])
+            assert marks(counter, "END")[0].t > released
+
+        # per-connection batching, per triggerer: one status request per cluster per poll
+        # interval, whatever the number of jobs it watches
+        interval_counts: dict[tuple[str, str], tuple[int, int, float]] = {}
+        for cluster in HA_PLACES:
+            commands = [(t, ports.owner.get(port))
+                        for t, port, _ in slurm.timed_commands(cluster) if t >= started]
+            windows = {victim: (watched, killed), survivor: (watched, released)}
+            for who, (start, end) in windows.items():
+                n, most = _requests(commands, who, start, end)
+                interval_counts[(who, cluster)] = (n, most, end - start)
+                intervals = (end - start) / POLL_INTERVAL
+                if held_on[(who, cluster)] or who == survivor:
+                    assert intervals / 3 <= n <= intervals + 2, (who, cluster, n, intervals)
+                    assert most <= 2, (who, cluster, most)  # jitter: never one per job
+            # the killed triggerer sent nothing after its death; the survivor alone polled
+            # every job of the cluster after the takeover
+            assert _requests(commands, victim, killed, finished)[0] == 0
+            n, most = _requests(commands, survivor, took_over, released)
+            assert n <= (released - took_over) / POLL_INTERVAL + 2 and most <= 2, (n, most)
+        print(f"\ntriggers before the kill: {dict(held)} ({dict(held_on)}); killed {victim}; "
+              f"{survivor} held all {len(after)} {took_over - killed:.1f}s after the kill; "
+              f"status requests (n, most per interval, window s): "
+              + ", ".join(f"{w}/{c}: {n}, {m}, {s:.1f}"
+                          for (w, c), (n, m, s) in sorted(interval_counts.items()))
+              + f"; all {len(runs)} done {finished - released:.1f}s after the release, "
+              f"{finished - started:.0f}s in all")
+        # the survivor ran the victim's triggers too: their runs have two trigger logs
+        moved = [r for r, t in before.items() if names[holder(t)] == victim]
+        for run_id in moved:
+            assert len(deployment.trigger_logs(run_id, HA_DAG_ID)) == 2, run_id
+    finally:
+        Path(gate).touch()
+        for name in TRIGGERERS:
+            if not deployment.alive(name):
+                deployment.start(name)
+                deployment.wait_started(name)
+
+
 def test_a_sweep_placing_at_once_spreads_over_the_places_with_free_gpus(deployment, slurm):
     """Eight mapped members, each on 1 GPU of either cluster, scheduled at once: 3 A100 are free
     on alpha and 5 H100 on beta. Each member goes where a GPU is free for it (the ledger of
@@ -559,8 +596,6 @@ def test_a_sweep_placing_at_once_spreads_over_the_places_with_free_gpus(deployme
     scheduler; tests/unit/test_ledger.py makes them overlap and shows the herd without it.)"""
     from tests.e2e.test_slurm_e2e import _fill
 
-    wait_until(lambda: deployment.api("GET", "/dags/e2e_spread").status_code == 200, 90, 1,
-               what="e2e_spread parsed")
     fillers = [*_fill(slurm, "alpha", "gpu:a100:4", 1), *_fill(slurm, "alpha", "gpu:a100:1", 1),
                *_fill(slurm, "beta", "gpu:h100:3", 1)]
     task = (E2E_DAGS / "tasks" / "counted_gpu.yaml").read_text().replace(
@@ -568,8 +603,8 @@ def test_a_sweep_placing_at_once_spreads_over_the_places_with_free_gpus(deployme
     counter = f"{shared_dir()}/counter"
     run_id = deployment.trigger({"task": task, "envs": {"COUNTER": counter,
                                                         "WORK_SECONDS": "45"}},
-                                dag_id="e2e_spread")
-    path = f"/dags/e2e_spread/dagRuns/{run_id}/taskInstances/run"
+                                dag_id=SPREAD_DAG_ID)
+    path = f"/dags/{SPREAD_DAG_ID}/dagRuns/{run_id}/taskInstances/run"
 
     def done() -> list[dict[str, Any]] | None:
         tis = deployment.api("GET", f"{path}/listMapped").json().get("task_instances", [])

@@ -24,8 +24,10 @@ State dir layout::
     ssh/id_ed25519[.pub]        client key (kept across restarts), ssh/authorized_keys
     munged.started-by-sandbox   present only if we started munged (down() then stops it)
     <cluster>/slurm.conf        SLURM_CONF of that cluster; gres.conf next to it
-    <cluster>/commands.log      per SSH command one line "<epoch> TAB <command>" (\\, newline
-                                escaped as \\\\, \\n); SFTP shows as the sftp-server path
+    <cluster>/commands.log      per SSH command one line "<epoch> TAB <client port> TAB
+                                <command>" (\\, newline escaped as \\\\, \\n); the client
+                                port tells SSH connections apart; SFTP shows as the
+                                sftp-server path
     <cluster>/jobcomp.txt       jobcomp/filetxt records, read by `sacct -c`
     <cluster>/ssh/              host key, sshd_config, command-wrapper.sh (ForceCommand)
     <cluster>/{state,spool,run,log,dev}/  wiped on every start
@@ -386,7 +388,8 @@ SSH_WRAPPER = """\
 if [ -n "${{SSH_ORIGINAL_COMMAND+x}}" ]; then
     c=${{SSH_ORIGINAL_COMMAND//\\\\/\\\\\\\\}}
     c=${{c//$'\\n'/\\\\n}}
-    {{ flock 9; printf '%s\\t%s\\n' "$EPOCHREALTIME" "$c" >&9; }} 9>>'{log}'
+    p=${{SSH_CLIENT#* }}
+    {{ flock 9; printf '%s\\t%s\\t%s\\n' "$EPOCHREALTIME" "${{p%% *}}" "$c" >&9; }} 9>>'{log}'
     exec /bin/bash -c "$SSH_ORIGINAL_COMMAND"
 fi
 exec -a -bash /bin/bash
@@ -739,11 +742,20 @@ class SlurmSandbox:
 
     def commands_log(self, cluster: str) -> list[str]:
         """Every command that arrived over the cluster's sshd, in order, one entry each."""
+        return [command for _, _, command in self.timed_commands(cluster)]
+
+    def timed_commands(self, cluster: str) -> list[tuple[float, int, str]]:
+        """Every command that arrived over the cluster's sshd, in order: (epoch seconds, the
+        SSH client's port: one per SSH connection, the command)."""
         try:
             lines = self.commands_log_path(cluster).read_text().splitlines()
         except FileNotFoundError:
             return []
-        return [_unescape_log(line.partition("\t")[2]) for line in lines]
+        out = []
+        for line in lines:
+            t, port, command = line.split("\t", 2)
+            out.append((float(t), int(port), _unescape_log(command)))
+        return out
 
     def clear_commands_log(self, cluster: str) -> None:
         """Empty the commands log (keeps the file and its owner so sshd can append)."""

@@ -124,6 +124,52 @@ async def test_on_kill_cancels_unless_told_not_to():
     assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
 
 
+class _TI:
+    """What the triggerer sets as a trigger's ``task_instance`` (the fields on_kill reads)."""
+
+    def __init__(self, map_index: int = -1):
+        self.dag_id, self.task_id, self.run_id, self.map_index = "d", "t", "r", map_index
+
+
+@pytest.mark.parametrize("map_index, key", [(-1, "t"), (3, "t_3")])
+@pytest.mark.parametrize("state, cancelled", [
+    ("deferred", False),  # the trigger moved to another triggerer: it watches the job now
+    ("failed", True), ("success", True), (None, True),  # marked or cleared by a user
+])
+async def test_on_kill_leaves_the_job_of_a_task_still_deferred(monkeypatch, map_index, key,
+                                                                state, cancelled):
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    asked = []
+
+    def get_task_states(**kw):
+        asked.append(kw)
+        return {"r": {key: state}}
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_task_states", staticmethod(get_task_states))
+    handle = _job("1")
+    trigger = SkyPilotJobTrigger(handle.to_dict())
+    trigger.task_instance = _TI(map_index)
+    await trigger.on_kill()
+    assert asked == [{"dag_id": "d", "map_index": map_index, "task_ids": ["t"],
+                      "run_ids": ["r"]}]
+    assert (FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED) is cancelled
+
+
+async def test_on_kill_cancels_when_the_task_state_cannot_be_read(monkeypatch):
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    def get_task_states(**kw):
+        raise RuntimeError("no supervisor")
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_task_states", staticmethod(get_task_states))
+    handle = _job("1")
+    trigger = SkyPilotJobTrigger(handle.to_dict())
+    trigger.task_instance = _TI()
+    await trigger.on_kill()
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+
+
 async def test_wait_trigger_hands_back_the_state():
     event = await _first_event(SkyPilotWaitTrigger(0.01, state={"phase": "waiting"}))
     assert event == {"status": "reprobe", "state": {"phase": "waiting"}}

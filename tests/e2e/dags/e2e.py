@@ -54,6 +54,14 @@ with _dag("e2e_task") as dag:
 with _dag("e2e_retry") as retry_dag:
     _operator(deferrable=False, retries=1, retry_delay=timedelta(seconds=1))
 
+# Triggerer HA (the deployment test): many runs at once, each deferred while its job runs; no
+# log streaming, so every SSH command a triggerer sends is a status request (the test counts
+# them per connection, interval and triggerer).
+with DAG(dag_id="e2e_ha", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+         render_template_as_native_obj=True, params=PARAMS, max_active_runs=32,
+         max_active_tasks=32) as ha_dag:
+    _operator(stream_logs=False)
+
 # A job that outlives its task's execution_timeout: the deferral times out in the scheduler and
 # the task is resumed only to fail; the operator must stop the job (real-deployment e2e test).
 with DAG(
