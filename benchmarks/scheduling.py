@@ -25,11 +25,12 @@ What is real and what is simulated:
   Probes while waiting are shared per (connection, shape) for half an interval, as
   ``rebalance._probe`` shares them.
 - What the backends do (Step 8: idle GPUs held for the jobs ahead, test-only discounted by
-  how jobs end, a pending job's own start, pod-age estimates, exact-count instances first) is
-  the real code reading what the simulator prints; a knob (:class:`Knobs`) can withhold the
-  input that behaviour reads (the old probe's output: Step 7's backends), and the knobs for
-  what no backend does (a backfill-aware test-only, SkyPilot's exact-only AWS types) are
-  applied where that code would apply them.
+  how jobs end, a pending job's own start, pod-age estimates, exactly the GPUs asked for on
+  AWS) is the real code reading what the simulator prints; a knob (:class:`Knobs`) can
+  withhold the input that behaviour reads (the old probe's output: Step 7's backends) or set
+  the connection's setting (the AWS extra ``larger_instances``), and the knobs for what no
+  backend does (a backfill-aware test-only, a Kubernetes job's own slot) are applied where
+  that code would apply them.
 - The placement ledger is the real one: each placement and each move's re-probe of its target
   takes from its offers what ``ledger.hold`` says the entries hold (entries as ``Placer``
   writes them, stamped when submitted, lapsing after ``ledger.TTL``).
@@ -99,7 +100,8 @@ H = 3600.0
 class Knobs:
     """What the backends and the operator could do differently; the defaults are the code now.
 
-    Real (the project's code decides; the knob only withholds its input, to compare):
+    Real (the project's code decides; the knob only withholds its input, or sets the
+    connection's setting, to compare):
 
     ``slurm_estimate``: ``discounted`` (the code now): the probe prints the finished jobs'
       elapsed/limit history and ``slurm.offers`` discounts the test-only answer by its median
@@ -118,9 +120,11 @@ class Knobs:
       finished pods, and ``kubernetes.queue.estimate`` plays the scheduler forward (median run
       of ours that ran as long; deadlines); ``none``: our finished pods not listed (Step 7:
       no estimate when full).
-    ``aws_types``: ``exact-first`` (the code now): exactly the count where such a type is
-      offered, else the fewest-GPU larger type (here: as Step 7, for no A100 type has fewer
-      than 8). What-if: ``exact``: only exact counts (SkyPilot's catalog).
+    ``aws_types``: ``exact`` (the code now): the AWS connection's default, exactly the GPU
+      count asked for (``aws.offers.offers_for``; SkyPilot's match); ``exact-first``: the
+      connection's extra ``larger_instances: true``, a larger type (the fewest GPUs, billed
+      whole) where no exact one is offered (Step 7's behaviour here, for no A100 type has fewer
+      than 8).
     ``herd_avoid``: ``True`` (the code now): the placement ledger (``ledger.hold`` on every
       placement's offers and on a move's re-probe of its target); ``False``: no ledger (the
       backends count only what they show: a sweep's members that place at the same moment
@@ -133,7 +137,7 @@ class Knobs:
     slurm_free: str = "held"
     own_estimate: str = "queue"
     k8s_estimate: str = "pod-ages"
-    aws_types: str = "exact-first"
+    aws_types: str = "exact"
     herd_avoid: bool = True
     max_moves: int = placement.MAX_MOVES
 
@@ -145,9 +149,9 @@ class Knobs:
 
 #: the backends of Step 7 (before this step's changes): the inputs they read
 STEP7 = Knobs(slurm_estimate="testonly", slurm_free="idle", own_estimate="none",
-              k8s_estimate="none", herd_avoid=False)
+              k8s_estimate="none", aws_types="exact-first", herd_avoid=False)
 #: every improvement at once, the what-ifs too
-ALL_KNOBS = Knobs(slurm_estimate="queue-aware", own_estimate="queue+k8s", aws_types="exact")
+ALL_KNOBS = Knobs(slurm_estimate="queue-aware", own_estimate="queue+k8s")
 
 
 @dataclass(frozen=True)
@@ -813,6 +817,9 @@ AWS_TYPES = {
 }
 
 
+_AWS_SETTINGS: dict[bool, AwsSettings] = {}
+
+
 class AwsPlace(Place):
     """One region, two AZs; the P-class on-demand vCPU quota is shared with others' instances.
     A launch the quota cannot take is refused (VcpuLimitExceeded)."""
@@ -822,7 +829,6 @@ class AwsPlace(Place):
     def __init__(self, conn: str, sc: Scenario, knobs: Knobs):
         super().__init__()
         self.conn, self.sc, self.knobs = conn, sc, knobs
-        self.settings = AwsSettings.from_extra({"regions": ["us-east-1"]})
         self.instances: list[tuple[BJob, InstanceTypeInfo]] = []
         self.spot = {(n, az): round(on_demand_price({}, "us-east-1", i, AWS_TYPES)[0] * 0.45, 4)
                      for n, i in AWS_TYPES.items() for az in ("us-east-1a", "us-east-1b")}
@@ -830,21 +836,25 @@ class AwsPlace(Place):
     total = 0
     busy = 0
 
+    @property
+    def settings(self) -> AwsSettings:
+        """The connection's extra: ``larger_instances: true`` for ``aws_types=exact-first`` (read
+        from the knobs each time: a run's places are copies of the warmed ones, knobs set after)."""
+        larger = self.knobs.aws_types == "exact-first"
+        if larger not in _AWS_SETTINGS:
+            _AWS_SETTINGS[larger] = AwsSettings.from_extra(
+                {"regions": ["us-east-1"], "larger_instances": larger})
+        return _AWS_SETTINGS[larger]
+
     def used_vcpus(self) -> float:
         return self.sc.aws_others_vcpus + sum(i.vcpus for _, i in self.instances)
 
     def types(self, req: Any) -> tuple[list[InstanceTypeInfo], str]:
-        types, why = suitable_types(AWS_TYPES, req, cpu_families=self.settings.cpu_families,
-                                    price_of=lambda n: on_demand_price(
-                                        self.settings.prices, "us-east-1", AWS_TYPES[n],
-                                        AWS_TYPES)[0])
-        if self.knobs.aws_types == "exact" and types:  # what-if: SkyPilot's exact only
-            exact = [i for i in types if i.gpus == req.accelerator_count]
-            if not exact:
-                return [], (f"no EC2 type with exactly {req.accelerator_count:g} x "
-                            f"{req.accelerator}")
-            types = exact
-        return types, why
+        """The suitable types, as ``probe_region`` lists them; which of them a candidate gets
+        (exactly its GPU count, or a larger one with ``larger_instances``) is ``offers_for``'s."""
+        return suitable_types(AWS_TYPES, req, cpu_families=self.settings.cpu_families,
+                              price_of=lambda n: on_demand_price(
+                                  self.settings.prices, "us-east-1", AWS_TYPES[n], AWS_TYPES)[0])
 
     def offers(self, task: Task, t: float, limit: float) -> list[Offer]:
         state = aws_offers.RegionState(
@@ -1434,7 +1444,8 @@ class Sim:
     # SkyPilot's rule ------------------------------------------------------------------------
     def _sky_places(self, job: Job) -> list[Offer]:
         """The places that fit by shape, in SkyPilot's order: cheapest, then its cloud order;
-        AWS with the exact GPU count (its catalog's matching)."""
+        AWS with the exact GPU count (its catalog's matching, whatever our connection's
+        ``larger_instances``), one AZ."""
         offers = [o for o in self._offers(job) if o.fits]
         exact_aws = []
         for o in offers:
@@ -1656,10 +1667,11 @@ def variant_table(seeds: list[int], sc: Scenario) -> str:
     return "\n".join(lines)
 
 
-#: the real behaviours (each can be withheld to see what it is worth) and the what-ifs
+#: the real behaviours (each can be withheld to see what it is worth), the connection settings
+#: (row label, knob, value) and the what-ifs
 REAL_KNOBS = ("slurm_estimate", "slurm_free", "own_estimate", "k8s_estimate", "herd_avoid")
-WHAT_IFS = (("slurm_estimate", "queue-aware"), ("own_estimate", "queue+k8s"),
-            ("aws_types", "exact"))
+SETTINGS = (("with larger_instances: true", "aws_types", "exact-first"),)
+WHAT_IFS = (("slurm_estimate", "queue-aware"), ("own_estimate", "queue+k8s"))
 
 
 def knob_variants(quick: bool) -> list[tuple[str, Knobs]]:
@@ -1668,6 +1680,7 @@ def knob_variants(quick: bool) -> list[tuple[str, Knobs]]:
     if not quick:
         rows += [(f"without {f} ({getattr(STEP7, f)})", replace(now, **{f: getattr(STEP7, f)}))
                  for f in REAL_KNOBS]
+    rows += [(label, replace(now, **{f: v})) for label, f, v in SETTINGS]
     rows += [(f"+ {f}={v}", replace(now, **{f: v})) for f, v in WHAT_IFS]
     rows.append(("every what-if", ALL_KNOBS))
     if not quick:

@@ -82,3 +82,24 @@ def test_the_real_ledger_holds_a_sweeps_room_and_its_entries_are_the_operators()
     result = without.run()
     assert not without.entries
     assert scheduling.simulate("fastest", 0).row() != result.row()
+
+
+def test_the_simulated_aws_connection_decides_larger_instances_through_offers_for():
+    """The AWS knob is the connection's extra ``larger_instances``: the product's ``offers_for``
+    offers exactly the GPUs asked for by default, a larger instance only with the extra."""
+    offered = {}
+    for aws_types in ("exact", "exact-first"):
+        knobs = scheduling.replace(scheduling.Knobs(), aws_types=aws_types)
+        sim = scheduling.Sim(scheduling.Scenario(), knobs, "fastest", 0)
+        aws = sim.places["aws"]
+        assert aws.settings.larger_instances == (aws_types == "exact-first")
+        job = next(j for j in sim.jobs if any(
+            r.accelerator == "A100" and r.accelerator_count < 8 for r in j.task.candidates))
+        offered[aws_types] = [o for o in aws.offers(job.task, 0.0, 3600.0)
+                              if o.request.accelerator == "A100"]
+    assert offered["exact"] and not any(o.fits for o in offered["exact"])
+    assert "larger_instances" in offered["exact"][0].reason
+    assert {o.instance_type for o in offered["exact-first"] if o.fits} == {"p4d.24xlarge"}
+    assert scheduling.Knobs().aws_types == "exact"
+    assert scheduling.STEP7.aws_types == "exact-first"  # Step 7 offered the larger instance
+    assert scheduling.ALL_KNOBS.aws_types == scheduling.Knobs().aws_types  # not a what-if
