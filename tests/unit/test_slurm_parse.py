@@ -63,6 +63,9 @@ def test_the_probe_lists_its_users_jobs_by_name_before_it_reads_the_capacity():
     # the login node's clock with its fraction: the probe's time is not truncated
     assert parse_cluster(PROBE.replace("1795988258\n@@home", "1795988258.25\n@@home")).now \
         == 1795988258.25
+    # a date without %N (busybox) prints it as it is: the whole seconds
+    assert parse_cluster(PROBE.replace("1795988258\n@@home", "1795988258.%N\n@@home")).now \
+        == 1795988258.0
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -144,6 +144,16 @@ def _discount(history: tuple[str, ...]) -> Discount:
     return history_ratio(history)
 
 
+def _clock(text: str) -> float:
+    """``date +%s.%N``; a ``date`` without ``%N`` prints it as is: the whole seconds then."""
+    head = text.strip()
+    try:
+        return float(head)
+    except ValueError:
+        seconds = head.split(".")[0]
+        return float(seconds) if seconds.isdigit() else time.time()
+
+
 PROBE_SCRIPT = r"""
 echo "@@now"; date +%s.%N
 echo "@@home"; printf '%s\n' "$HOME"
@@ -312,7 +322,7 @@ def parse_cluster(output: str) -> ClusterState:
     ours = (frozenset(n.strip() for n in sec.get("ours", []) if n.strip())
             if section_rc(sec, "ours") == 0 else None)
     return ClusterState(nodes=nodes, partitions=partitions,
-                        now=float(now_lines[0]) if now_lines else time.time(),
+                        now=_clock(now_lines[0]) if now_lines else time.time(),
                         home=home_lines[0] if home_lines else "", starts=starts,
                         pending_jobs=pending, user=user_lines[0].strip() if user_lines else "",
                         history=history, our_jobs=ours)
