@@ -17,9 +17,9 @@ or of any that mount it; an empty value turns it off):
    have seen the job: the job was not yet submitted, or was submitted after the probe began
    (less the backend's ``VISIBLE_AFTER``). A probe begun later sees the job itself (pending
    jobs, pods, launching instances): counting it again would make the place look fuller than
-   it is. A probe that lists its connection's jobs by name before it reads the capacity
-   (``Offer.jobs_seen``: Slurm) settles the case time cannot: begun before a submission, it
-   read the queue after it; an entry whose job it listed is in its counts already.
+   it is. A probe that names the jobs whose room it counts (``Offer.jobs_seen``: Slurm,
+   Kubernetes) settles the case time cannot: begun before a submission, it read the queue
+   after it; an entry whose job it named is in its counts already.
 4. Entries lapse ``TTL`` seconds after they were written (a worker that died mid-placement).
 
 A ledger that cannot be read or written is logged and ignored: it only ever makes a place

@@ -166,6 +166,8 @@ class Target(ABC):
     quick_extras: ClassVar[dict[str, Any]] = {}
     #: seconds any call may take, with :attr:`quick_extras`, to say "could not ask"
     silent_within: ClassVar[float] = 30.0
+    #: does a probe name the jobs whose room it already counts (``Offer.jobs_seen``)?
+    probe_lists_jobs: ClassVar[bool] = True
 
     def __init__(self, box: Any, monkeypatch: pytest.MonkeyPatch):
         self.box = box
@@ -401,6 +403,7 @@ class AwsTarget(Target):
 
     id = "aws"
     fixture = "aws"
+    probe_lists_jobs = False  # instances still launching are counted, not named
     conn_id = "aws_sandbox"
     accelerator = "A10G"
     cpu_resources = {"cpus": "2+"}

@@ -231,6 +231,26 @@ def test_find_and_a_second_submit_adopt_the_same_job(target):
     assert status.state in ACTIVE, status
 
 
+def test_a_probe_names_the_live_jobs_it_counts(target):
+    # the placement ledger's check (ledger.hold): a job the probe counts is not held twice
+    backend = target.backend()
+    task = _task(target, "sleep 30")
+    handle, _ = _submit(target, backend, task, _name("seen"))
+    _wait(target, backend, handle, {JobState.RUNNING, *TERMINAL})
+    offers = [o for o in target.backend().probe(task) if o.fits]
+    assert offers
+    for offer in offers:
+        if target.probe_lists_jobs:
+            assert offer.jobs_seen is not None and handle.job_name in offer.jobs_seen, offer
+        else:
+            assert offer.jobs_seen is None
+    backend.cancel(handle)
+    _wait(target, backend, handle)
+    if target.probe_lists_jobs:  # a job that ended takes no room and is not named
+        assert all(handle.job_name not in (o.jobs_seen or ())
+                   for o in target.backend().probe(task))
+
+
 def test_exit_code_3_is_a_user_failure_with_its_code(target):
     backend = target.backend()
     handle, _ = _submit(target, backend, _task(target, "echo about-to-fail; exit 3"))

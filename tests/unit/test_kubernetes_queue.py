@@ -119,6 +119,22 @@ def test_our_job_without_pods_yet_counts_ahead_of_the_next_placement():
     assert [p.requests["nvidia.com/gpu"] for p in two] == [2.0, 2.0] and two[0].ours
 
 
+def test_the_jobs_a_view_counts_are_seen_by_name_and_no_others():
+    # the ledger's "already counted" check (ledger.hold): a Job waiting for its pod, or whose
+    # pod is in the pod list; not one whose pod came after that list (in neither count)
+    nodes = [node("n0")]
+    waiting = job("sky-wait", gpus=2)
+    bound = job("sky-bound", gpus=2, active=1)
+    late = job("sky-late", gpus=2, active=1)
+    pods = [pod("sky-bound-x1", 2, "n0", ours=True, started=NOW - 5)]
+    own = pods + [pod("sky-late-x2", 2, ours=True, created=NOW)]
+    got = offer_for(A100, nodes, pods, jobs=[waiting, bound, late], own_pods=own)
+    assert got.jobs_seen == {"sky-wait", "sky-bound"}
+    # without our Jobs (or pods) listed nothing is said: the ledger goes by time alone
+    assert offer_for(A100, nodes, pods).jobs_seen is None
+    assert offer_for(A100, nodes, None, jobs=[waiting]).jobs_seen is None
+
+
 def _history(n, ran_s):
     return [finished(f"sky-old{i}-p", ran_s) for i in range(n)]
 

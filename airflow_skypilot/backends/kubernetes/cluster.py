@@ -195,6 +195,9 @@ class ClusterView:
     waiting: list[PodInfo] | None = None
     #: how long our finished pods ran, seconds, sorted (None: could not be listed)
     runs: list[float] | None = None
+    #: our Jobs whose room this view counts (a pod of theirs in the pod list, or waiting for
+    #: one): ``Offer.jobs_seen`` (None: the pods or our Jobs could not be listed)
+    jobs_seen: frozenset[str] | None = None
 
 
 def cluster_view(nodes: list[Mapping[str, Any]], pods: list[Mapping[str, Any]] | None,
@@ -228,12 +231,14 @@ def cluster_view(nodes: list[Mapping[str, Any]], pods: list[Mapping[str, Any]] |
                                                           or {})]
     live = infos + [PodInfo.parse(p) for p in ours
                     if (p.get("status") or {}).get("phase") not in TERMINAL]
+    waiting = None if jobs is None else waiting_jobs(
+        [j for j in jobs if LABEL_JOB in ((j.get("metadata") or {}).get("labels") or {})], live)
+    # a Job whose pod came after the pod list (it is in `live` only) is in neither count
+    seen = None if waiting is None or pods is None else frozenset(
+        {p.job for p in infos if p.job} | {w.job for w in waiting if w.job})
     return ClusterView(
         nodes=views, pods_known=pods is not None, pending=pending, note=note, pods=infos,
-        waiting=None if jobs is None else waiting_jobs(
-            [j for j in jobs if LABEL_JOB in ((j.get("metadata") or {}).get("labels") or {})],
-            live),
-        runs=None if own_pods is None else run_times(ours))
+        waiting=waiting, runs=None if own_pods is None else run_times(ours), jobs_seen=seen)
 
 
 def read(client: KubeClient, namespace: str) -> ClusterView:

@@ -117,7 +117,8 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
                   infra=s.infra, request=req, num_nodes=task.num_nodes,
                   accelerator=req.accelerator, gpus_per_node=req.accelerator_count,
                   pending_jobs=view.pending, probed_at=view.now, spot=req.use_spot,
-                  details={"context": s.context, "namespace": s.namespace})
+                  details={"context": s.context, "namespace": s.namespace},
+                  jobs_seen=view.jobs_seen)
     if view.note:
         offer.details["note"] = view.note
 
