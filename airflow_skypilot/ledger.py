@@ -102,6 +102,9 @@ def hold(offers: list[Offer], entries: list[dict[str, Any]], *, probe_began: flo
         if was_free and not offer.free_now:
             offer.est_start = None
             offer.details["estimate"] = "unknown"
+        if not offer.free_now and offer.pending_jobs is not None:
+            # they wait there now too: the queue a later placement would join is longer
+            offer.pending_jobs += len(mine)
     return offers
 
 

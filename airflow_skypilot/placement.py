@@ -176,16 +176,26 @@ def _key(o: Offer, policy: str, ordered: bool, prefer: str | None) -> tuple[Any,
     # a CPU-only job that would sit on GPU nodes goes elsewhere when elsewhere is as good:
     # the GPUs stay free for the jobs that need them
     gpu_taker = 1 if o.details.get("gpu_place") else 0
+    # queues alike (both "unknown", say): the one with the least work ahead per GPU (or node)
+    depth = _depth(o) if not o.free_now else 0.0
     tie = (o.connection, o.location, o.request.index)
     if policy == "fastest":
         if ordered:
-            return (preferred, not_free, o.request.index, wait_key, gpu_taker, o.price_per_hour,
-                    spare, tie)
-        return (preferred, not_free, wait_key, gpu_taker, o.price_per_hour, spare, tie)
+            return (preferred, not_free, o.request.index, wait_key, depth, gpu_taker,
+                    o.price_per_hour, spare, tie)
+        return (preferred, not_free, wait_key, depth, gpu_taker, o.price_per_hour, spare, tie)
     if ordered:
-        return (preferred, o.request.index, o.price_per_hour, not_free, wait_key, gpu_taker,
-                spare, tie)
-    return (preferred, o.price_per_hour, not_free, wait_key, gpu_taker, spare, tie)
+        return (preferred, o.request.index, o.price_per_hour, not_free, wait_key, depth,
+                gpu_taker, spare, tie)
+    return (preferred, o.price_per_hour, not_free, wait_key, depth, gpu_taker, spare, tie)
+
+
+def _depth(o: Offer) -> float:
+    """Jobs waiting ahead per GPU (per node for CPU-only offers) of the place; unknown: last."""
+    if o.pending_jobs is None:
+        return math.inf
+    size = o.gpus_total if o.request.accelerator and o.gpus_total else o.nodes_total
+    return o.pending_jobs / max(1, size or 1)
 
 
 def _row(o: Offer) -> Row:

@@ -35,6 +35,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -360,6 +361,10 @@ def bench_sweep(rounds: int, members: int = 100, slots: int = 16) -> None:
 
     use_sandbox()
     conns = list(SWEEP_CONNECTIONS)
+    # the placement ledger as the operator uses it (one file for the workers of a machine)
+    from airflow_skypilot.ledger import PlacementLedger
+
+    ledger_file = os.path.join(tempfile.mkdtemp(prefix="bench-ledger-"), "placements.json")
 
     def place_one(run_id: str, map_index: int, out: dict[int, tuple[float, float, str]],
                   gate: threading.Event | None) -> None:
@@ -370,7 +375,7 @@ def bench_sweep(rounds: int, members: int = 100, slots: int = 16) -> None:
         key = identity.TaskKey("bench_sweep", "train", run_id, map_index, "bench")
         run = RunState(prefix=key.prefix, task_env_id=key.skypilot_task_id, try_number=1)
         placer = Placer(SkyPilotCapacityHook(conns), "fastest", cooldown=600,
-                        confirm_timeout=30, log=LOG)
+                        confirm_timeout=30, log=LOG, ledger=PlacementLedger(ledger_file))
         placer.reconcile(run, start)
         handle = placer.place(task, run)
         out[map_index] = (start, time.time(), handle.connection if handle else "none")

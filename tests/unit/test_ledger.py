@@ -83,6 +83,17 @@ def test_the_submitted_stamp_names_the_job(tmp_path):
     assert entry["job"] == "sky-t-c0-t1-a0" and entry["submitted"] <= time.time()
 
 
+def test_placements_made_moments_ago_join_the_queue_a_later_one_would_join():
+    # a queue: the entries wait there too, so its work ahead grows by them (placement ranks
+    # queues alike by it: a sweep spreads over them instead of piling onto the first by name)
+    o = offer("c1", "p", gpus_free=0, nodes_free=0, pending=3)
+    hold([o], [_entry("c1/p"), _entry("c1/p", copy="b")], probe_began=time.time())
+    assert o.pending_jobs == 5 and not o.free_now
+    free = offer("c1", "q", gpus_free=8, nodes_free=1, pending=0)
+    hold([free], [_entry("c1/q")], probe_began=time.time())
+    assert free.free_now and free.pending_jobs == 0  # room left: nobody waits
+
+
 def test_a_partition_sharing_nodes_with_the_placements_is_held_too():
     batch = offer("slurm_alpha", "batch", gpus_free=3)  # a1 + a2
     batch.shares_capacity_with = ["slurm_alpha/short"]

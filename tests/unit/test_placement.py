@@ -33,6 +33,17 @@ def test_soonest_start_wins_among_queued():
     assert plan.rows[0].reason.startswith("nothing free now anywhere; soonest:")
 
 
+def test_queues_alike_go_by_the_work_ahead_per_gpu_not_by_name():
+    # both starts unknown: 6 jobs ahead of 16 GPUs beats 1 of 2, whatever the names say
+    small = offer("a", gpus_free=0, gpus_total=2, nodes_free=0, pending=1)
+    big = offer("b", gpus_free=0, gpus_total=16, nodes_free=0, pending=6)
+    unsaid = offer("0", gpus_free=0, gpus_total=64, nodes_free=0, pending=None)
+    assert [o.connection for o in rank([small, unsaid, big]).ranked] == ["b", "a", "0"]
+    # a known start still comes first
+    known = offer("z", gpus_free=0, nodes_free=0, pending=50, est_in=7200)
+    assert rank([small, big, known]).chosen is known
+
+
 def test_price_breaks_ties_between_free_offers():
     plan = rank([offer("cloud", price=32.8), offer("onprem", price=0.0)])
     assert plan.chosen.connection == "onprem"
