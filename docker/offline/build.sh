@@ -24,8 +24,9 @@ if ! docker image inspect debian:bookworm-slim >/dev/null 2>&1; then
     debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" \
         || { tail -30 "$work/debootstrap.log"; exit 1; }
     rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
-    tar -C "$work/rootfs" -c . | docker import -c 'CMD ["bash"]' - debian:bookworm-slim
+    tar -C "$work/rootfs" -c . | docker import -c 'CMD ["bash"]' - debian:bookworm-slim >/dev/null
     rm -rf "$work/rootfs"
+    echo "build: debian:bookworm-slim imported in $SECONDS s"
 fi
 # one small build context per stand-in image
 mkdir -p "$work/postgres" "$work/base"
@@ -44,12 +45,15 @@ if [ "$pyver" != 3.11 ]; then
     exit 1
 fi
 echo "build: wheelhouse ($python -m pip wheel, constraints .ci/constraints.txt)"
+start="$SECONDS"
 mkdir -p "$work/base/wheels"
 "$python" -m pip wheel -q --disable-pip-version-check -w "$work/base/wheels" \
     --constraint "$work/base/constraints.txt" \
     "apache-airflow[postgres]==${AIRFLOW_VERSION:-3.3.2}" "$repo" "setuptools>=77" pip \
     >"$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; exit 1; }
 rm -f "$work"/base/wheels/airflow_skypilot-*.whl   # installed from the sources by airflow.Dockerfile
+echo "build: wheelhouse of $(find "$work/base/wheels" -name '*.whl' | wc -l) wheels" \
+    "($(du -sh "$work/base/wheels" | cut -f1)) in $((SECONDS - start)) s"
 # every wheel must install on the image's Python (bookworm's 3.11.2), or the image build fails
 "$python" - "$work/base/wheels" "${IMAGE_PYTHON:-3.11.2}" <<'PY'
 import sys, zipfile
@@ -88,7 +92,10 @@ build() {  # TAG DOCKER-BUILD-ARGS...: one image, with its build time
     local tag="$1" start="$SECONDS"
     shift
     echo "build: $tag"
-    docker build -q --network host -t "$tag" "$@" >/dev/null
+    # (the classic builder's stderr, its deprecation notice, only when the build fails; --force-rm:
+    # no container left behind by a failed step)
+    docker build -q --force-rm --network host -t "$tag" "$@" >/dev/null 2>"$work/build.err" \
+        || { cat "$work/build.err" >&2; return 1; }
     echo "build: $tag built in $((SECONDS - start)) s"
 }
 build airflow-skypilot/postgres:offline \

@@ -14,7 +14,8 @@
 #   E2E_KILL_AT=15        kill the node once the checkpoint reaches this epoch
 #   E2E_PROJECT           compose project name (airflow-skypilot-e2e)
 #   AIRFLOW_PORT          the UI/API port published on 127.0.0.1 (18080)
-#   E2E_LOG_DIR           where every service's log is saved at the end (a new temp dir)
+#   E2E_LOG_DIR           where every service's log is saved at the end
+#                         (default: a new /var/tmp/docker-e2e-logs.XXXXXX)
 #   E2E_BRIDGE            the compose network's bridge (br-skypilot-e2e, at most 15 chars)
 #   E2E_FORWARD_RULE=auto allow forwarding within that bridge (iptables -I FORWARD -i BR -o BR
 #                         -j ACCEPT, deleted at the end) when the host's FORWARD policy is DROP
@@ -33,7 +34,8 @@ kill_at="${E2E_KILL_AT:-15}"
 export AIRFLOW_PORT="${AIRFLOW_PORT:-18080}"
 export POSTGRES_IMAGE="${POSTGRES_IMAGE:-airflow-skypilot/postgres:offline}"
 api="http://127.0.0.1:${AIRFLOW_PORT}"
-log_dir="${E2E_LOG_DIR:-$(mktemp -d /tmp/airflow-skypilot-e2e.XXXXXX)}"
+# (not /tmp/airflow-skypilot-*: on the project's build machines something deletes those mid-run)
+log_dir="${E2E_LOG_DIR:-$(mktemp -d /var/tmp/docker-e2e-logs.XXXXXX)}"
 mkdir -p "$log_dir"
 t0=$SECONDS
 
@@ -80,13 +82,15 @@ dc() { "${compose[@]}" "$@"; }
 finish() {
     local rc=$?
     set +e
+    mkdir -p "$log_dir"
     say "saving every service's log to $log_dir"
     dc ps >"$log_dir/ps.txt" 2>&1
     for service in $(dc config --services 2>/dev/null); do
         dc logs --no-color "$service" >"$log_dir/$service.log" 2>&1
     done
     say "tearing down: ${compose[*]} down -v"
-    dc down -v --remove-orphans >"$log_dir/down.txt" 2>&1 || cat "$log_dir/down.txt"
+    local out
+    out="$(dc down -v --remove-orphans 2>&1)" || printf '%s\n' "$out" >&2
     rm -f "$override" "$compose_copy"
     if [ "${#forward_rule[@]}" -gt 0 ]; then
         say "removing iptables FORWARD ${forward_rule[*]}"
