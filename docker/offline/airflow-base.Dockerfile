@@ -3,7 +3,8 @@
 # rely on is the same: user `airflow` (uid 50000, gid 0), HOME /home/airflow with the
 # constraints file the image was built with at ~/constraints.txt, AIRFLOW_HOME /opt/airflow,
 # `pip install` as that user, curl, and an entrypoint that runs `airflow <command>` for a bare
-# Airflow command (`scheduler`) and anything else (`bash ...`) as it is.
+# Airflow command (`scheduler`) and anything else (`bash ...`) as it is. Python packages come
+# from the wheelhouse build.sh puts in the context (wheels/), never from an index.
 FROM debian:bookworm-slim
 
 ARG AIRFLOW_VERSION=3.3.2
@@ -22,6 +23,14 @@ ENV AIRFLOW_HOME=/opt/airflow \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 USER airflow
 COPY --chown=airflow:0 constraints.txt /home/airflow/constraints.txt
+# Every pip install in this image and in the images built on it (airflow.Dockerfile) takes its
+# packages from the wheelhouse build.sh made on the host, and nothing from an index: PyPI as
+# seen from here may lack the constrained versions (a resolution that backtracks for minutes
+# and then fails), and the host's pip configuration is what is known to resolve them.
+COPY --chown=airflow:0 wheels/ /home/airflow/wheels/
+ENV PIP_NO_INDEX=1 \
+    PIP_FIND_LINKS=/home/airflow/wheels \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 # a current pip: bookworm's (23.0) takes minutes per package resolving the providers' extras
 RUN python3 -m venv /home/airflow/.local \
     && pip install --no-cache-dir -q --upgrade pip \
