@@ -2,10 +2,12 @@
 # Build every image docker-compose.yml needs without an image registry (Docker Hub unreachable):
 #   debian:bookworm-slim                 debootstrap (minbase) from Debian's mirror, imported
 #   airflow-skypilot/postgres:offline    Debian's PostgreSQL 15 (postgres.Dockerfile)
+#   airflow-skypilot/redis:offline       Debian's Redis 7.0 (redis.Dockerfile)
 #   airflow-skypilot/airflow-base:offline  Airflow from a wheelhouse (airflow-base.Dockerfile)
 #   airflow-skypilot/slurm:local, airflow-skypilot/airflow:local  the compose images, on those
 # Builds use the host's network (`--network host`), so a daemon without a default bridge works.
-# Then: POSTGRES_IMAGE=airflow-skypilot/postgres:offline docker-compose -f docker/docker-compose.yml up --no-build
+# Then: POSTGRES_IMAGE=airflow-skypilot/postgres:offline REDIS_IMAGE=airflow-skypilot/redis:offline \
+#         docker-compose -f docker/docker-compose.yml up --no-build
 # The Python packages come from a wheelhouse built here, on the host, by the host's pip
 # (`$PYTHON -m pip wheel`, with the host's pip configuration: its indexes, find-links, proxy and
 # certificates), at the repository's .ci/constraints.txt; the images install from it with
@@ -29,8 +31,9 @@ if ! docker image inspect debian:bookworm-slim >/dev/null 2>&1; then
     echo "build: debian:bookworm-slim imported in $SECONDS s"
 fi
 # one small build context per stand-in image
-mkdir -p "$work/postgres" "$work/base"
+mkdir -p "$work/postgres" "$work/redis" "$work/base"
 cp "$here"/postgres.Dockerfile "$here"/postgres-entrypoint.sh "$work/postgres/"
+cp "$here"/redis.Dockerfile "$work/redis/"
 cp "$here"/airflow-base.Dockerfile "$here"/airflow-entrypoint.sh "$work/base/"
 # .ci/constraints.txt, with the pins constraints-bookworm.txt overrides for the image's Python
 overrides="$here/constraints-bookworm.txt"
@@ -49,7 +52,7 @@ start="$SECONDS"
 mkdir -p "$work/base/wheels"
 "$python" -m pip wheel -q --disable-pip-version-check -w "$work/base/wheels" \
     --constraint "$work/base/constraints.txt" \
-    "apache-airflow[postgres]==${AIRFLOW_VERSION:-3.3.2}" "$repo" "setuptools>=77" pip \
+    "apache-airflow[postgres,celery]==${AIRFLOW_VERSION:-3.3.2}" "$repo" "setuptools>=77" pip \
     >"$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; exit 1; }
 rm -f "$work"/base/wheels/airflow_skypilot-*.whl   # installed from the sources by airflow.Dockerfile
 echo "build: wheelhouse of $(find "$work/base/wheels" -name '*.whl' | wc -l) wheels" \
@@ -100,6 +103,8 @@ build() {  # TAG DOCKER-BUILD-ARGS...: one image, with its build time
 }
 build airflow-skypilot/postgres:offline \
     -f "$work/postgres/postgres.Dockerfile" "$work/postgres"
+build airflow-skypilot/redis:offline \
+    -f "$work/redis/redis.Dockerfile" "$work/redis"
 build airflow-skypilot/airflow-base:offline \
     --build-arg AIRFLOW_VERSION="${AIRFLOW_VERSION:-3.3.2}" \
     -f "$work/base/airflow-base.Dockerfile" "$work/base"
