@@ -54,6 +54,42 @@ mkdir -p "$work/base/wheels"
     --constraint "$work/base/constraints.txt" \
     "apache-airflow[postgres,celery]==${AIRFLOW_VERSION:-3.3.2}" "$repo" "setuptools>=77" pip \
     >"$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; exit 1; }
+# What the image's Python needs beyond what the host's resolved: a dependency whose marker holds
+# on 3.11.2 only (redis needs async-timeout on `python_full_version < "3.11.3"`; the host's pip
+# skipped it), added until nothing is missing.
+for _ in 1 2 3; do
+    found="$("$python" - "$work/base/wheels" "${IMAGE_PYTHON:-3.11.2}" <<'PY'
+import sys
+import zipfile
+from pathlib import Path
+from pip._vendor.packaging.markers import default_environment
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+wheels, image_python = Path(sys.argv[1]), sys.argv[2]
+env = {**default_environment(), "python_full_version": image_python,
+       "python_version": ".".join(image_python.split(".")[:2]), "extra": ""}
+have = {canonicalize_name(w.name.split("-")[0]) for w in wheels.glob("*.whl")}
+missing = set()
+for wheel in wheels.glob("*.whl"):
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist:"):
+                req = Requirement(line.split(":", 1)[1].strip())
+                if req.marker is not None and req.marker.evaluate(env) \
+                        and canonicalize_name(req.name) not in have:
+                    req.marker = None
+                    missing.add(str(req))
+print("\n".join(sorted(missing)))
+PY
+)"
+    [ -n "$found" ] || break
+    mapfile -t missing <<<"$found"
+    echo "build: wheelhouse: for Python ${IMAGE_PYTHON:-3.11.2} also: ${missing[*]}"
+    "$python" -m pip wheel -q --disable-pip-version-check -w "$work/base/wheels" \
+        --constraint "$work/base/constraints.txt" "${missing[@]}" >>"$work/wheel.log" 2>&1 \
+        || { tail -30 "$work/wheel.log"; exit 1; }
+done
 rm -f "$work"/base/wheels/airflow_skypilot-*.whl   # installed from the sources by airflow.Dockerfile
 echo "build: wheelhouse of $(find "$work/base/wheels" -name '*.whl' | wc -l) wheels" \
     "($(du -sh "$work/base/wheels" | cut -f1)) in $((SECONDS - start)) s"
