@@ -33,7 +33,8 @@ INIT_SCRIPT = DOCKER / "airflow" / "init.sh"
 
 TRIGGERERS = ("triggerer-1", "triggerer-2")
 WORKERS = ("worker-1", "worker-2")
-#: the services that need the Celery broker: the scheduler queues, the others consume
+#: the services started once the Celery broker is healthy (the scheduler queues on it, the
+#: workers consume; the triggerers just start with them)
 CELERY_CLIENTS = ("scheduler", *WORKERS, *TRIGGERERS)
 AIRFLOW_SERVICES = ("api-server", "scheduler", "dag-processor", *TRIGGERERS, *WORKERS)
 REQUIRED_SERVICES = (*AIRFLOW_SERVICES, "init", "postgres", "redis", "slurm-alpha", "slurm-beta")
