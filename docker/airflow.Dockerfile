@@ -9,15 +9,17 @@ ARG AIRFLOW_VERSION
 
 USER airflow
 
-# The provider and its dependencies come from the repository's pyproject.toml. Pinning
-# apache-airflow to the image's own version and installing against the constraints file the
+# The provider and its dependencies come from the repository's pyproject.toml; Airflow's
+# `celery` extra (the Celery provider, celery and the redis client: the compose file's
+# CeleryExecutor) is part of the official image already, and asked for here so that any base
+# has it. Pinning apache-airflow to the image's own version and installing against the constraints file the
 # official image was built with (${HOME}/constraints.txt) keeps Airflow and the providers it
 # ships (ssh, cncf-kubernetes, amazon, aiobotocore...) at versions tested together; if
 # pyproject.toml ever needs something those constraints forbid, the build fails here, loudly.
 COPY --chown=airflow:0 pyproject.toml README.md /opt/airflow-skypilot/src/
 COPY --chown=airflow:0 airflow_skypilot /opt/airflow-skypilot/src/airflow_skypilot
 RUN pip install --no-cache-dir \
-        "apache-airflow==${AIRFLOW_VERSION}" \
+        "apache-airflow[celery]==${AIRFLOW_VERSION}" \
         /opt/airflow-skypilot/src \
         --constraint "${HOME}/constraints.txt"
 

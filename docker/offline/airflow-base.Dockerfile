@@ -4,7 +4,8 @@
 # constraints file the image was built with at ~/constraints.txt, AIRFLOW_HOME /opt/airflow,
 # `pip install` as that user, curl, and an entrypoint that runs `airflow <command>` for a bare
 # Airflow command (`scheduler`) and anything else (`bash ...`) as it is. Python packages come
-# from the wheelhouse build.sh puts in the context (wheels/), never from an index.
+# from the wheelhouse build.sh puts in the context (wheels/), never from an index. Like the
+# official image it has the postgres and celery extras (the Celery provider, the redis client).
 FROM debian:bookworm-slim
 
 ARG AIRFLOW_VERSION=3.3.2
@@ -34,7 +35,7 @@ ENV PIP_NO_INDEX=1 \
 # a current pip: bookworm's (23.0) takes minutes per package resolving the providers' extras
 RUN python3 -m venv /home/airflow/.local \
     && pip install --no-cache-dir -q --upgrade pip \
-    && pip install --no-cache-dir -q "apache-airflow[postgres]==${AIRFLOW_VERSION}" \
+    && pip install --no-cache-dir -q "apache-airflow[postgres,celery]==${AIRFLOW_VERSION}" \
         --constraint /home/airflow/constraints.txt
 COPY airflow-entrypoint.sh /entrypoint
 WORKDIR /opt/airflow

@@ -2,10 +2,12 @@
 # Build every image docker-compose.yml needs without an image registry (Docker Hub unreachable):
 #   debian:bookworm-slim                 debootstrap (minbase) from Debian's mirror, imported
 #   airflow-skypilot/postgres:offline    Debian's PostgreSQL 15 (postgres.Dockerfile)
+#   airflow-skypilot/redis:offline       Debian's Redis 7.0 (redis.Dockerfile)
 #   airflow-skypilot/airflow-base:offline  Airflow from a wheelhouse (airflow-base.Dockerfile)
 #   airflow-skypilot/slurm:local, airflow-skypilot/airflow:local  the compose images, on those
 # Builds use the host's network (`--network host`), so a daemon without a default bridge works.
-# Then: POSTGRES_IMAGE=airflow-skypilot/postgres:offline docker-compose -f docker/docker-compose.yml up --no-build
+# Then: POSTGRES_IMAGE=airflow-skypilot/postgres:offline REDIS_IMAGE=airflow-skypilot/redis:offline \
+#         docker-compose -f docker/docker-compose.yml up --no-build
 # The Python packages come from a wheelhouse built here, on the host, by the host's pip
 # (`$PYTHON -m pip wheel`, with the host's pip configuration: its indexes, find-links, proxy and
 # certificates), at the repository's .ci/constraints.txt; the images install from it with
@@ -29,8 +31,9 @@ if ! docker image inspect debian:bookworm-slim >/dev/null 2>&1; then
     echo "build: debian:bookworm-slim imported in $SECONDS s"
 fi
 # one small build context per stand-in image
-mkdir -p "$work/postgres" "$work/base"
+mkdir -p "$work/postgres" "$work/redis" "$work/base"
 cp "$here"/postgres.Dockerfile "$here"/postgres-entrypoint.sh "$work/postgres/"
+cp "$here"/redis.Dockerfile "$work/redis/"
 cp "$here"/airflow-base.Dockerfile "$here"/airflow-entrypoint.sh "$work/base/"
 # .ci/constraints.txt, with the pins constraints-bookworm.txt overrides for the image's Python
 overrides="$here/constraints-bookworm.txt"
@@ -49,8 +52,44 @@ start="$SECONDS"
 mkdir -p "$work/base/wheels"
 "$python" -m pip wheel -q --disable-pip-version-check -w "$work/base/wheels" \
     --constraint "$work/base/constraints.txt" \
-    "apache-airflow[postgres]==${AIRFLOW_VERSION:-3.3.2}" "$repo" "setuptools>=77" pip \
+    "apache-airflow[postgres,celery]==${AIRFLOW_VERSION:-3.3.2}" "$repo" "setuptools>=77" pip \
     >"$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; exit 1; }
+# What the image's Python needs beyond what the host's resolved: a dependency whose marker holds
+# on 3.11.2 only (redis needs async-timeout on `python_full_version < "3.11.3"`; the host's pip
+# skipped it), added until nothing is missing.
+for _ in 1 2 3; do
+    found="$("$python" - "$work/base/wheels" "${IMAGE_PYTHON:-3.11.2}" <<'PY'
+import sys
+import zipfile
+from pathlib import Path
+from pip._vendor.packaging.markers import default_environment
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+wheels, image_python = Path(sys.argv[1]), sys.argv[2]
+env = {**default_environment(), "python_full_version": image_python,
+       "python_version": ".".join(image_python.split(".")[:2]), "extra": ""}
+have = {canonicalize_name(w.name.split("-")[0]) for w in wheels.glob("*.whl")}
+missing = set()
+for wheel in wheels.glob("*.whl"):
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist:"):
+                req = Requirement(line.split(":", 1)[1].strip())
+                if req.marker is not None and req.marker.evaluate(env) \
+                        and canonicalize_name(req.name) not in have:
+                    req.marker = None
+                    missing.add(str(req))
+print("\n".join(sorted(missing)))
+PY
+)"
+    [ -n "$found" ] || break
+    mapfile -t missing <<<"$found"
+    echo "build: wheelhouse: for Python ${IMAGE_PYTHON:-3.11.2} also: ${missing[*]}"
+    "$python" -m pip wheel -q --disable-pip-version-check -w "$work/base/wheels" \
+        --constraint "$work/base/constraints.txt" "${missing[@]}" >>"$work/wheel.log" 2>&1 \
+        || { tail -30 "$work/wheel.log"; exit 1; }
+done
 rm -f "$work"/base/wheels/airflow_skypilot-*.whl   # installed from the sources by airflow.Dockerfile
 echo "build: wheelhouse of $(find "$work/base/wheels" -name '*.whl' | wc -l) wheels" \
     "($(du -sh "$work/base/wheels" | cut -f1)) in $((SECONDS - start)) s"
@@ -100,6 +139,8 @@ build() {  # TAG DOCKER-BUILD-ARGS...: one image, with its build time
 }
 build airflow-skypilot/postgres:offline \
     -f "$work/postgres/postgres.Dockerfile" "$work/postgres"
+build airflow-skypilot/redis:offline \
+    -f "$work/redis/redis.Dockerfile" "$work/redis"
 build airflow-skypilot/airflow-base:offline \
     --build-arg AIRFLOW_VERSION="${AIRFLOW_VERSION:-3.3.2}" \
     -f "$work/base/airflow-base.Dockerfile" "$work/base"

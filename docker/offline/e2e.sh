@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # End to end, on one machine without an image registry: build every image (build.sh), bring the
-# compose stack up and wait until it is healthy, run the example DAG `train_pipeline` through
-# Airflow's REST API, kill the node its `train` job runs on once the job has checkpointed a few
-# epochs, and check that the DAG run succeeds after a failover to the other cluster that resumed
-# from the checkpoint (2 attempts in train's result, "resuming from epoch" in its log). Then
-# `down -v`, always, even on failure. See docker/README.md.
+# compose stack up and wait until it is healthy (both triggerers heartbeating, both Celery
+# workers answering), run the example DAG `train_pipeline` through Airflow's REST API, SIGKILL
+# the triggerer that holds `train`'s trigger and wait until the other one takes it over, kill the
+# node its `train` job runs on once the job has checkpointed a few epochs, and check that the DAG
+# run succeeds after a failover to the other cluster that resumed from the checkpoint (2 attempts
+# in train's result, "resuming from epoch" in its log) with every task run by a Celery worker.
+# Then `down -v`, always, even on failure. See docker/README.md.
 #
 #   bash docker/offline/e2e.sh            # as root (build.sh runs debootstrap)
 #
@@ -12,6 +14,7 @@
 #   E2E_BUILD=0           skip build.sh (the images exist)
 #   E2E_EPOCHS=120        train's epochs (one a second)
 #   E2E_KILL_AT=15        kill the node once the checkpoint reaches this epoch
+#   E2E_KILL_TRIGGERER=1  SIGKILL the triggerer holding train's trigger first (0: do not)
 #   E2E_PROJECT           compose project name (airflow-skypilot-e2e)
 #   AIRFLOW_PORT          the UI/API port published on 127.0.0.1 (18080)
 #   E2E_LOG_DIR           where every service's log is saved at the end
@@ -33,6 +36,7 @@ epochs="${E2E_EPOCHS:-120}"
 kill_at="${E2E_KILL_AT:-15}"
 export AIRFLOW_PORT="${AIRFLOW_PORT:-18080}"
 export POSTGRES_IMAGE="${POSTGRES_IMAGE:-airflow-skypilot/postgres:offline}"
+export REDIS_IMAGE="${REDIS_IMAGE:-airflow-skypilot/redis:offline}"
 api="http://127.0.0.1:${AIRFLOW_PORT}"
 # (not /tmp/airflow-skypilot-*: on the project's build machines something deletes those mid-run)
 log_dir="${E2E_LOG_DIR:-$(mktemp -d /var/tmp/docker-e2e-logs.XXXXXX)}"
@@ -127,11 +131,13 @@ if [ "${E2E_BUILD:-1}" != 0 ]; then
 fi
 
 # --- up, healthy ------------------------------------------------------------------------------
-say "up: ${compose[*]} up -d --no-build (POSTGRES_IMAGE=$POSTGRES_IMAGE, port $AIRFLOW_PORT)"
+say "up: ${compose[*]} up -d --no-build (POSTGRES_IMAGE=$POSTGRES_IMAGE, REDIS_IMAGE=$REDIS_IMAGE, port $AIRFLOW_PORT)"
 start=$SECONDS
 # (up waits for init to complete: bounded, in case a connection hangs)
 timeout "${E2E_UP_TIMEOUT:-900}" "${compose[@]}" up -d --no-build || die "up failed or timed out"
-long_running=(postgres slurm-alpha slurm-beta api-server scheduler dag-processor triggerer)
+long_running=(postgres redis slurm-alpha slurm-beta api-server scheduler dag-processor
+    worker-1 worker-2 triggerer-1 triggerer-2)
+workers=(worker-1 worker-2)
 health() {  # SERVICE: its container's health (or state when it has no healthcheck)
     local id
     id="$(dc ps -q "$1" 2>/dev/null)"
@@ -168,6 +174,26 @@ rest() {  # METHOD PATH [JSON]
     curl "${args[@]}"
 }
 urlq() { jq -rn --arg s "$1" '$s|@uri'; }
+short() { local h="$1"; echo "${h%%.*}"; }   # a host name without its domain: the service name
+
+# Both triggerers heartbeat (alive TriggererJobs in the database), both workers answer Celery.
+alive_triggerers() {
+    rest GET "/jobs?job_type=TriggererJob&is_alive=true&limit=100" \
+        | jq -r '.jobs[] | "\(.id) \(.hostname)"'
+}
+triggerers="$(alive_triggerers)"
+for t in triggerer-1 triggerer-2; do
+    awk -v t="$t" '{ sub(/\..*/, "", $2) } $2 == t { found = 1 } END { exit !found }' \
+        <<<"$triggerers" || die "no alive TriggererJob on $t: $(tr '\n' ' ' <<<"$triggerers")"
+done
+say "triggerers alive (job id, host): $(tr '\n' ' ' <<<"$triggerers")"
+for w in "${workers[@]}"; do
+    # shellcheck disable=SC2016  # $HOSTNAME is the worker's, expanded in its shell
+    out="$(dc exec -T "$w" sh -c 'celery --app airflow.providers.celery.executors.celery_executor.app inspect ping -d "celery@$HOSTNAME"' 2>&1)" \
+        || die "$w does not answer a Celery ping: $(tail -3 <<<"$out")"
+    [[ "$out" == *pong* ]] || die "$w: no pong in: $(tail -3 <<<"$out")"
+done
+say "Celery workers answer a ping: ${workers[*]}"
 
 deadline=$((SECONDS + 300))
 until rest GET /dags/train_pipeline >/dev/null 2>&1; do
@@ -204,8 +230,43 @@ while [ -z "$node" ]; do
     [ "$SECONDS" -lt "$deadline" ] || die "no train job ran in time (train: $state)"
     sleep 3
 done
+# The triggerer holding train's trigger: SIGKILL it (a machine lost) and wait until the other one
+# takes the trigger over (once the dead one's heartbeat is older than
+# [triggerer] triggerer_health_check_threshold, 30 s).
+killed_triggerer=""
+if [ "${E2E_KILL_TRIGGERER:-1}" != 0 ]; then
+    trigger_job() { rest GET "$run/taskInstances/train" | jq -r '.trigger.triggerer_id // empty'; }
+    job_host() {
+        rest GET "/jobs?job_type=TriggererJob&limit=100" \
+            | jq -r --argjson id "$1" '.jobs[] | select(.id == $id) | .hostname'
+    }
+    deadline=$((SECONDS + 120))
+    until holder="$(trigger_job)" && [ -n "$holder" ]; do
+        [ "$SECONDS" -lt "$deadline" ] || die "train's trigger was not assigned to a triggerer"
+        sleep 2
+    done
+    killed_triggerer="$(short "$(job_host "$holder")")"
+    case "$killed_triggerer" in triggerer-1 | triggerer-2) ;;
+        *) die "train's trigger is held by job $holder on '$killed_triggerer'" ;; esac
+    say "train's trigger is held by $killed_triggerer (job $holder): SIGKILL it"
+    dc kill -s SIGKILL "$killed_triggerer" >/dev/null 2>&1 || die "could not kill $killed_triggerer"
+    kill_trig_time=$SECONDS
+    deadline=$((SECONDS + 180))
+    while :; do
+        now="$(trigger_job || true)"
+        if [ -n "$now" ] && [ "$now" != "$holder" ]; then break; fi
+        [ "$SECONDS" -lt "$deadline" ] || die "no other triggerer took train's trigger over"
+        sleep 2
+    done
+    taker="$(short "$(job_host "$now")")"
+    [ "$taker" != "$killed_triggerer" ] \
+        || say "(docker restarted $killed_triggerer, whose new job $now took it over)"
+    say "train's trigger taken over by $taker (job $now) $((SECONDS - kill_trig_time)) s after the kill;" \
+        "$killed_triggerer is $(docker inspect -f '{{.State.Status}}' "$(dc ps -q "$killed_triggerer")")"
+fi
+
 ckpt_epoch() {
-    dc exec -T scheduler sh -c "cat /tmp/airflow-skypilot-demo/*/ckpt/*.ckpt 2>/dev/null" \
+    dc exec -T worker-1 sh -c "cat /tmp/airflow-skypilot-demo/*/ckpt/*.ckpt 2>/dev/null" \
         | tail -1 | tr -dc 0-9
 }
 deadline=$((SECONDS + 300))
@@ -227,8 +288,9 @@ while :; do
     sleep 5
 done
 say "DAG run $state: $((SECONDS - run_start)) s after the trigger, $((SECONDS - kill_time)) s after the kill"
-rest GET "$run/taskInstances" \
-    | jq -r '.task_instances[] | "  \(.task_id): \(.state), try \(.try_number), \(.duration // 0 | floor) s"'
+rest GET "$run/taskInstances" >"$log_dir/task-instances.json"
+jq -r '.task_instances[] | "  \(.task_id): \(.state), try \(.try_number), \(.duration // 0 | floor) s, on \(.hostname)"' \
+    "$log_dir/task-instances.json"
 say "slurm-$cluster after the kill:"
 dc exec -T "slurm-$cluster" slurm-cluster status 2>&1 | sed 's/^/  /' || true
 [ "$state" = success ] || die "the DAG run failed"
@@ -254,4 +316,14 @@ grep -E 'Submitted|ended:|moving elsewhere|resuming from epoch|epoch 120/' "$log
 resumed="$(grep -o 'resuming from epoch [0-9]*' "$log_dir/train-task.log" | head -1 || true)"
 [ "$attempts" -ge 2 ] || die "train has $attempts attempt(s): no failover"
 [ -n "$resumed" ] || die "the new job did not resume from the checkpoint (see $log_dir/train-task.log)"
+# every task ran on a Celery worker
+while read -r task host; do
+    case "$(short "$host")" in worker-1 | worker-2) ;; *) die "$task ran on '$host', not a Celery worker" ;; esac
+done < <(jq -r '.task_instances[] | "\(.task_id) \(.hostname)"' "$log_dir/task-instances.json")
+say "every task ran on a Celery worker: $(jq -r '[.task_instances[] | "\(.task_id)@\(.hostname)"] | join(" ")' \
+    "$log_dir/task-instances.json")"
+if [ -n "$killed_triggerer" ]; then
+    say "the scheduler's health after losing $killed_triggerer: $(curl -sf "$api/api/v2/monitor/health" \
+        | jq -c '{scheduler: .scheduler.status, triggerer: .triggerer.status}')"
+fi
 say "failover seen: node $node of $cluster killed (checkpoint at epoch $killed_epoch), $resumed"

@@ -31,8 +31,13 @@ COMPOSE_FILE = DOCKER / "docker-compose.yml"
 ENTRYPOINT = DOCKER / "slurm" / "entrypoint.sh"
 INIT_SCRIPT = DOCKER / "airflow" / "init.sh"
 
-AIRFLOW_SERVICES = ("api-server", "scheduler", "dag-processor", "triggerer")
-REQUIRED_SERVICES = (*AIRFLOW_SERVICES, "init", "postgres", "slurm-alpha", "slurm-beta")
+TRIGGERERS = ("triggerer-1", "triggerer-2")
+WORKERS = ("worker-1", "worker-2")
+#: the services started once the Celery broker is healthy (the scheduler queues on it, the
+#: workers consume; the triggerers just start with them)
+CELERY_CLIENTS = ("scheduler", *WORKERS, *TRIGGERERS)
+AIRFLOW_SERVICES = ("api-server", "scheduler", "dag-processor", *TRIGGERERS, *WORKERS)
+REQUIRED_SERVICES = (*AIRFLOW_SERVICES, "init", "postgres", "redis", "slurm-alpha", "slurm-beta")
 ONE_SHOT = ("init", "ssh-keys")
 SCRATCH = "/tmp/airflow-skypilot-demo"
 
@@ -198,8 +203,10 @@ def test_depends_on_conditions(services):
         deps = depends_on(services[name])
         assert deps.get("postgres") == "service_healthy", name
         assert deps.get("init") == "service_completed_successfully", name
-    for name in ("scheduler", "dag-processor", "triggerer"):
+    for name in ("scheduler", "dag-processor", *TRIGGERERS, *WORKERS):
         assert depends_on(services[name]).get("api-server") == "service_healthy", name
+    for name in CELERY_CLIENTS:
+        assert depends_on(services[name]).get("redis") == "service_healthy", name
     init = depends_on(services["init"])
     for name in ("postgres", "slurm-alpha", "slurm-beta"):
         assert init.get(name) == "service_healthy", f"init must wait for {name}"
@@ -251,7 +258,8 @@ def test_dags_are_mounted_where_airflow_looks(services):
 
 def test_airflow_settings(services):
     expected = {
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+        "AIRFLOW__CELERY__BROKER_URL": "redis://redis:6379/0",
         "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "true",
         "AIRFLOW__SKYPILOT__CONNECTIONS": "slurm_alpha,slurm_beta",
     }
@@ -260,14 +268,55 @@ def test_airflow_settings(services):
         for key, value in expected.items():
             assert env.get(key) == value, f"{name}: {key}={env.get(key)!r}"
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].split("@")[1].startswith("postgres/")
+        backend = env["AIRFLOW__CELERY__RESULT_BACKEND"]
+        assert backend.startswith("db+postgresql://"), backend
+        assert backend.split("@")[1] == "postgres/airflow", backend
         url = env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"]
         assert url == "http://api-server:8080/execution/", url
         image = services[name].get("image")
         assert image == services["api-server"]["image"], f"{name} runs another image"
     assert "8080" in services["api-server"]["ports"][0].split(":")[-1]
     assert services["api-server"]["command"] == "api-server"
-    for name in ("scheduler", "dag-processor", "triggerer"):
+    for name in ("scheduler", "dag-processor"):
         assert services[name]["command"] == name
+    for name in TRIGGERERS:
+        assert services[name]["command"] == "triggerer", name
+    for name in WORKERS:
+        assert services[name]["command"] == "celery worker", name
+    # distinct host names: the task instances' and the jobs' `hostname` tell them apart
+    hosts = [services[name].get("hostname") for name in (*TRIGGERERS, *WORKERS)]
+    assert hosts == [*TRIGGERERS, *WORKERS], hosts
+
+
+def test_redis_is_the_official_image_unless_overridden(services):
+    redis = services["redis"]
+    assert re.fullmatch(r"\$\{REDIS_IMAGE:-redis:7[^}]*\}", redis["image"]), redis["image"]
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    # the offline stand-ins: build.sh builds one for every image the compose file pulls, and
+    # e2e.sh points the compose file at it
+    build_sh = (DOCKER / "offline" / "build.sh").read_text()
+    e2e = (DOCKER / "offline" / "e2e.sh").read_text()
+    for var, tag in (("POSTGRES_IMAGE", "airflow-skypilot/postgres:offline"),
+                     ("REDIS_IMAGE", "airflow-skypilot/redis:offline")):
+        assert f"build {tag}" in build_sh, tag
+        assert f'export {var}="${{{var}:-{tag}}}"' in e2e, var
+    steps = dockerfile_instructions(DOCKER / "offline" / "redis.Dockerfile")
+    assert any(w == "RUN" and "redis-server" in a for w, a in steps)
+    cmd = json.loads(next(a for w, a in steps if w == "CMD"))
+    assert cmd[0] == "redis-server" and "--protected-mode" in cmd, cmd
+
+
+def test_worker_healthcheck_pings_the_celery_app(services):
+    """The workers' healthcheck names Airflow's Celery app by module: it must exist."""
+    for name in WORKERS:
+        test = services[name]["healthcheck"]["test"]
+        assert test[0] == "CMD-SHELL", test
+        words = shlex.split(test[1].replace("$$", "$"))
+        assert words[:2] == ["celery", "--app"] and words[3:6] == ["inspect", "ping", "-d"], words
+        assert words[6] == "celery@${HOSTNAME}", words
+        module, _, attr = words[2].rpartition(".")
+        # (a lazy module attribute, PEP 562: what `celery --app` gets too)
+        assert getattr(importlib.import_module(module), attr, None) is not None, words[2]
 
 
 def test_secrets_come_from_files_the_init_job_writes(services):
@@ -383,7 +432,8 @@ def test_airflow_image_installs_the_repository_from_its_pyproject():
     assert len(pip) == 1, pip
     install = pip[0]
     assert pyproject_dest.rstrip("/") in install, "pip must install the copied project"
-    assert '"apache-airflow==${AIRFLOW_VERSION}"' in install, "pin Airflow to the image's own"
+    # pinned to the image's own version, with the Celery provider the compose file's executor needs
+    assert '"apache-airflow[celery]==${AIRFLOW_VERSION}"' in install, install
     assert '--constraint "${HOME}/constraints.txt"' in install
     # Not a hand-kept copy of the dependency list: pyproject.toml is the only source.
     text = dockerfile.read_text()
@@ -446,7 +496,7 @@ def test_airflow_cli_commands_parse(services, tmp_path):
     """Every `airflow ...` the compose file, init.sh and the README run, parsed by Airflow."""
     commands: list[list[str]] = []
     for name in AIRFLOW_SERVICES:
-        commands.append([services[name]["command"]])
+        commands.append(shlex.split(services[name]["command"]))
     for service in services.values():
         test = (service.get("healthcheck") or {}).get("test") or []
         if len(test) > 1 and test[1] == "airflow":
@@ -464,7 +514,9 @@ def test_airflow_cli_commands_parse(services, tmp_path):
               "parser = get_parser()\n"
               "for argv in json.loads(sys.argv[1]):\n"
               "    parser.parse_args(argv)\n")
-    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    # the compose file's executor: `airflow celery ...` exists only with the CeleryExecutor
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__CORE__EXECUTOR": env_of(services["scheduler"])["AIRFLOW__CORE__EXECUTOR"]}
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(commands)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{commands}\n{proc.stderr[-3000:]}"
@@ -550,7 +602,7 @@ def test_render_refuses_a_bad_cluster_description(services, tmp_path, change, me
 def test_clusters_share_scratch_at_the_dags_workspace(services):
     dag = (REPO / "dags" / "train_pipeline.py").read_text()
     assert f'"workspace": "{SCRATCH}"' in dag, "the DAG's default workspace moved"
-    for name in ("slurm-alpha", "slurm-beta", "scheduler", "init"):
+    for name in ("slurm-alpha", "slurm-beta", *WORKERS, "init"):
         assert mount_of(services[name], "scratch") == SCRATCH, name
     for name in ("slurm-alpha", "slurm-beta"):
         assert env_of(services[name])["SCRATCH_DIR"] == SCRATCH
@@ -591,9 +643,11 @@ def test_keys_are_shared_through_the_right_volumes(services):
     init_env = env_of(services["init"])
     key_dir = mount_of(services["init"], "ssh-client")
     assert init_env["SKYPILOT_SSH_KEY_FILE"] == f"{key_dir}/id_ed25519"
-    for name in ("scheduler", "triggerer", "init"):
+    for name in (*WORKERS, *TRIGGERERS, "init"):
         mounts = volume_mounts(services[name])
         assert mounts.get(key_dir) == ("ssh-client", True), f"{name} needs the key, read-only"
+    for name in ("api-server", "scheduler", "dag-processor"):
+        assert mount_of(services[name], "ssh-client") is None, f"{name} runs no task or trigger"
     assert init_env["SKYPILOT_SSH_PUBLIC_DIR"] == mount_of(services["init"], "ssh-public")
     keygen_env = env_of(services["ssh-keys"])
     assert keygen_env["SSH_CLIENT_DIR"] == mount_of(services["ssh-keys"], "ssh-client")
