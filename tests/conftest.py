@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,24 @@ def use_connections(monkeypatch: pytest.MonkeyPatch, conns: dict[str, dict]) -> 
     """Make Airflow connections visible to hooks in this process (AIRFLOW_CONN_<ID> JSON)."""
     for conn_id, conn in conns.items():
         monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
+
+
+def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):
+    """Poll ``predicate`` (sleeping ``interval``) until it returns something truthy; that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on now (taken and given back at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_for_job(backend, handle, states, timeout: float):

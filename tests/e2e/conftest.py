@@ -12,7 +12,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import wait_until  # noqa: F401  (the e2e tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 E2E_DAGS = Path(__file__).resolve().parent / "dags"
@@ -244,11 +245,3 @@ def assert_ran_once(counter: str) -> Mark:
     return ends[0]
 
 
-def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")

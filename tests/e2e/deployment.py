@@ -39,6 +39,8 @@ from typing import Any
 
 import httpx
 
+from tests.conftest import free_port, wait_until
+
 REPO = Path(__file__).resolve().parents[2]
 E2E_DAGS = Path(__file__).resolve().parent / "dags"
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
@@ -60,22 +62,6 @@ DAG_ID = "e2e_task"
 def component_hostname() -> str:
     """``[core] hostname_callable`` of the deployment: the component's own name."""
     return os.environ.get(HOSTNAME_ENV) or socket.getfqdn()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 20) -> None:
@@ -153,7 +139,7 @@ class Postgres:
                     **run_as)
             pg = cls(root, port, password, proc)
             try:
-                wait_for(pg._ready, 60, 0.3, what="PostgreSQL accepting connections")
+                wait_until(pg._ready, 60, 0.3, what="PostgreSQL accepting connections")
             except AssertionError:
                 _stop(proc, signal.SIGINT)
                 continue
@@ -230,7 +216,7 @@ class Redis:
                                         stderr=subprocess.STDOUT, start_new_session=True)
             redis = cls(root, port, password, proc)
             try:
-                wait_for(redis._ready, 30, 0.2, what="Redis answering PING")
+                wait_until(redis._ready, 30, 0.2, what="Redis answering PING")
             except AssertionError:
                 _stop(proc)
                 continue
@@ -402,7 +388,7 @@ class Deployment:
 
     def delete_run(self, run_id: str, dag_id: str = DAG_ID) -> None:
         """Delete a finished run (the scheduler marks it a moment after its last task)."""
-        wait_for(lambda: self.run_state(run_id, dag_id) in ("success", "failed"), 60, 0.5,
+        wait_until(lambda: self.run_state(run_id, dag_id) in ("success", "failed"), 60, 0.5,
                  what=f"run {run_id} finished")
         r = self.api("DELETE", f"/dags/{dag_id}/dagRuns/{run_id}")
         assert r.status_code == 204, r.text
@@ -451,7 +437,7 @@ class Deployment:
             state = self.ti(run_id, dag_id).get("state")
             return state if state in states else None
         try:
-            return wait_for(reached, timeout, 1, what=f"task state in {states}")
+            return wait_until(reached, timeout, 1, what=f"task state in {states}")
         except AssertionError:
             raise AssertionError(f"task is {self.ti(run_id, dag_id).get('state')!r}, "
                                  f"not in {states}\n" + self.logs()) from None
@@ -466,7 +452,7 @@ class Deployment:
             if component.startswith("worker"):
                 return f"@{component} ready." in self.log(component)
             return True
-        wait_for(up, timeout, 1, what=f"{component} up\n{self.log(component)[-2000:]}")
+        wait_until(up, timeout, 1, what=f"{component} up\n{self.log(component)[-2000:]}")
 
 
 def _airflow_env(home: Path, url: str, postgres: Postgres, redis: Redis,
@@ -545,7 +531,7 @@ def deployed(conns: dict[str, dict], home: Path, dags: Path = E2E_DAGS,
                 assert dep.alive(name), f"{name} exited\n{dep.logs()}"
             return dep.login() and all(dep.api("GET", f"/dags/{d}").status_code == 200
                                        for d in wait_dags)
-        wait_for(ready, 240, 1, what="the API up with the DAGs parsed")
+        wait_until(ready, 240, 1, what="the API up with the DAGs parsed")
         for component in (*TRIGGERERS, *WORKERS):
             dep.wait_started(component)
         yield dep

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -44,6 +43,7 @@ from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.links import job_path
 from airflow_skypilot.runstate import Blocked, Look, RunState
 from airflow_skypilot.spec import load_task
+from tests.conftest import free_port
 from tests.e2e.conftest import REPO
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.e2e]
@@ -184,12 +184,6 @@ def _payloads() -> dict[str, Any]:
 
 
 # --- the light deployment ------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 DEFER = textwrap.dedent('''
     import json, sys
     from airflow.models.taskinstance import TaskInstance as TI
@@ -225,7 +219,7 @@ def site(tmp_path_factory, slurm_sandbox_session, k8s_sandbox_session,
     (home / "dags").mkdir()
     (home / "dags" / f"{DAG_ID}.py").write_text(SEED_DAG)
     (home / "passwords.json").write_text(json.dumps({"admin": "admin"}))
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update({f"AIRFLOW_CONN_{cid.upper()}": json.dumps(c) for cid, c in conns.items()})
     env.update({

@@ -20,7 +20,6 @@ import io
 import json
 import os
 import re
-import socket
 import tarfile
 import tempfile
 from abc import ABC, abstractmethod
@@ -32,7 +31,7 @@ import pytest
 
 from airflow_skypilot.backends.base import Backend, JobHandle
 from airflow_skypilot.backends.registry import backend_for_connection
-from tests.conftest import use_connections
+from tests.conftest import free_port, use_connections
 
 # --- helpers shared by the targets -------------------------------------------------------------
 
@@ -119,10 +118,8 @@ def processes_with_env(key: str, value: str) -> list[str]:
 
 
 def closed_port() -> int:
-    """A local TCP port nothing listens on (taken and given back at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A local TCP port nothing listens on: where a silent backend's address points."""
+    return free_port()
 
 
 #: a fault: (what it is, a context manager that holds it while the block runs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from tests.conftest import wait_until
 from tests.sandbox.aws import AwsSandbox
 from tests.sandbox.aws.config import ACCESS_KEY_ID, BUCKET, CONN_ID, SECRET_ACCESS_KEY
 
@@ -38,13 +38,7 @@ AZ=$(md placement/availability-zone)
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 30, interval: float = 0.25) -> Any:
     """Poll (sleeping) until predicate returns something truthy; fail after timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
+    return wait_until(predicate, timeout, interval, what=f"{predicate} ({timeout}s)")
 
 
 def alive(pid: int) -> bool:

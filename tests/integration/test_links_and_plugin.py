@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from airflow_skypilot.links import SkyPilotJobLink, job_path, job_url
 from airflow_skypilot.plugins import capacity as plugin_capacity
 from airflow_skypilot.plugins import formatting, jobs, routes
 from airflow_skypilot.plugins import skypilot as plugin
+from tests.conftest import free_port
 from tests.fakes import offer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -316,12 +316,6 @@ def _seed_payloads() -> dict[str, Any]:
             "result": result}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """``airflow api-server`` on 127.0.0.1 with a seeded metadata DB."""
 
@@ -363,7 +357,7 @@ def server(tmp_path_factory) -> Iterator[Server]:
     dags.mkdir()
     (dags / "skypilot_ui_seed.py").write_text(SEED_DAG)
     (home / "passwords.json").write_text(json.dumps({"admin": "admin", "viewer": "viewer"}))
-    port = _free_port()
+    port = free_port()
     env = _airflow_env(
         home,
         AIRFLOW__CORE__DAGS_FOLDER=str(dags),

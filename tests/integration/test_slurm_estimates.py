@@ -15,6 +15,7 @@ import pytest
 from airflow_skypilot.backends.base import JobState
 from airflow_skypilot.backends.slurm import SlurmBackend
 from airflow_skypilot.spec import load_task
+from tests.conftest import wait_until
 from tests.sandbox.slurm import remote_work_dir
 
 pytestmark = pytest.mark.sandbox
@@ -43,13 +44,7 @@ def _squeue(slurm, cluster, job_id, fmt):
 
 
 def _until(pred, timeout=30.0, interval=0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
+    return wait_until(pred, timeout, interval, what="the condition")
 
 
 def _filler(slurm, cluster, *args):
