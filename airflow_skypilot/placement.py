@@ -400,3 +400,17 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
         why += f"; {_price_text(best.price_per_hour)} vs {_price_text(current.price_per_hour)}"
     moved = replace(best, details={**best.details, "move_reason": why})
     return Reconsideration(moved, best, why)
+
+
+def as_promised(to: Offer, offers: list[Offer]) -> Offer | None:
+    """``to`` (a move's target, as a look chose it) among ``offers`` (its connection probed
+    again, the ledger's holds taken): the fresh offer if it still takes the job as promised,
+    else None. Free now stays free now; a queue may be at most 20% and a minute later."""
+    fresh = next((o for o in offers if o.place_key == to.place_key
+                  and o.request.index == to.request.index and o.fits), None)
+    promised = to.wait_seconds or 0.0
+    if fresh is None or (to.free_now and not fresh.free_now) or (
+            not to.free_now and (fresh.wait_seconds is None
+                                 or fresh.wait_seconds > promised * 1.2 + 60)):
+        return None
+    return fresh

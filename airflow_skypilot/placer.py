@@ -238,12 +238,8 @@ class Placer:
             return None
         with self.ledger.deciding() as entries:
             hold(offers, entries, probe_began=began, own=run.prefix)
-            fresh = next((o for o in offers if o.place_key == to.place_key
-                          and o.request.index == to.request.index and o.fits), None)
-            promised = to.wait_seconds or 0.0
-            if fresh is None or (to.free_now and not fresh.free_now) or (
-                    not to.free_now and (fresh.wait_seconds is None
-                                         or fresh.wait_seconds > promised * 1.2 + 60)):
+            fresh = placement.as_promised(to, offers)
+            if fresh is None:
                 self.log.info("Not moving: %s no longer takes the job as it did", to.place_key)
                 return None
             self.ledger.note(entries, run.prefix, fresh)

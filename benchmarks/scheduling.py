@@ -1429,12 +1429,8 @@ class Sim:
         holds; ``to``'s place if it still takes the job as promised (noted in the ledger)."""
         offers = self._hold(job, self.places[to.connection].offers(job.task, self.t,
                                                                    job.spec.limit))
-        fresh = next((o for o in offers if o.place_key == to.place_key
-                      and o.request.index == to.request.index and o.fits), None)
-        promised = to.wait_seconds or 0.0
-        if fresh is None or (to.free_now and not fresh.free_now) or (
-                not to.free_now and (fresh.wait_seconds is None
-                                     or fresh.wait_seconds > promised * 1.2 + 60)):
+        fresh = placement.as_promised(to, offers)
+        if fresh is None:
             job.log.append((self.t, f"move to {to.place_key} refused: no longer as promised"))
             return None
         self._note(job, fresh)
