@@ -383,7 +383,7 @@ class Browser:
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory, site) -> Iterator[Browser]:
     if CHROMIUM is None:
-        pytest.skip("Debian's chromium is not installed (make test installs it)")
+        pytest.fail("Debian's chromium is not installed (`make system-deps` installs it)")
     b = Browser(tmp_path_factory.mktemp("chromium-profile"))
     try:
         b.call("Network.setCookie", session=True, name="_token", value=site.token,

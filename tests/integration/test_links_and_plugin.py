@@ -421,11 +421,12 @@ def test_airflow_plugins_lists_the_plugin(tmp_path):
     assert {v["url_route"] for v in mine[0]["external_views"]} >= {"skypilot-jobs"}
 
 
-@pytest.mark.skipif(not _entry_point_installed(), reason=(
-    "pyproject lacks [project.entry-points.\"airflow.plugins\"] skypilot = "
-    "\"airflow_skypilot.plugins.skypilot:SkyPilotPlugin\" (or the package was not reinstalled):"
-    " with Airflow's default lazy provider discovery the plugin then does not load"))
 def test_plugin_loads_with_default_provider_discovery(tmp_path):
+    assert _entry_point_installed(), (
+        "pyproject lacks [project.entry-points.\"airflow.plugins\"] skypilot = "
+        "\"airflow_skypilot.plugins.skypilot:SkyPilotPlugin\" (or the package was not "
+        "reinstalled): with Airflow's default lazy provider discovery the plugin then does not "
+        "load")
     env = _airflow_env(tmp_path)
     env.pop("AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS", None)
     out = subprocess.run([AIRFLOW, "plugins", "-o", "json"], env=env, capture_output=True,

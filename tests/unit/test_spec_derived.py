@@ -92,7 +92,7 @@ def test_validate_json_shows_the_carried_accelerators(tmp_path, capsys):
 def _moto_instance_types() -> dict[str, dict]:
     spec = find_spec("moto")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("moto (a test dependency) is not installed")
+        pytest.fail("moto (a test dependency in pyproject's [test] extra) is not installed")
     path = os.path.join(spec.submodule_search_locations[0], "ec2", "resources",
                         "instance_types.json.gz")
     with gzip.open(path) as fh:
