@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +14,7 @@ import pytest
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from tests.e2e.conftest import shared_dir
 from tests.sandbox.kubernetes import CONN_ID, NOPODS_CONN_ID, KubernetesSandbox
 
 pytestmark = pytest.mark.sandbox
@@ -210,7 +210,7 @@ def test_user_exit_code_fails_pod_and_job(core: client.CoreV1Api, batch: client.
 def test_backoff_limit_retries_then_succeeds(
     core: client.CoreV1Api, batch: client.BatchV1Api
 ) -> None:
-    flag = f"/tmp/k8s-sandbox-flag-{uuid.uuid4().hex}"
+    flag = f"{shared_dir()}/flag"  # the pod's process may run as another user
     script = f"if [ -e {flag} ]; then rm {flag}; exit 0; else touch {flag}; exit 1; fi"
     batch.create_namespaced_job(NS, job_body("retry", script, backoff_limit=2))
     assert wait_for(lambda: job_condition(batch, "retry")) == "Complete"
