@@ -20,7 +20,7 @@ from airflow_skypilot.backends.base import JobState
 from airflow_skypilot.backends.slurm import SlurmBackend
 from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
 from airflow_skypilot.spec import load_task
-from tests.conftest import use_connections, wait_for_job
+from tests.conftest import use_connections, wait_for_job, wait_until
 from tests.e2e.conftest import shared_dir
 
 pytestmark = pytest.mark.sandbox
@@ -225,10 +225,42 @@ def test_cleanup_keeps_the_log_and_the_next_submit_removes_old_dirs(slurm, monke
     backend.cancel(live)
 
 
-def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran(slurm):
+def test_a_step_launched_while_slurmctld_is_paused_is_launched_again_and_runs_once(
+        slurm, monkeypatch):
+    # slurmctld stops answering (a restart, a failover) just as the job launches its run step:
+    # srun gives up after MessageTimeout ("Unable to confirm allocation ... Socket timed out").
+    # No node began the step, so the job launches it again once slurmctld answers: the job
+    # succeeds and its run runs once (the CI failure of stop 17: a contract test's job died so).
+    _quick(slurm, monkeypatch)
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    name = _name("relaunch")
+    task = load_task({"setup": f"echo setup >> {marks}/{name}; sleep 3",
+                      "run": f"echo run >> {marks}/{name}"})
+    offer = next(o for o in backend.probe(task) if o.fits)
+    handle = backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
+    wait_until(lambda: _ran(marks, name) == ["setup"], 60, what="the setup step began")
+    slurm.pause_slurmctld(CLUSTER)
+    try:
+        time.sleep(15)  # setup ends, the run step's srun times out (MessageTimeout 5 s)
+        assert _ran(marks, name) == ["setup"]
+    finally:
+        slurm.resume_slurmctld(CLUSTER)
+    status = wait_for_job(backend, handle, {JobState.INFRA_FAILED, JobState.FAILED,
+                                            JobState.SUCCEEDED}, 120)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, (status, log)
+    assert "srun could not launch the run step (exit 1); launching it again in 5s" in log
+    assert _ran(marks, name) == ["setup", "run"], "each step ran once"
+
+
+def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran(
+        slurm, monkeypatch):
     # A real cluster limit: MaxStepCount=1 lets the job's setup step start and refuses its run
-    # step ("Unable to create step ... Step limit reached"). The task's run never began, so the
-    # job is an infrastructure failure (placed again elsewhere), not the user's code failing.
+    # step ("Unable to create step ... Step limit reached"), again and again until the
+    # connection's step_launch_retry runs out. The task's run never began, so the job is an
+    # infrastructure failure (placed again elsewhere), not the user's code failing.
+    _quick(slurm, monkeypatch, step_launch_retry=8)
     backend = SlurmBackend(CONN)
     marks = Path(shared_dir())
     name = _name("nostep")
@@ -251,7 +283,8 @@ def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran
     assert "could not launch the job's run step" in status.reason
     assert status.state.infra_failure
     assert _ran(marks, name) == ["setup"], "setup ran once, the run step never began"
-    assert "srun could not launch the run step" in log
+    assert log.count("launching it again") == 1, log  # after 5 s; 5 + 10 s is over 8
+    assert "srun could not launch the run step (exit 1)\n" in log
 
 
 def test_a_failing_step_is_the_users_failure_not_a_launch_failure(slurm):

@@ -180,3 +180,12 @@ def test_sbatch_and_scancel_without_an_answer_are_unreachable_not_refused():
         submit.check_cancelled(124, "", "", handle)
     with pytest.raises(BackendError):
         submit.check_cancelled(1, "scancel: error: Access/permission denied", "", handle)
+
+
+def test_the_job_script_launches_a_step_again_for_the_connections_step_launch_retry():
+    task, got = _offers({"accelerators": "A100:2"})
+    script = submit.render(task, got["batch"], SETTINGS, "sky-x", {}, "/j")["job.sbatch"][0]
+    assert "\nSTEP_RETRY=120\n" in script and script.count("\nlaunch setup\n") == 1
+    quick = SlurmSettings.from_extra("c", {"cluster": "alpha", "step_launch_retry": "0"})
+    script = submit.render(task, got["batch"], quick, "sky-x", {}, "/j")["job.sbatch"][0]
+    assert "\nSTEP_RETRY=0\n" in script  # 0: a step srun could not launch is not tried again

@@ -51,6 +51,9 @@ class SlurmSettings:
     upload_timeout: float = 600.0
     #: days a finished job's dir (its log) is kept on the login node; <= 0: kept for ever
     log_retention_days: float = 7.0
+    #: seconds a job keeps launching again a step srun could not launch (slurmctld restarting
+    #: or failing over answers no step request) before it ends as an infrastructure failure
+    step_launch_retry: float = 120.0
 
     @classmethod
     def from_extra(cls, conn_id: str, extra: Mapping[str, Any]) -> SlurmSettings:
@@ -90,6 +93,7 @@ class SlurmSettings:
             slurm_timeout=_seconds(conn_id, extra, "slurm_timeout", 20.0),
             upload_timeout=_seconds(conn_id, extra, "upload_timeout", 600.0),
             log_retention_days=_number(conn_id, extra, "log_retention_days", 7.0),
+            step_launch_retry=_number(conn_id, extra, "step_launch_retry", 120.0),
         )
 
     @classmethod
