@@ -40,10 +40,17 @@ def _quick(slurm, monkeypatch, **extra) -> None:
     use_connections(monkeypatch, {CONN: conn})
 
 
-def _submit(backend, run: str, name: str, offer=None):
-    task = load_task({"run": run})
+def _submit(backend, run: str, name: str, offer=None, setup: str | None = None):
+    task = load_task({"run": run, **({"setup": setup} if setup else {})})
     offer = offer or next(o for o in backend.probe(task) if o.fits)
     return backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
+
+
+def _ended(backend, handle, timeout: float):
+    """The job's status once it ended (or failed the test after ``timeout``), and its log."""
+    status = wait_for_job(backend, handle, {JobState.INFRA_FAILED, JobState.FAILED,
+                                            JobState.SUCCEEDED}, timeout)
+    return status, backend.read_log(handle)[0]
 
 
 def _ran(marks: Path, name: str) -> list[str]:
@@ -235,10 +242,8 @@ def test_a_step_launched_while_slurmctld_is_paused_is_launched_again_and_runs_on
     backend = SlurmBackend(CONN)
     marks = Path(shared_dir())
     name = _name("relaunch")
-    task = load_task({"setup": f"echo setup >> {marks}/{name}; sleep 3",
-                      "run": f"echo run >> {marks}/{name}"})
-    offer = next(o for o in backend.probe(task) if o.fits)
-    handle = backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
+    handle = _submit(backend, f"echo run >> {marks}/{name}", name,
+                     setup=f"echo setup >> {marks}/{name}; sleep 3")
     wait_until(lambda: _ran(marks, name) == ["setup"], 60, what="the setup step began")
     slurm.pause_slurmctld(CLUSTER)
     try:
@@ -246,12 +251,28 @@ def test_a_step_launched_while_slurmctld_is_paused_is_launched_again_and_runs_on
         assert _ran(marks, name) == ["setup"]
     finally:
         slurm.resume_slurmctld(CLUSTER)
-    status = wait_for_job(backend, handle, {JobState.INFRA_FAILED, JobState.FAILED,
-                                            JobState.SUCCEEDED}, 120)
-    log, _ = backend.read_log(handle)
+    status, log = _ended(backend, handle, 120)
     assert status.state == JobState.SUCCEEDED, (status, log)
     assert "srun could not launch the run step (exit 1); launching it again in 5s" in log
     assert _ran(marks, name) == ["setup", "run"], "each step ran once"
+
+
+def test_a_step_of_the_tasks_own_beside_ours_launches_and_ours_launches_beside_any(
+        slurm, monkeypatch):
+    # The task's run calls srun itself (Slurm users' scripts do): its step launches beside
+    # ours, which overlaps every other step. The same keeps a step that slurmctld created
+    # after srun had given up on it (a request answered late, after a pause: the CI failure of
+    # stop 17's fix, "step creation still disabled (Requested nodes are busy)" until the time
+    # limit) from holding the node against the next step.
+    _quick(slurm, monkeypatch)
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    name = _name("overlap")
+    handle = _submit(backend, f"srun -n1 -N1 bash -c 'echo run >> {marks}/{name}'", name,
+                     setup=f"srun -n1 -N1 bash -c 'echo setup >> {marks}/{name}'")
+    status, log = _ended(backend, handle, 60)
+    assert status.state == JobState.SUCCEEDED, (status, log)
+    assert _ran(marks, name) == ["setup", "run"], log
 
 
 def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran(
@@ -269,16 +290,12 @@ def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran
     conf.write_text(original + "MaxStepCount=1\n")
     try:
         slurm.run(CLUSTER, "scontrol", "reconfigure", as_root=True)
-        task = load_task({"setup": f"echo setup >> {marks}/{name}",
-                          "run": f"echo run >> {marks}/{name}"})
-        offer = next(o for o in backend.probe(task) if o.fits)
-        handle = backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
-        status = wait_for_job(backend, handle, {JobState.INFRA_FAILED, JobState.FAILED,
-                                                JobState.SUCCEEDED}, 90)
+        handle = _submit(backend, f"echo run >> {marks}/{name}", name,
+                         setup=f"echo setup >> {marks}/{name}")
+        status, log = _ended(backend, handle, 90)
     finally:
         conf.write_text(original)
         slurm.run(CLUSTER, "scontrol", "reconfigure", as_root=True)
-    log, _ = backend.read_log(handle)
     assert status.state == JobState.INFRA_FAILED, (status, log)
     assert "could not launch the job's run step" in status.reason
     assert status.state.infra_failure
@@ -290,7 +307,5 @@ def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran
 def test_a_failing_step_is_the_users_failure_not_a_launch_failure(slurm):
     # the counterpart: the step began and the task's own script failed (exit 3)
     backend = SlurmBackend(CONN)
-    handle = _submit(backend, "exit 3", _name("fail"))
-    status = wait_for_job(backend, handle, {JobState.INFRA_FAILED, JobState.FAILED,
-                                            JobState.SUCCEEDED}, 90)
+    status, _ = _ended(backend, _submit(backend, "exit 3", _name("fail")), 90)
     assert (status.state, status.exit_code) == (JobState.FAILED, 3), status

@@ -199,8 +199,12 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
 
 
 #: srun's arguments up to the phase: one task per node, each noting that it began (the marker
-#: is written before node.sh runs, and node.sh runs only if it was)
-_STEP = ('--kill-on-bad-exit=1 --ntasks-per-node=1 -N "$SLURM_JOB_NUM_NODES" '
+#: is written before node.sh runs, and node.sh runs only if it was). ``--overlap``: the step
+#: shares the job's resources with any other step, so none can keep it from launching: not a
+#: step slurmctld created after srun had given up on it (a request answered late, after a
+#: pause, holds the node with nothing running: srun then waits "Requested nodes are busy"
+#: until the time limit), nor one the task's own script started with srun.
+_STEP = ('--overlap --kill-on-bad-exit=1 --ntasks-per-node=1 -N "$SLURM_JOB_NUM_NODES" '
          'bash -c \'touch "$0/began.$1" && exec bash "$0/node.sh" "$1"\' "$JOB_DIR"')
 
 
