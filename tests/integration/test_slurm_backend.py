@@ -131,6 +131,7 @@ def test_two_node_job_gets_every_skypilot_env_var(slurm, tmp_path):
         "setup": 'echo "setup rank=$SKYPILOT_SETUP_NODE_RANK"',
         "run": "echo \"rank=$SKYPILOT_NODE_RANK nodes=$SKYPILOT_NUM_NODES "
                "gpus=$SKYPILOT_NUM_GPUS_PER_NODE task=$SKYPILOT_TASK_ID my=$MY_ENV\"\n"
+               "echo \"rank=$SKYPILOT_NODE_RANK sees=$CUDA_VISIBLE_DEVICES\"\n"
                "echo \"ips=$(echo $SKYPILOT_NODE_IPS | tr '\\n' ',')\"\n"
                "echo \"cluster=$SKYPILOT_CLUSTER_INFO\"",
     })
@@ -142,6 +143,7 @@ def test_two_node_job_gets_every_skypilot_env_var(slurm, tmp_path):
     assert sorted(status.nodes) in (["a1", "a2"], ["a[1-2]"]) or status.nodes
     for rank in (0, 1):
         assert f"rank={rank} nodes=2 gpus=2 task=sky-abc my=x" in log
+        assert f"rank={rank} sees=0,1" in log  # the step (--overlap) has the job's GPUs
         assert f"setup rank={rank}" in log
     assert "ips=127.0.1.1 127.0.1.2," in log or "ips=127.0.1.1,127.0.1.2," in log
     assert '"cloud": "Slurm"' in log and '"zone": "batch"' in log
