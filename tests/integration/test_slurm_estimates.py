@@ -98,6 +98,35 @@ def test_idle_gpus_held_for_the_first_placements_pending_job_are_not_free(slurm)
     assert alpha.status([waits])[waits.job_id].state == JobState.PENDING
 
 
+def test_backfills_hole_is_the_estimate_where_test_only_says_later_and_slurm_starts_it_there(
+        slurm):
+    """a1 busy for 10 minutes; a2 for 2 (its job really ends in 40 s); a 2-node job queued
+    for both from a1's end. A 1-minute job fits a2 in between: the estimate is backfill's hole
+    at a2's planned end, where test-only answers later; Slurm starts it as soon as a2 frees,
+    the 2-node job still waiting."""
+    alpha = SlurmBackend("slurm_alpha")
+    _filler(slurm, "alpha", "-p", "batch", "-w", "a1", "--gres=gpu:a100:4", "-t", "10")
+    a2 = slurm.run("alpha", "sbatch", "--parsable", "-o", "/dev/null", "--mem=100M", "-p",
+                   "batch", "-w", "a2", "--gres=gpu:a100:4", "-t", "2", "--wrap",
+                   "sleep 40").stdout.strip()
+    _until(lambda: _squeue(slurm, "alpha", a2, "%T") == "RUNNING")
+    big = slurm.run("alpha", "sbatch", "--parsable", "-o", "/dev/null", "--mem=100M", "-p",
+                    "batch", "-N", "2", "--gres=gpu:a100:4", "-t", "10", "--wrap",
+                    "true").stdout.strip()
+    _until(lambda: _squeue(slurm, "alpha", big, "%Y") not in ("", "(null)"))
+    task = _task({"accelerators": "A100:1"}, {"time": "1"}, run="true")
+    offer = _at(alpha, task, "batch")
+    assert not offer.free_now
+    assert offer.details["backfill_start"] == float(_squeue(slurm, "alpha", a2, "%e"))
+    assert offer.details["test_only_start"] > offer.details["backfill_start"] + 60, offer.details
+    assert offer.details["estimate"].startswith("backfill's plan")
+    assert any(note.startswith("est. by backfill's plan") for note in offer.notes)
+    handle = alpha.submit(task, offer, _name("sky-hole"), {"SKYPILOT_TASK_ID": "t"})
+    _until(lambda: alpha.status([handle])[handle.job_id].state in (JobState.RUNNING,
+                                                                   JobState.SUCCEEDED), 90)
+    assert _squeue(slurm, "alpha", big, "%T") == "PENDING"
+
+
 def test_a_time_limit_over_max_time_does_not_fit_and_slurm_would_never_start_it(slurm):
     alpha = SlurmBackend("slurm_alpha")
     task = _task({"accelerators": "A100:1"}, {"time": "20"})

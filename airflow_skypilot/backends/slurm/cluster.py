@@ -4,15 +4,18 @@ The probe uses only portable ``-o``/``-O`` formats that Slurm 22.05 to today pri
 ``sinfo -N -O`` (per node and partition: state, CPUs, memory, GRES and GRES in use),
 ``sinfo -o`` (partitions, their MaxTime and DefaultTime), ``squeue -t PENDING`` (the queue
 ahead: each pending job's request, reason, planned start and planned nodes, read by
-:mod:`.queue`), the finished jobs' elapsed time and time limit (``sacct``, else ``sacct -c``;
-kept on the login node for :data:`HISTORY_TTL_MIN` minutes, so a probe asks slurmdbd at most
-that often) and ``sbatch --test-only`` (Slurm's own estimate of when a job of each shape, with
-the task's own sbatch options, would start; it submits nothing). ``sinfo -N`` repeats a node
-once per partition: the parser counts it once.
+:mod:`.queue`), ``squeue -t RUNNING`` (each running job's nodes, GPUs per node and planned
+end: with the queue, backfill's plan, read by :mod:`.backfill`), the finished jobs' elapsed
+time and time limit (``sacct``, else ``sacct -c``; kept on the login node for
+:data:`HISTORY_TTL_MIN` minutes, so a probe asks slurmdbd at most that often) and ``sbatch
+--test-only`` (Slurm's own estimate of when a job of each shape, with the task's own sbatch
+options, would start; it submits nothing). ``sinfo -N`` repeats a node once per partition:
+the parser counts it once.
 
 Each Slurm command runs under ``timeout`` and its exit status is reported: a failed ``sinfo``
-or ``squeue`` (slurmctld down, paused) makes the probe "could not ask" (:func:`probe_failed`),
-not an empty cluster. A failed history only leaves the estimate undiscounted.
+or ``squeue`` of the nodes or the queue (slurmctld down, paused) makes the probe "could not
+ask" (:func:`probe_failed`), not an empty cluster. A failed history only leaves the estimate
+undiscounted; a failed list of running jobs leaves it to test-only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
+from airflow_skypilot.backends.slurm.backfill import RunningJob, parse_running
 from airflow_skypilot.backends.slurm.queue import (
     Discount,
     PendingJob,
@@ -126,6 +130,8 @@ class ClusterState:
     user: str = ""
     #: finished jobs ``elapsed s|limit s|state`` (None: the history could not be read)
     history: list[str] | None = None
+    #: every running job (None: not listed): their GPUs until their planned end
+    running: list[RunningJob] | None = None
     #: the names of the login user's live jobs, listed before the nodes were read (None: not
     #: listed); a job among them is in the nodes' and the queue's counts
     our_jobs: frozenset[str] | None = None
@@ -171,6 +177,9 @@ rc=$?; printf "@@partitions_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@pending"
 _t env SLURM_TIME_FORMAT=%s squeue -h -t PENDING -o '%i|%P|%D|%r|%b|%C|%m|%S|%Y|%u|%Q|%l'
 rc=$?; printf "@@pending_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
+echo "@@running"
+_t env SLURM_TIME_FORMAT=%s squeue -h -t RUNNING,COMPLETING -o '%i|%N|%b|%e'
+printf "@@running_rc\n%s\n" "$?"
 echo "@@history"
 if [ -n "$HIST" ]; then
   if [ -z "$(find "$HIST" -mmin -"$HIST_TTL" 2>/dev/null)" ]; then
@@ -321,8 +330,10 @@ def parse_cluster(output: str) -> ClusterState:
     history = sec.get("history") if section_rc(sec, "history") == 0 else None
     ours = (frozenset(n.strip() for n in sec.get("ours", []) if n.strip())
             if section_rc(sec, "ours") == 0 else None)
+    running = ([j for j in map(parse_running, sec.get("running", [])) if j is not None]
+               if section_rc(sec, "running") == 0 else None)
     return ClusterState(nodes=nodes, partitions=partitions,
                         now=_clock(now_lines[0]) if now_lines else time.time(),
                         home=home_lines[0] if home_lines else "", starts=starts,
                         pending_jobs=pending, user=user_lines[0].strip() if user_lines else "",
-                        history=history, our_jobs=ours)
+                        history=history, our_jobs=ours, running=running)

@@ -13,8 +13,10 @@ allocates one to every job). Prices come from the connection's extras.
   them now: placements made moments ago, ours or others') are held, not free
   (:func:`.queue.hold`; ``details["reserved_by_pending"]``).
 - **Estimate** when not free now: Slurm's own (``sbatch --test-only`` with the task's sbatch
-  options), discounted by how jobs really end on the cluster (the median elapsed/limit of its
-  recent finished jobs, when there are enough: :func:`.queue.history_ratio`).
+  options), or, when sooner, the hole backfill's plan leaves for the job's time limit
+  (:mod:`.backfill`: test-only on 22.05 ignores backfill), discounted by how jobs really end
+  on the cluster (the median elapsed/limit of its recent finished jobs, when there are
+  enough: :func:`.queue.history_ratio`).
 - A CPU-only candidate on a partition whose free nodes all have GPUs is marked
   ``details["gpu_place"]`` (ranking prefers places without GPUs for it).
 
@@ -27,6 +29,7 @@ from collections.abc import Callable
 
 from airflow_skypilot.backends.base import CapacityRow, Offer
 from airflow_skypilot.backends.common.fit import PoolNode, fit_pool, hourly_price, shape
+from airflow_skypilot.backends.slurm.backfill import backfill_start
 from airflow_skypilot.backends.slurm.cluster import ClusterState, NodeInfo, Shape
 from airflow_skypilot.backends.slurm.queue import (
     Discount,
@@ -212,12 +215,20 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     queued_here = any(part in j.partitions for j in st.pending_jobs)
     trust_later = bool(own) or not queued_here
     later = isinstance(start, float) and start > st.now + HELD_MIN_WAIT_S
+    hole = None if own or isinstance(start, str) else _backfill_hole(
+        st, part, nodes, gres_type, need, task.num_nodes, limit_s)
+    if isinstance(start, float):
+        offer.details["test_only_start"] = max(start, st.now)
+    if hole is not None and (not isinstance(start, float) or hole < start):
+        offer.details["backfill_start"] = hole
+        start = hole
+        basis = "backfill's plan (squeue: the running and pending jobs' time limits)"
+    else:
+        basis = "sbatch --test-only"
     if isinstance(start, float):
         if start - st.now < _HORIZON_S:
             raw = max(start, st.now)
-            offer.details["test_only_start"] = raw
             est = raw
-            basis = "sbatch --test-only"
             if own:
                 basis += f" with the task's {' '.join(own)}"
             elif discount is not None:  # time limits are not run times: what jobs really use
@@ -248,6 +259,20 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     offer.price_per_hour = hourly_price(task.num_nodes, need, s.price_per_gpu_hour,
                                         s.price_per_node_hour)
     return offer
+
+
+def _backfill_hole(st: ClusterState, part: str, nodes: list[NodeInfo], gres_type: str,
+                   gpus: int, num_nodes: int, limit_s: float | None) -> float | None:
+    """:func:`.backfill.backfill_start` for ``gpus`` of ``gres_type`` per node on ``part``'s
+    usable ``nodes`` (None without the running jobs' list or a GPU to plan)."""
+    if st.running is None or not gpus or not gres_type:
+        return None
+    usable = [n for n in nodes if n.usable]
+    return backfill_start({n.name: n.gpus.get(gres_type, 0) for n in usable},
+                          {n.name: n.gpus_used.get(gres_type, 0) for n in usable},
+                          st.running, st.pending_jobs, partition=part, now=st.now,
+                          gres_type=gres_type, gpus=gpus, num_nodes=num_nodes,
+                          time_limit_s=limit_s)
 
 
 def capacity_rows(state: ClusterState, settings: SlurmSettings,

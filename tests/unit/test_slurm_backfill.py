@@ -1,0 +1,126 @@
+"""Backfill's hole for a new job, from the running and pending jobs a probe lists: the planner
+(:mod:`airflow_skypilot.backends.slurm.backfill`) and the offer that takes it over test-only's
+FIFO answer when sooner."""
+
+from __future__ import annotations
+
+import math
+
+from airflow_skypilot.backends.slurm import offers
+from airflow_skypilot.backends.slurm.backfill import backfill_start, parse_running
+from airflow_skypilot.backends.slurm.cluster import parse_cluster
+from airflow_skypilot.backends.slurm.queue import parse_pending
+from airflow_skypilot.backends.slurm.settings import SlurmSettings
+from airflow_skypilot.spec import load_task
+
+NOW = 1_800_000_000.0
+H = 3600.0
+
+
+def _pending(line: str):
+    return parse_pending(line)
+
+
+def _start(gpus: int, limit: float, *, running=(), pending=(), used=None, nodes=1,
+           capacity=None):
+    capacity = capacity or {"n1": 8}
+    running = [parse_running(r) for r in running]
+    used = used if used is not None else {
+        n: sum(j.gpus.get("a100", 0) for j in running if n in j.nodes) for n in capacity}
+    return backfill_start(capacity, used, running, [_pending(p) for p in pending],
+                          partition="gpu", now=NOW, gres_type="a100", gpus=gpus,
+                          num_nodes=nodes, time_limit_s=limit)
+
+
+def test_running_lines_parse_with_their_nodes_gpus_and_planned_end():
+    job = parse_running(f"7|n[1-2]|gres:gpu:a100:4|{int(NOW + H)}")
+    assert (job.nodes, job.gpus, job.end) == (("n1", "n2"), {"a100": 4}, NOW + H)
+    assert parse_running("8|n1|gres/gpu=2|Unknown").end == math.inf  # no time limit
+    assert parse_running("") is None
+
+
+def test_a_short_job_fits_the_hole_before_a_reservation_a_long_one_starts_after_it():
+    # n1: 6 of 8 GPUs run until +1h; a pending 8-GPU job is planned there at +1h for 2h
+    running = [f"1|n1|gres:gpu:a100:6|{int(NOW + H)}"]
+    pending = [f"2|gpu|1|Resources|gres:gpu:a100:8|8|0|{int(NOW + H)}|n1|u|10|120"]
+    assert _start(2, 600, running=running, pending=pending) == NOW  # beside it, now
+    assert _start(2, 2 * H, running=running, pending=pending) == NOW + 3 * H  # after it
+    assert _start(4, 600, running=running, pending=pending) == NOW + 3 * H  # 2 free only
+
+
+def test_a_job_ends_at_its_time_limit_in_the_plan_and_a_job_without_one_never():
+    running = [f"1|n1|gres:gpu:a100:8|{int(NOW + H)}", "2|n2|gres:gpu:a100:8|N/A"]
+    assert _start(8, H, running=running, capacity={"n1": 8, "n2": 8}) == NOW + H
+    assert _start(8, H, running=running, capacity={"n1": 8, "n2": 8}, nodes=2) is None
+
+
+def test_two_nodes_must_both_have_room_at_the_same_time():
+    running = [f"1|n1|gres:gpu:a100:8|{int(NOW + H)}", f"2|n2|gres:gpu:a100:8|{int(NOW + 2 * H)}"]
+    assert _start(4, 600, running=running, capacity={"n1": 8, "n2": 8}, nodes=2) == NOW + 2 * H
+
+
+def test_what_the_plan_does_not_say_gives_no_estimate():
+    running = [f"1|n1|gres:gpu:a100:4|{int(NOW + H)}"]
+    # GPUs in use that no running job accounts for (asked with --gpus)
+    assert _start(2, 600, running=running, used={"n1": 6}) is None
+    # a runnable pending job of this partition, not planned yet (just submitted)
+    assert _start(2, 600, running=running,
+                  pending=["3|gpu|1|Priority|gres:gpu:a100:2|8|0|N/A|(null)|u|10|60"]) is None
+    # ...held or waiting on a dependency: it takes nothing; another partition's: not ours
+    assert _start(2, 600, running=running,
+                  pending=["3|gpu|1|Dependency|gres:gpu:a100:8|8|0|N/A|(null)|u|10|60",
+                           "4|other|1|Priority|gres:gpu:a100:8|8|0|N/A|(null)|u|10|60"]) == NOW
+    assert _start(2, math.inf, running=running) is None  # no time limit: no hole to fit
+    assert _start(0, 600, running=running) is None  # GPUs only
+
+
+PROBE = f"""\
+@@now
+{int(NOW)}
+@@nodes
+n1|gpu*|allocated|64/0/0/64|512000|0|gpu:a100:8|gpu:a100:8(IDX:0-7)|10.0.0.1|
+n2|gpu*|allocated|64/0/0/64|512000|0|gpu:a100:8|gpu:a100:8(IDX:0-7)|10.0.0.2|
+@@partitions
+gpu|up|2-00:00:00|n/a
+@@pending
+3|gpu|1|Resources|gres:gpu:a100:8|8|0|{int(NOW + H / 2)}|n2|other|10|120
+@@running
+1|n1|gres:gpu:a100:8|{int(NOW + H)}
+2|n2|gres:gpu:a100:8|{int(NOW + H / 2)}
+@@running_rc
+0
+@@testonly
+gpu|a100|2|1|0|0|{int(NOW + 3 * H)}
+"""
+
+
+def _offer(probe: str, limit: str):
+    task = load_task({"run": "x", "resources": {"accelerators": "A100:2"},
+                      "config": {"slurm": {"sbatch_options": [f"--time={limit}"]}}})
+    settings = SlurmSettings.from_extra("c", {"cluster": "c"})
+    st = parse_cluster(probe)
+    return offers.offer_at(task, task.candidates[0], "gpu", st, settings, "c")
+
+
+def test_the_offer_takes_backfills_hole_when_test_only_says_later():
+    # n2 frees at +30 min but the pending job ahead is planned there for 2h; n1 frees at +1h
+    # with nothing planned after: backfill starts a 20-minute job there at +1h, where
+    # test-only (the job last in a FIFO queue) says +3h
+    offer = _offer(PROBE, "20")
+    assert offer.nodes_free == 0
+    assert offer.details["test_only_start"] == NOW + 3 * H
+    assert offer.details["backfill_start"] == NOW + H
+    assert offer.details["estimate"].startswith("backfill's plan")
+    assert offer.est_start == NOW + H
+    assert any("est. by backfill's plan" in note for note in offer.notes)
+
+
+def test_the_offer_keeps_test_only_when_the_plan_is_not_sooner_or_not_listed():
+    sooner = PROBE.replace(f"gpu|a100|2|1|0|0|{int(NOW + 3 * H)}",
+                           f"gpu|a100|2|1|0|0|{int(NOW + H / 2)}")
+    offer = _offer(sooner, "20")
+    assert "backfill_start" not in offer.details and offer.est_start == NOW + H / 2
+    assert offer.details["estimate"].startswith("sbatch --test-only")
+    unlisted = PROBE.replace("@@running_rc\n0", "@@running_rc\n1")  # squeue failed
+    offer = _offer(unlisted, "20")
+    assert "backfill_start" not in offer.details and offer.est_start == NOW + 3 * H
