@@ -124,6 +124,22 @@ def bench_slurm_parse(quick: bool) -> None:
     ROWS.append((f"slurm-parse: {nodes} nodes, 2000 pending (parse + offers)",
                  f"{med * 1e3:.1f} ms", f"p95 {p95 * 1e3:.1f} ms"))
 
+    # backfill's hole: every pending job planned, a running job on every node
+    planned = [f"{i}|batch|2|Resources|gres:gpu:a100:8|16|64000M|{1795988258 + 60 * i}|"
+               f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00" for i in range(2000)]
+    running = [f"r{i}|n{i}|gres:gpu:a100:3|{1795988258 + 600 + 7 * i}" for i in range(nodes)]
+    text = "\n".join(lines[:lines.index("@@pending") + 1] + planned
+                     + ["@@running", *running, "@@running_rc", "0"] + lines[-502:])
+
+    def with_the_plan() -> None:
+        got = slurm_offers.offers(task, parse_cluster(text), settings, "c", lambda _t, _r: "")
+        assert any("backfill_start" in o.details for o in got)
+
+    med, p95 = timeit(with_the_plan, 5 if quick else 20)
+    ROWS.append((f"slurm-parse: {nodes} nodes, 2000 pending all planned, {nodes} running "
+                 f"(parse + offers with backfill's hole)", f"{med * 1e3:.1f} ms",
+                 f"p95 {p95 * 1e3:.1f} ms"))
+
 
 async def _watch(handles: list[JobHandle], interval: float, periods: int
                  ) -> tuple[int, int, float, int]:

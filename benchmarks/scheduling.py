@@ -103,11 +103,12 @@ class Knobs:
     Real (the project's code decides; the knob only withholds its input, or sets the
     connection's setting, to compare):
 
-    ``slurm_estimate``: ``discounted`` (the code now): the probe prints the finished jobs'
-      elapsed/limit history and ``slurm.offers`` discounts the test-only answer by its median
-      (``slurm.queue.history_ratio``); ``testonly``: no history (Step 7: test-only as is).
-      What-if: ``queue-aware``: test-only would answer with backfill's hole for the job's own
-      time limit (the sandbox's test-only does not), then discounted.
+    ``slurm_estimate``: ``backfill`` (the code now): the probe prints the running jobs (nodes,
+      GPUs, planned end) beside the pending ones, and ``slurm.backfill.backfill_start`` finds
+      the hole backfill's plan leaves for the job's own time limit, taken when sooner than
+      test-only's answer; both discounted by the finished jobs' median elapsed/limit
+      (``slurm.queue.history_ratio``); ``discounted``: no running jobs listed (test-only,
+      discounted: the code before 2026-12-01); ``testonly``: no history either (Step 7).
     ``slurm_free``: ``held`` (the code now): the probe prints each pending job's request,
       planned start and nodes (squeue ``%b %S %Y``) and ``slurm.queue.hold`` keeps idle GPUs
       that the jobs ahead will take before the new job ends from being "free now"; ``idle``:
@@ -133,7 +134,7 @@ class Knobs:
     ``max_moves``: bound on moves per job for the ``+moves`` strategies (placement.MAX_MOVES).
     """
 
-    slurm_estimate: str = "discounted"
+    slurm_estimate: str = "backfill"
     slurm_free: str = "held"
     own_estimate: str = "queue"
     k8s_estimate: str = "pod-ages"
@@ -151,7 +152,7 @@ class Knobs:
 STEP7 = Knobs(slurm_estimate="testonly", slurm_free="idle", own_estimate="none",
               k8s_estimate="none", aws_types="exact-first", herd_avoid=False)
 #: every improvement at once, the what-ifs too
-ALL_KNOBS = Knobs(slurm_estimate="queue-aware", own_estimate="queue+k8s")
+ALL_KNOBS = Knobs(own_estimate="queue+k8s")
 
 
 @dataclass(frozen=True)
@@ -618,10 +619,6 @@ class SlurmPlace(Place):
     def new_job_start(self, t: float, g: int, limit: float) -> float:
         """What the probe's ``sbatch --test-only`` answers for a new job, by the model (the
         real code discounts it)."""
-        if self.knobs.slurm_estimate == "queue-aware":
-            slot = (self.profile or Profile(t, self.caps, self.running)).earliest(g, limit, t)
-            if slot is not None:
-                return slot[0]
         return after_plan(self.fifo(t), g)
 
     def own_start(self, bj: BJob, t: float) -> float | None:
@@ -667,6 +664,12 @@ class SlurmPlace(Place):
             lines.append(f"{j.seq}|gpu|1|Resources|gres:gpu:{self.gres}:{j.gpus}|{8 * j.gpus}|"
                          f"{64000 * j.gpus}M|{start}|{sched}|{user}|{prio}|"
                          f"{math.ceil((j.limit or 0) / 60) or 'UNLIMITED'}")
+        if self.knobs.slurm_estimate == "backfill":
+            lines.append("@@running")
+            for j in self.running:
+                end = "N/A" if not j.limit else str(int(EPOCH + (j.start or t) + j.limit))
+                lines.append(f"{j.seq}|{self.conn}-n{j.node}|gres:gpu:{self.gres}:{j.gpus}|{end}")
+            lines += ["@@running_rc", "0"]
         if self.knobs.slurm_estimate != "testonly":
             lines += ["@@history", *self.history_lines(), "@@history_rc", "0"]
         lines.append("@@testonly")
@@ -1667,7 +1670,7 @@ def variant_table(seeds: list[int], sc: Scenario) -> str:
 #: (row label, knob, value) and the what-ifs
 REAL_KNOBS = ("slurm_estimate", "slurm_free", "own_estimate", "k8s_estimate", "herd_avoid")
 SETTINGS = (("with larger_instances: true", "aws_types", "exact-first"),)
-WHAT_IFS = (("slurm_estimate", "queue-aware"), ("own_estimate", "queue+k8s"))
+WHAT_IFS = (("own_estimate", "queue+k8s"),)
 
 
 def knob_variants(quick: bool) -> list[tuple[str, Knobs]]:
@@ -1676,12 +1679,15 @@ def knob_variants(quick: bool) -> list[tuple[str, Knobs]]:
     if not quick:
         rows += [(f"without {f} ({getattr(STEP7, f)})", replace(now, **{f: getattr(STEP7, f)}))
                  for f in REAL_KNOBS]
+        rows.append(("without the running jobs' list (slurm_estimate=discounted)",
+                     replace(now, slurm_estimate="discounted")))
     rows += [(label, replace(now, **{f: v})) for label, f, v in SETTINGS]
     rows += [(f"+ {f}={v}", replace(now, **{f: v})) for f, v in WHAT_IFS]
-    rows.append(("every what-if", ALL_KNOBS))
-    if not quick:
-        rows += [(f"every what-if but {f}", replace(ALL_KNOBS, **{f: getattr(now, f)}))
-                 for f, _ in WHAT_IFS]
+    if len(WHAT_IFS) > 1:
+        rows.append(("every what-if", ALL_KNOBS))
+        if not quick:
+            rows += [(f"every what-if but {f}", replace(ALL_KNOBS, **{f: getattr(now, f)}))
+                     for f, _ in WHAT_IFS]
     return rows
 
 
