@@ -124,10 +124,12 @@ def bench_slurm_parse(quick: bool) -> None:
     ROWS.append((f"slurm-parse: {nodes} nodes, 2000 pending (parse + offers)",
                  f"{med * 1e3:.1f} ms", f"p95 {p95 * 1e3:.1f} ms"))
 
-    # backfill's hole: every pending job planned, a running job on every node
-    planned = [f"{i}|batch|2|Resources|gres:gpu:a100:8|16|64000M|{1795988258 + 60 * i}|"
+    # backfill's hole: every pending job planned (within the new job's time limit, so no node
+    # is free now and the hole is planned on every one), a running job on every node
+    planned = [f"{i}|batch|2|Resources|gres:gpu:a100:8|16|64000M|{1795988258 + i}|"
                f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00" for i in range(2000)]
-    running = [f"r{i}|n{i}|gres:gpu:a100:3|{1795988258 + 600 + 7 * i}" for i in range(nodes)]
+    running = [f"r{i}|n{i}|gres:gpu:a100:3|{1795988258 + 600 + 7 * i}|8|64000M"
+               for i in range(nodes)]
     text = "\n".join(lines[:lines.index("@@pending") + 1] + planned
                      + ["@@running", *running, "@@running_rc", "0"] + lines[-502:])
 

@@ -668,7 +668,8 @@ class SlurmPlace(Place):
             lines.append("@@running")
             for j in self.running:
                 end = "N/A" if not j.limit else str(int(EPOCH + (j.start or t) + j.limit))
-                lines.append(f"{j.seq}|{self.conn}-n{j.node}|gres:gpu:{self.gres}:{j.gpus}|{end}")
+                lines.append(f"{j.seq}|{self.conn}-n{j.node}|gres:gpu:{self.gres}:{j.gpus}|{end}|"
+                             f"{8 * j.gpus}|{64000 * j.gpus}M")
             lines += ["@@running_rc", "0"]
         if self.knobs.slurm_estimate != "testonly":
             lines += ["@@history", *self.history_lines(), "@@history_rc", "0"]

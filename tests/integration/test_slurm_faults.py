@@ -281,7 +281,7 @@ def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran
     # step ("Unable to create step ... Step limit reached"), again and again until the
     # connection's step_launch_retry runs out. The task's run never began, so the job is an
     # infrastructure failure (placed again elsewhere), not the user's code failing.
-    _quick(slurm, monkeypatch, step_launch_retry=8)
+    _quick(slurm, monkeypatch, step_launch_retry=12)
     backend = SlurmBackend(CONN)
     marks = Path(shared_dir())
     name = _name("nostep")
@@ -300,7 +300,7 @@ def test_a_step_srun_could_not_launch_is_an_infra_failure_and_its_code_never_ran
     assert "could not launch the job's run step" in status.reason
     assert status.state.infra_failure
     assert _ran(marks, name) == ["setup"], "setup ran once, the run step never began"
-    assert log.count("launching it again") == 1, log  # after 5 s; 5 + 10 s is over 8
+    assert log.count("launching it again") == 1, log  # after 5 s; then 10 more is over 12
     assert "srun could not launch the run step (exit 1)\n" in log
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from airflow_skypilot.backends.slurm import offers
-from airflow_skypilot.backends.slurm.backfill import backfill_start, parse_running
+from airflow_skypilot.backends.slurm.backfill import NOTHING, Need, backfill_start, parse_running
 from airflow_skypilot.backends.slurm.cluster import parse_cluster
 from airflow_skypilot.backends.slurm.queue import parse_pending
 from airflow_skypilot.backends.slurm.settings import SlurmSettings
@@ -22,19 +22,22 @@ def _pending(line: str):
 
 
 def _start(gpus: int, limit: float, *, running=(), pending=(), used=None, nodes=1,
-           capacity=None):
-    capacity = capacity or {"n1": 8}
+           capacity=None, cpus: int = 1):
+    """The hole for ``gpus`` A100 and ``cpus`` CPUs per node on nodes of 8 A100, 64 CPUs."""
+    capacity = {n: Need(g, 64, 512000) for n, g in (capacity or {"n1": 8}).items()}
     running = [parse_running(r) for r in running]
-    used = used if used is not None else {
-        n: sum(j.gpus.get("a100", 0) for j in running if n in j.nodes) for n in capacity}
+    if used is None:
+        used = {n: sum((Need(j.gpus.get("a100", 0), j.cpus_per_node, j.mem_mb)
+                        for j in running if n in j.nodes), NOTHING) for n in capacity}
     return backfill_start(capacity, used, running, [_pending(p) for p in pending],
-                          partition="gpu", now=NOW, gres_type="a100", gpus=gpus,
-                          num_nodes=nodes, time_limit_s=limit)
+                          partitions={"gpu"}, now=NOW, gres_type="a100",
+                          want=Need(gpus, cpus, 0), num_nodes=nodes, time_limit_s=limit)
 
 
-def test_running_lines_parse_with_their_nodes_gpus_and_planned_end():
-    job = parse_running(f"7|n[1-2]|gres:gpu:a100:4|{int(NOW + H)}")
+def test_running_lines_parse_with_their_nodes_gpus_planned_end_cpus_and_memory():
+    job = parse_running(f"7|n[1-2]|gres:gpu:a100:4|{int(NOW + H)}|16|4G")
     assert (job.nodes, job.gpus, job.end) == (("n1", "n2"), {"a100": 4}, NOW + H)
+    assert (job.cpus_per_node, job.mem_mb) == (8, 4096)
     assert parse_running("8|n1|gres/gpu=2|Unknown").end == math.inf  # no time limit
     assert parse_running("") is None
 
@@ -61,17 +64,39 @@ def test_two_nodes_must_both_have_room_at_the_same_time():
 
 def test_what_the_plan_does_not_say_gives_no_estimate():
     running = [f"1|n1|gres:gpu:a100:4|{int(NOW + H)}"]
-    # GPUs in use that no running job accounts for (asked with --gpus)
-    assert _start(2, 600, running=running, used={"n1": 6}) is None
+    # GPUs (asked with --gpus) or CPUs in use that no running job listed accounts for
+    assert _start(2, 600, running=running, used={"n1": Need(6, 0, 0)}) is None
+    assert _start(2, 600, running=running, used={"n1": Need(4, 64, 0)}) is None
     # a runnable pending job of this partition, not planned yet (just submitted)
     assert _start(2, 600, running=running,
                   pending=["3|gpu|1|Priority|gres:gpu:a100:2|8|0|N/A|(null)|u|10|60"]) is None
-    # ...held or waiting on a dependency: it takes nothing; another partition's: not ours
+    # ...of another partition sharing our nodes (their partitions are `partitions`): the same
+    assert _start(2, 600, running=running,
+                  pending=["3|gpu,gpulong|1|Priority|gres:gpu:a100:2|8|0|N/A|(null)|u|10|60"]
+                  ) is None
+    # ...held or waiting on a dependency: it takes nothing; a partition without our nodes: not
+    # ours
     assert _start(2, 600, running=running,
                   pending=["3|gpu|1|Dependency|gres:gpu:a100:8|8|0|N/A|(null)|u|10|60",
                            "4|other|1|Priority|gres:gpu:a100:8|8|0|N/A|(null)|u|10|60"]) == NOW
     assert _start(2, math.inf, running=running) is None  # no time limit: no hole to fit
-    assert _start(0, 600, running=running) is None  # GPUs only
+
+
+def test_cpus_in_use_until_a_jobs_end_keep_the_hole_until_then():
+    # the reviewer's case: every GPU idle, every CPU taken by a CPU-only job for 10 hours
+    running = [f"1|n1|N/A|{int(NOW + 10 * H)}|64|0"]
+    assert _start(2, 1200, running=running) == NOW + 10 * H
+    assert _start(2, 1200, running=[f"1|n1|N/A|{int(NOW + 10 * H)}|62|0"], cpus=2) == NOW
+
+
+def test_several_nodes_at_once_in_bounded_time():
+    # 400 nodes each busy to its own end, a 399-node job planned on the first 399 at +1h for
+    # 10h: a 2-node request finds no common hole before +11h (the last node alone fits now)
+    nodes = {f"n{i}": 8 for i in range(400)}
+    running = [f"r{i}|n{i}|gres:gpu:a100:8|{int(NOW + 60 + i)}|1|0" for i in range(399)]
+    pending = [f"p|gpu|399|Resources|gres:gpu:a100:8|399|0|{int(NOW + H)}|n[0-398]|u|10|600"]
+    assert _start(8, 2 * H, running=running, pending=pending, capacity=nodes, nodes=2) \
+        == NOW + 11 * H
 
 
 PROBE = f"""\
@@ -85,8 +110,8 @@ gpu|up|2-00:00:00|n/a
 @@pending
 3|gpu|1|Resources|gres:gpu:a100:8|8|0|{int(NOW + H / 2)}|n2|other|10|120
 @@running
-1|n1|gres:gpu:a100:8|{int(NOW + H)}
-2|n2|gres:gpu:a100:8|{int(NOW + H / 2)}
+1|n1|gres:gpu:a100:8|{int(NOW + H)}|64|0
+2|n2|gres:gpu:a100:8|{int(NOW + H / 2)}|64|0
 @@running_rc
 0
 @@testonly

@@ -189,3 +189,13 @@ def test_the_job_script_launches_a_step_again_for_the_connections_step_launch_re
     quick = SlurmSettings.from_extra("c", {"cluster": "alpha", "step_launch_retry": "0"})
     script = submit.render(task, got["batch"], quick, "sky-x", {}, "/j")["job.sbatch"][0]
     assert "\nSTEP_RETRY=0\n" in script  # 0: a step srun could not launch is not tried again
+
+
+def test_a_step_launch_retry_the_job_script_cannot_count_is_refused_at_the_connection():
+    import pytest
+
+    from airflow_skypilot.exceptions import ConfigurationError
+
+    for bad in ("inf", "nan", -1, 1e19):
+        with pytest.raises(ConfigurationError, match="step_launch_retry"):
+            SlurmSettings.from_extra("c", {"step_launch_retry": bad})

@@ -4,9 +4,9 @@ The probe uses only portable ``-o``/``-O`` formats that Slurm 22.05 to today pri
 ``sinfo -N -O`` (per node and partition: state, CPUs, memory, GRES and GRES in use),
 ``sinfo -o`` (partitions, their MaxTime and DefaultTime), ``squeue -t PENDING`` (the queue
 ahead: each pending job's request, reason, planned start and planned nodes, read by
-:mod:`.queue`), ``squeue -t RUNNING`` (each running job's nodes, GPUs per node and planned
-end: with the queue, backfill's plan, read by :mod:`.backfill`), the finished jobs' elapsed
-time and time limit (``sacct``, else ``sacct -c``; kept on the login node for
+:mod:`.queue`), ``squeue -t RUNNING`` (each running job's nodes, GPUs per node, planned
+end, CPUs and memory: with the queue, backfill's plan, read by :mod:`.backfill`), the finished
+jobs' elapsed time and time limit (``sacct``, else ``sacct -c``; kept on the login node for
 :data:`HISTORY_TTL_MIN` minutes, so a probe asks slurmdbd at most that often) and ``sbatch
 --test-only`` (Slurm's own estimate of when a job of each shape, with the task's own sbatch
 options, would start; it submits nothing). ``sinfo -N`` repeats a node once per partition:
@@ -178,7 +178,7 @@ echo "@@pending"
 _t env SLURM_TIME_FORMAT=%s squeue -h -t PENDING -o '%i|%P|%D|%r|%b|%C|%m|%S|%Y|%u|%Q|%l'
 rc=$?; printf "@@pending_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@running"
-_t env SLURM_TIME_FORMAT=%s squeue -h -t RUNNING,COMPLETING -o '%i|%N|%b|%e'
+_t env SLURM_TIME_FORMAT=%s squeue -h -t RUNNING,COMPLETING -o '%i|%N|%b|%e|%C|%m'
 printf "@@running_rc\n%s\n" "$?"
 echo "@@history"
 if [ -n "$HIST" ]; then

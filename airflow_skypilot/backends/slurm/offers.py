@@ -13,7 +13,8 @@ allocates one to every job). Prices come from the connection's extras.
   them now: placements made moments ago, ours or others') are held, not free
   (:func:`.queue.hold`; ``details["reserved_by_pending"]``).
 - **Estimate** when not free now: Slurm's own (``sbatch --test-only`` with the task's sbatch
-  options), or, when sooner, the hole backfill's plan leaves for the job's time limit
+  options), or, for a GPU candidate without options of its own that pin it (``--begin``,
+  ``--nodelist``...), when sooner, the hole backfill's plan leaves for the job's time limit
   (:mod:`.backfill`: test-only on 22.05 ignores backfill), discounted by how jobs really end
   on the cluster (the median elapsed/limit of its recent finished jobs, when there are
   enough: :func:`.queue.history_ratio`).
@@ -25,11 +26,12 @@ allocates one to every job). Prices come from the connection's extras.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from airflow_skypilot.backends.base import CapacityRow, Offer
 from airflow_skypilot.backends.common.fit import PoolNode, fit_pool, hourly_price, shape
-from airflow_skypilot.backends.slurm.backfill import backfill_start
+from airflow_skypilot.backends.slurm.backfill import Need, backfill_start
 from airflow_skypilot.backends.slurm.cluster import ClusterState, NodeInfo, Shape
 from airflow_skypilot.backends.slurm.queue import (
     Discount,
@@ -215,8 +217,9 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     queued_here = any(part in j.partitions for j in st.pending_jobs)
     trust_later = bool(own) or not queued_here
     later = isinstance(start, float) and start > st.now + HELD_MIN_WAIT_S
-    hole = None if own or isinstance(start, str) else _backfill_hole(
-        st, part, nodes, gres_type, need, task.num_nodes, limit_s)
+    # not free now (beside the jobs ahead): when backfill's plan has a hole for it
+    hole = None if own or isinstance(start, str) or offer.nodes_free >= task.num_nodes \
+        else _backfill_hole(st, nodes, gres_type, req, task.num_nodes, limit_s)
     if isinstance(start, float):
         offer.details["test_only_start"] = max(start, st.now)
     if hole is not None and (not isinstance(start, float) or hole < start):
@@ -261,18 +264,22 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     return offer
 
 
-def _backfill_hole(st: ClusterState, part: str, nodes: list[NodeInfo], gres_type: str,
-                   gpus: int, num_nodes: int, limit_s: float | None) -> float | None:
-    """:func:`.backfill.backfill_start` for ``gpus`` of ``gres_type`` per node on ``part``'s
-    usable ``nodes`` (None without the running jobs' list or a GPU to plan)."""
+def _backfill_hole(st: ClusterState, nodes: list[NodeInfo], gres_type: str, req: ResourceRequest,
+                   num_nodes: int, limit_s: float | None) -> float | None:
+    """:func:`.backfill.backfill_start` for one node's share of ``req`` (a GPU candidate) on
+    the partition's usable ``nodes`` (None without the running jobs' list)."""
+    gpus, cpus, mem_gb = shape(req)
     if st.running is None or not gpus or not gres_type:
         return None
     usable = [n for n in nodes if n.usable]
-    return backfill_start({n.name: n.gpus.get(gres_type, 0) for n in usable},
-                          {n.name: n.gpus_used.get(gres_type, 0) for n in usable},
-                          st.running, st.pending_jobs, partition=part, now=st.now,
-                          gres_type=gres_type, gpus=gpus, num_nodes=num_nodes,
-                          time_limit_s=limit_s)
+    return backfill_start(
+        {n.name: Need(n.gpus.get(gres_type, 0), n.cpus_total, n.mem_total_mb) for n in usable},
+        {n.name: Need(n.gpus_used.get(gres_type, 0), n.cpus_alloc, n.mem_alloc_mb)
+         for n in usable},
+        st.running, st.pending_jobs, partitions={p for n in usable for p in n.partitions},
+        now=st.now, gres_type=gres_type,
+        want=Need(int(gpus), max(1, math.ceil(cpus)), int(mem_gb * 1024)),
+        num_nodes=num_nodes, time_limit_s=limit_s)
 
 
 def capacity_rows(state: ClusterState, settings: SlurmSettings,

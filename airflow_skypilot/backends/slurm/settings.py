@@ -93,7 +93,7 @@ class SlurmSettings:
             slurm_timeout=_seconds(conn_id, extra, "slurm_timeout", 20.0),
             upload_timeout=_seconds(conn_id, extra, "upload_timeout", 600.0),
             log_retention_days=_number(conn_id, extra, "log_retention_days", 7.0),
-            step_launch_retry=_number(conn_id, extra, "step_launch_retry", 120.0),
+            step_launch_retry=_retry_seconds(conn_id, extra),
         )
 
     @classmethod
@@ -153,6 +153,16 @@ def _seconds(conn_id: str, extra: Mapping[str, Any], name: str, default: float) 
     if value <= 0:
         raise ConfigurationError(f"connection {conn_id!r}: extra {name!r} must be a number of "
                                  f"seconds above 0; got {value!r}")
+    return value
+
+
+def _retry_seconds(conn_id: str, extra: Mapping[str, Any]) -> float:
+    """``step_launch_retry``: 0 (never launched again) up to a week (bash's arithmetic and the
+    job script's deadline stay whole numbers of seconds)."""
+    value = _number(conn_id, extra, "step_launch_retry", 120.0)
+    if not 0 <= value <= 7 * 86400:  # also false for nan
+        raise ConfigurationError(f"connection {conn_id!r}: extra 'step_launch_retry' must be "
+                                 f"seconds from 0 to 604800; got {value!r}")
     return value
 
 
