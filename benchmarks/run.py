@@ -104,15 +104,15 @@ def bench_slurm_parse(quick: bool) -> None:
         for part in ("batch", "gpu") if i % 2 else ("batch",):
             lines.append(f"n{i}|{part}|mixed|8/56/0/64|512000|64000|gpu:a100:8(S:0-1)|"
                          f"gpu:a100:3(IDX:0-2)|10.0.{i // 250}.{i % 250}|")
-    lines += ["@@partitions", "batch|up|2-00:00:00|n/a", "gpu|up|infinite|n/a", "@@pending"]
+    lines += ["@@partitions", "batch|up|2-00:00:00|n/a", "gpu|up|infinite|n/a"]
+    history = ["@@history", *[f"{600 + i}|3600|COMPLETED" for i in range(500)],
+               "@@history_rc", "0"]
     # half planned by backfill (start, nodes), half not (bf_max_job_test reached)
-    lines += [f"{i}|batch|2|Resources|gres:gpu:a100:8|16|64000M|{1795988258 + 60 * i}|"
-              f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00" if i % 2 else
-              f"{i}|batch|1|Priority|gres:gpu:a100:8|8|64000M|N/A|(null)|u{i % 50}|"
-              f"{10**6 - i}|12:00:00" for i in range(2000)]
-    lines += ["@@history", *[f"{600 + i}|3600|COMPLETED" for i in range(500)],
-              "@@history_rc", "0"]
-    text = "\n".join(lines)
+    pending = [f"{i}|batch|2|Resources|gres:gpu:a100:8|16|64000M|{1795988258 + 60 * i}|"
+               f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00" if i % 2 else
+               f"{i}|batch|1|Priority|gres:gpu:a100:8|8|64000M|N/A|(null)|u{i % 50}|"
+               f"{10**6 - i}|12:00:00" for i in range(2000)]
+    text = "\n".join(lines + ["@@pending", *pending] + history)
     task = load_task({"resources": {"accelerators": "A100:4"}, "run": "x",
                       "config": {"slurm": {"sbatch_options": {"time": "120"}}}})
     settings = SlurmSettings.from_extra("c", {"cluster": "c"})
@@ -130,8 +130,8 @@ def bench_slurm_parse(quick: bool) -> None:
                f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00" for i in range(2000)]
     running = [f"r{i}|n{i}|gres:gpu:a100:3|{1795988258 + 600 + 7 * i}|8|64000M"
                for i in range(nodes)]
-    text = "\n".join(lines[:lines.index("@@pending") + 1] + planned
-                     + ["@@running", *running, "@@running_rc", "0"] + lines[-502:])
+    text = "\n".join(lines + ["@@pending", *planned, "@@running", *running, "@@running_rc",
+                                "0"] + history)
 
     def with_the_plan() -> None:
         got = slurm_offers.offers(task, parse_cluster(text), settings, "c", lambda _t, _r: "")

@@ -535,7 +535,6 @@ class SlurmPlace(Place):
         self.ratios = History()
         self.recent: list[float] = []  # the same ratios in the order the jobs ended
         self.settings = SlurmSettings.from_extra(conn, {"cluster": conn.split("_")[-1]})
-        self.profile: Profile | None = None  # after the last scheduling pass
         #: pending job -> (its planned start, the node): squeue's %S and %Y
         self.reserved: dict[int, tuple[float, int]] = {}
 
@@ -588,7 +587,6 @@ class SlurmPlace(Place):
                 self._start(bj, node, t, started)
             else:
                 self.reserved[bj.seq] = (when, node)
-        self.profile = profile
         if started:
             self.changed()
         return started
