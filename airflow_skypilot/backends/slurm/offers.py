@@ -220,7 +220,7 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     # not free now (beside the jobs ahead): when backfill's plan has a hole for it
     hole = None if own or isinstance(start, str) or offer.nodes_free >= task.num_nodes \
         else _backfill_hole(st, nodes, gres_type, req, task.num_nodes, limit_s)
-    if isinstance(start, float):
+    if isinstance(start, float) and start - st.now < _HORIZON_S:
         offer.details["test_only_start"] = max(start, st.now)
     if hole is not None and (not isinstance(start, float) or hole < start):
         offer.details["backfill_start"] = hole
