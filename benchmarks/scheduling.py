@@ -873,7 +873,7 @@ class AwsPlace(Place):
                 continue
             types, why = self.types(req)
             out += aws_offers.offers_for(self.conn, self.settings, task, req, state, types, why)
-        return out
+        return aws_offers.share_quotas(out)  # as ``probe_region``: the AZs draw on one quota
 
     def launch(self, bj: BJob, itype: str, t: float) -> bool:
         info = AWS_TYPES[itype]
