@@ -97,6 +97,12 @@ def bench_placement(quick: bool) -> None:
                      f"p95 {p95 * 1e3:.1f} ms"))
 
 
+def _tres(nodes: int) -> str:
+    """The last fields of the probe's squeue -O line of a job of ``nodes`` nodes with 8 GPUs,
+    8 CPUs and 64000M on each: no GPUs per job or task, its tasks, what it asks in all."""
+    return f"N/A|N/A|{nodes}|cpu={8 * nodes},mem={64000 * nodes}M,node={nodes}|"
+
+
 def bench_slurm_parse(quick: bool) -> None:
     nodes = 500 if quick else 4000
     lines = ["@@now", "1795988258", "@@home", "/home/u", "@@nodes"]
@@ -109,9 +115,9 @@ def bench_slurm_parse(quick: bool) -> None:
                "@@history_rc", "0"]
     # half planned by backfill (start, nodes), half not (bf_max_job_test reached)
     pending = [f"{i}|batch|2|Resources|gres:gpu:a100:8|16|64000M|{1795988258 + 60 * i}|"
-               f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00" if i % 2 else
+               f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00|{_tres(2)}" if i % 2 else
                f"{i}|batch|1|Priority|gres:gpu:a100:8|8|64000M|N/A|(null)|u{i % 50}|"
-               f"{10**6 - i}|12:00:00" for i in range(2000)]
+               f"{10**6 - i}|12:00:00|{_tres(1)}" for i in range(2000)]
     text = "\n".join(lines + ["@@pending", *pending] + history)
     task = load_task({"resources": {"accelerators": "A100:4"}, "run": "x",
                       "config": {"slurm": {"sbatch_options": {"time": "120"}}}})
@@ -127,8 +133,9 @@ def bench_slurm_parse(quick: bool) -> None:
     # backfill's hole: every pending job planned (within the new job's time limit, so no node
     # is free now and the hole is planned on every one), a running job on every node
     planned = [f"{i}|batch|2|Resources|gres:gpu:a100:8|16|64000M|{1795988258 + i}|"
-               f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00" for i in range(2000)]
-    running = [f"r{i}|n{i}|gres:gpu:a100:3|{1795988258 + 600 + 7 * i}|8|64000M"
+               f"n[{2 * i}-{2 * i + 1}]|u{i % 50}|{10**6 - i}|12:00:00|{_tres(2)}"
+               for i in range(2000)]
+    running = [f"r{i}|n{i}|gres:gpu:a100:3|{1795988258 + 600 + 7 * i}|8|64000M|{_tres(1)}"
                for i in range(nodes)]
     text = "\n".join(lines + ["@@pending", *planned, "@@running", *running, "@@running_rc",
                                 "0"] + history)

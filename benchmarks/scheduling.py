@@ -661,13 +661,15 @@ class SlurmPlace(Place):
             user = "sky" if j.owner is not None else "other"
             lines.append(f"{j.seq}|gpu|1|Resources|gres:gpu:{self.gres}:{j.gpus}|{8 * j.gpus}|"
                          f"{64000 * j.gpus}M|{start}|{sched}|{user}|{prio}|"
-                         f"{math.ceil((j.limit or 0) / 60) or 'UNLIMITED'}")
+                         f"{math.ceil((j.limit or 0) / 60) or 'UNLIMITED'}|N/A|N/A|1|"
+                         f"cpu={8 * j.gpus},mem={64000 * j.gpus}M,node=1|")
         if self.knobs.slurm_estimate == "backfill":
             lines.append("@@running")
             for j in self.running:
                 end = "N/A" if not j.limit else str(int(EPOCH + (j.start or t) + j.limit))
                 lines.append(f"{j.seq}|{self.conn}-n{j.node}|gres:gpu:{self.gres}:{j.gpus}|{end}|"
-                             f"{8 * j.gpus}|{64000 * j.gpus}M")
+                             f"{8 * j.gpus}|{64000 * j.gpus}M|N/A|N/A|1|"
+                             f"cpu={8 * j.gpus},mem={64000 * j.gpus}M,node=1|")
             lines += ["@@running_rc", "0"]
         if self.knobs.slurm_estimate != "testonly":
             lines += ["@@history", *self.history_lines(), "@@history_rc", "0"]

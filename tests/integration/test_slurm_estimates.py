@@ -98,19 +98,41 @@ def test_idle_gpus_held_for_the_first_placements_pending_job_are_not_free(slurm)
     assert alpha.status([waits])[waits.job_id].state == JobState.PENDING
 
 
+def test_gpus_a_pending_job_asks_per_job_are_held_for_it_too(slurm):
+    """As above, the job ahead asking its GPUs per job (``--gpus=8`` on 2 nodes), which
+    squeue's ``%b`` does not show: a2's idle GPUs are held for it, and Slurm agrees."""
+    alpha = SlurmBackend("slurm_alpha")
+    _filler(slurm, "alpha", "-p", "batch", "-w", "a1", "--gres=gpu:a100:4", "-t", "30")
+    first = slurm.run("alpha", "sbatch", "--parsable", "-o", "/dev/null", "--mem=100M", "-p",
+                      "batch", "-N", "2", "--gpus=8", "-t", "60", "--wrap",
+                      "true").stdout.strip()
+    _until(lambda: _squeue(slurm, "alpha", first, "%Y") not in ("", "(null)"))
+    assert _squeue(slurm, "alpha", first, "%b") == "N/A"  # not per node
+    task = _task({"accelerators": "A100:1"}, {"time": "60"})
+    offer = _at(alpha, task, "batch")
+    assert offer.gpus_free == 0 and not offer.free_now, offer
+    assert offer.details["reserved_by_pending"] == 4 and offer.details["held_for"] == [first]
+    waits = alpha.submit(task, offer, _name("sky-held"), {"SKYPILOT_TASK_ID": "t"})
+    time.sleep(3)  # several backfill passes
+    assert alpha.status([waits])[waits.job_id].state == JobState.PENDING
+
+
+@pytest.mark.parametrize("memory", [["--mem=100M"], ["-c", "2", "--mem-per-cpu=300M"]],
+                         ids=["mem-per-node", "mem-per-cpu"])
 def test_backfills_hole_is_the_estimate_where_test_only_says_later_and_slurm_starts_it_there(
-        slurm):
+        slurm, memory):
     """a1 busy for 10 minutes; a2 for 2 (its job really ends in 40 s); a 2-node job queued
     for both from a1's end. A 1-minute job fits a2 in between: the estimate is backfill's hole
     at a2's planned end, where test-only answers later; Slurm starts it as soon as a2 frees,
-    the 2-node job still waiting."""
+    the 2-node job still waiting. The jobs ask memory per node, or per CPU (squeue's ``%m``
+    then says 300M for the 600M a job holds: the plan reads ``tres-alloc``)."""
     alpha = SlurmBackend("slurm_alpha")
     _filler(slurm, "alpha", "-p", "batch", "-w", "a1", "--gres=gpu:a100:4", "-t", "10")
-    a2 = slurm.run("alpha", "sbatch", "--parsable", "-o", "/dev/null", "--mem=100M", "-p",
+    a2 = slurm.run("alpha", "sbatch", "--parsable", "-o", "/dev/null", *memory, "-p",
                    "batch", "-w", "a2", "--gres=gpu:a100:4", "-t", "2", "--wrap",
                    "sleep 40").stdout.strip()
     _until(lambda: _squeue(slurm, "alpha", a2, "%T") == "RUNNING")
-    big = slurm.run("alpha", "sbatch", "--parsable", "-o", "/dev/null", "--mem=100M", "-p",
+    big = slurm.run("alpha", "sbatch", "--parsable", "-o", "/dev/null", *memory, "-p",
                     "batch", "-N", "2", "--gres=gpu:a100:4", "-t", "10", "--wrap",
                     "true").stdout.strip()
     _until(lambda: _squeue(slurm, "alpha", big, "%Y") not in ("", "(null)"))

@@ -40,6 +40,30 @@ def test_running_lines_parse_with_their_nodes_gpus_planned_end_cpus_and_memory()
     assert (job.cpus_per_node, job.mem_mb) == (8, 4096)
     assert parse_running("8|n1|gres/gpu=2|Unknown").end == math.inf  # no time limit
     assert parse_running("") is None
+    # the -O line (22.05, from the sandbox): --gpus=4 --mem-per-cpu=1000 -c 2 on one node: the
+    # node's GPUs, and 2000M (tres-alloc), where %m says 1000M (per CPU)
+    one = parse_running(f"1001|a2|N/A|{int(NOW + H)}|2|1000M|gres:gpu:4|N/A|1|"
+                        "cpu=2,mem=2000M,node=1,billing=2|")
+    assert (one.gpus, one.cpus_per_node, one.mem_mb) == ({"": 4}, 2, 2000)
+    per_task = parse_running(f"9|a1|N/A|{int(NOW + H)}|3|1000M|N/A|gres:gpu:1|3|cpu=3,mem=3G|")
+    assert per_task.gpus == {"": 3}
+    # on two nodes, how Slurm split --gpus=3 is not said: on no node (the plan gives up)
+    two = parse_running(f"10|n[1-2]|N/A|{int(NOW + H)}|2|1000M|gres:gpu:3|N/A|2|mem=2G|")
+    assert (two.gpus, two.mem_mb) == ({}, 1024)
+
+
+def test_memory_per_cpu_and_gpus_per_job_are_accounted_so_the_hole_is_found():
+    # n1 runs a --gpus=4 --mem-per-cpu=8000 -c 16 job until +1h: 4 GPUs, 128000M in use; as %m
+    # alone read it (8000M) the plan missed 120000M and gave no estimate
+    line = (f"1|n1|N/A|{int(NOW + H)}|16|8000M|gres:gpu:4|N/A|1|cpu=16,mem=128000M,node=1|")
+    used = {"n1": Need(4, 16, 128000)}
+    assert _start(4, 600, running=[line], used=used) == NOW  # 4 GPUs left beside it
+    assert _start(6, 600, running=[line], used=used) == NOW + H
+    old = f"1|n1|gres:gpu:a100:4|{int(NOW + H)}|16|8000M"  # the 6-field line of before
+    assert _start(4, 600, running=[old], used=used) is None
+    # a pending job ahead on our partition whose per-job GPUs spread over 2 nodes: no plan
+    spread = f"2|gpu|2|Resources|N/A|2|0|{int(NOW + H)}|n[1-2]|u|1|60|gres:gpu:a100:6|N/A|2||"
+    assert _start(4, 600, running=[line], used=used, pending=[spread]) is None
 
 
 def test_a_short_job_fits_the_hole_before_a_reservation_a_long_one_starts_after_it():

@@ -11,8 +11,10 @@ import pytest
 
 from airflow_skypilot.backends.base import JobHandle, JobState
 from airflow_skypilot.backends.slurm import SlurmBackend, offers
-from airflow_skypilot.backends.slurm.cluster import parse_cluster, probe_script
+from airflow_skypilot.backends.slurm.backfill import RUNNING_FIELDS
+from airflow_skypilot.backends.slurm.cluster import PROBE_SCRIPT, parse_cluster, probe_script
 from airflow_skypilot.backends.slurm.queue import (
+    PENDING_FIELDS,
     duration_s,
     expand_hostlist,
     history_ratio,
@@ -91,6 +93,13 @@ def test_host_lists_gres_and_memory():
     assert (memory_mb("1000M"), memory_mb("4G"), memory_mb("")) == (1000, 4096, 0)
 
 
+def test_the_probe_asks_squeue_for_the_fields_the_parsers_read_in_their_order():
+    script = PROBE_SCRIPT.replace("'\\\n'", "")  # the -O lists are split over lines
+    for state, names in (("PENDING", PENDING_FIELDS), ("RUNNING,COMPLETING", RUNNING_FIELDS)):
+        wanted = f"squeue -h -t {state} -O \\\n  '" + ",".join(f"{n}:|" for n in names) + "'"
+        assert wanted in script, wanted
+
+
 def test_pending_lines_and_the_probes_new_sections():
     job = parse_pending("1002|batch|2|Resources|gres:gpu:a100:4|2|1000M|1796096947|a[1-2]|"
                         "skyuser|4294901757|1:00:00")
@@ -100,6 +109,20 @@ def test_pending_lines_and_the_probes_new_sections():
     unplanned = parse_pending("1011|short|1|PartitionTimeLimit|N/A|1|1000M|N/A|(null)|u|1|20:00")
     assert unplanned.start is None and not unplanned.runnable
     assert parse_pending("1001|batch|1|Resources").gpus == {}  # an older probe's line
+    # the -O line as the probe prints it on 22.05 (copied from the sandbox): GPUs per job, per
+    # task, memory in all (tres-alloc) where %m is per CPU (DefMemPerCPU, --mem-per-cpu)
+    per_job = parse_pending("1002|batch|1|Resources|N/A|1|1000M|1796132882|a1|skyuser|"
+                            "4294901757|20:00|gres:gpu:2|N/A|1|cpu=1,mem=1000M,node=1,billing=1|")
+    assert (per_job.gpus, per_job.mem_mb, per_job.gpus_guessed) == ({"": 2}, 1000, False)
+    per_task = parse_pending("1003|batch|1|Priority|N/A|3|1000M|1796132882|a2|skyuser|"
+                             "4294901756|20:00|N/A|gres:gpu:1|3|cpu=3,mem=3000M,node=1,billing=3|")
+    assert (per_task.gpus, per_task.cpus_per_node, per_task.mem_mb) == ({"": 3}, 3, 3000)
+    per_cpu = parse_pending("1004|batch|1|Priority|gres:gpu:1|3|1500M|1796134080|a1|skyuser|"
+                            "4294901755|20:00|N/A|N/A|1|cpu=3,mem=4500M,node=1,billing=3|")
+    assert (per_cpu.gpus, per_cpu.mem_mb) == ({"": 1}, 4500)  # 3 CPUs x 1500M, not 1500M
+    spread = parse_pending("1005|batch|2|Resources|N/A|2|1000M|N/A|(null)|u|1|20:00|"
+                           "gres:gpu:a100:3|N/A|2|cpu=2,mem=8G,node=2|")
+    assert (spread.gpus, spread.gpus_guessed, spread.mem_mb) == ({"a100": 2}, True, 4096)
     st = parse_cluster(probe(pending=["1002|batch|2|Resources|gres:gpu:a100:4|2|1000M|"
                                       "1796096947|a[1-2]|skyuser|9|1:00:00"],
                              history=["1800|3600|COMPLETED"],

@@ -12,11 +12,13 @@ limits).
 
 Where the plan cannot be read whole, the answer is None (test-only stays the estimate): a
 runnable pending job without a planned start or planned nodes (just submitted, or beyond
-backfill's look-ahead) in a partition that shares a node with ours, GPUs, CPUs or memory in
-use that the running jobs listed do not account for (GPUs asked per job with ``--gpus``,
-memory per CPU), a job without a time limit. What squeue does not show at all is test-only's
-alone: a reservation not active yet (maintenance); a pending job that asks its GPUs per job
-shows none per node and is not seen taking any (as in :func:`.queue.hold`).
+backfill's look-ahead), or that asks its GPUs per job or per task over several nodes (how
+Slurm will split them is not said), in a partition that shares a node with ours; GPUs, CPUs
+or memory in use that the running jobs listed do not account for (a job on several nodes with
+GPUs per job); a job without a time limit. A job's GPUs asked per job (``--gpus``) or per task
+on one node are its node's; its memory is ``tres-alloc``'s (``--mem-per-cpu`` and
+``DefMemPerCPU`` jobs included). What squeue does not show at all is test-only's alone: a
+reservation not active yet (maintenance).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from dataclasses import dataclass
 from airflow_skypilot.backends.slurm.queue import (
     PendingJob,
     expand_hostlist,
+    job_gpus,
     memory_mb,
-    tres_gpus,
+    tres_memory_mb,
 )
 
 #: the starts a multi-node job is tried at, at most (beyond: no estimate; test-only's)
@@ -55,9 +58,15 @@ class Need:
 NOTHING = Need(0, 0, 0)
 
 
+#: the probe's running jobs: ``squeue -t RUNNING,COMPLETING -O`` with these fields, each
+#: ending in ``|`` (the first six are ``-o '%i|%N|%b|%e|%C|%m'``, which older probes printed)
+RUNNING_FIELDS = ("JobID", "NodeList", "tres-per-node", "EndTime", "NumCPUs", "MinMemory",
+                  "tres-per-job", "tres-per-task", "NumTasks", "tres-alloc")
+
+
 @dataclass(frozen=True)
 class RunningJob:
-    """One running job, as ``squeue -t RUNNING -o '%i|%N|%b|%e|%C|%m'`` shows it."""
+    """One running job, as the probe lists it (:data:`RUNNING_FIELDS`)."""
 
     job_id: str
     nodes: tuple[str, ...]
@@ -72,15 +81,26 @@ class RunningJob:
 
 
 def parse_running(line: str) -> RunningJob | None:
-    """One ``%i|%N|%b|%e|%C|%m`` line (``%e`` with ``SLURM_TIME_FORMAT=%s``)."""
+    """One line of :data:`RUNNING_FIELDS` (``EndTime`` with ``SLURM_TIME_FORMAT=%s``; older,
+    shorter lines: what they say). GPUs a job on several nodes asked per job or per task are
+    not placed on any node (Slurm split them, squeue does not say how): the plan then finds GPUs
+    in use that no job accounts for, and gives up. Memory per node: ``tres-alloc``'s over the
+    nodes where it is there (``MinMemory`` is per CPU for a ``--mem-per-cpu`` job)."""
     parts = [p.strip() for p in line.split("|")]
     if len(parts) < 4 or not parts[0]:
         return None
-    parts += [""] * (6 - len(parts))
-    job_id, nodes, tres, end, cpus, mem = parts[:6]
+    parts += [""] * (len(RUNNING_FIELDS) - len(parts))
+    job_id, nodes_text, tres, end, cpus, mem, per_job, per_task, tasks, alloc = \
+        parts[:len(RUNNING_FIELDS)]
     when = float(end) if end.isdigit() and int(end) > 0 else math.inf
-    return RunningJob(job_id, tuple(expand_hostlist(nodes)), tres_gpus(tres), when,
-                      int(cpus) if cpus.isdigit() else 0, memory_mb(mem))
+    nodes = tuple(expand_hostlist(nodes_text))
+    gpus, guessed = job_gpus(tres, per_job, per_task, tasks, len(nodes) or 1)
+    if guessed:
+        gpus = job_gpus(tres, "", "", "", 1)[0]
+    total_mem = tres_memory_mb(alloc)
+    return RunningJob(job_id, nodes, gpus, when, int(cpus) if cpus.isdigit() else 0,
+                      math.ceil(total_mem / max(1, len(nodes))) if total_mem
+                      else memory_mb(mem))
 
 
 #: (from, until, what) on one node
@@ -138,9 +158,11 @@ def backfill_start(capacity: Mapping[str, Need], used: Mapping[str, Need],
     for job in pending:
         if not job.runnable:
             continue
-        if job.start is None or not job.sched_nodes or job.time_limit_s is None:
+        if (job.start is None or not job.sched_nodes or job.time_limit_s is None
+                or job.gpus_guessed):
             if set(job.partitions) & partitions:
-                return None  # ahead of us on our nodes, and where or until when not planned
+                return None  # ahead of us on our nodes, and where, how much or until when
+                # not planned (GPUs per job over several nodes: how Slurm splits them)
             continue
         start = max(job.start, now)
         share = Need(_gpus_of(job.gpus, gres_type), job.cpus_per_node, job.mem_mb)

@@ -2,10 +2,11 @@
 
 The probe uses only portable ``-o``/``-O`` formats that Slurm 22.05 to today print the same way:
 ``sinfo -N -O`` (per node and partition: state, CPUs, memory, GRES and GRES in use),
-``sinfo -o`` (partitions, their MaxTime and DefaultTime), ``squeue -t PENDING`` (the queue
-ahead: each pending job's request, reason, planned start and planned nodes, read by
-:mod:`.queue`), ``squeue -t RUNNING`` (each running job's nodes, GPUs per node, planned
-end, CPUs and memory: with the queue, backfill's plan, read by :mod:`.backfill`), the finished
+``sinfo -o`` (partitions, their MaxTime and DefaultTime), ``squeue -t PENDING -O`` (the queue
+ahead: each pending job's request, GPUs per node, job or task, CPUs and memory in all, reason,
+planned start and planned nodes, read by :mod:`.queue`), ``squeue -t RUNNING -O`` (each
+running job's nodes, GPUs, planned end, CPUs and memory: with the queue, backfill's plan, read
+by :mod:`.backfill`), the finished
 jobs' elapsed time and time limit (``sacct``, else ``sacct -c``; kept on the login node for
 :data:`HISTORY_TTL_MIN` minutes, so a probe asks slurmdbd at most that often) and ``sbatch
 --test-only`` (Slurm's own estimate of when a job of each shape, with the task's own sbatch
@@ -175,10 +176,15 @@ echo "@@partitions"
 _t sinfo -h -o '%R|%a|%l|%L'
 rc=$?; printf "@@partitions_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@pending"
-_t env SLURM_TIME_FORMAT=%s squeue -h -t PENDING -o '%i|%P|%D|%r|%b|%C|%m|%S|%Y|%u|%Q|%l'
+_t env SLURM_TIME_FORMAT=%s squeue -h -t PENDING -O \
+  'JobID:|,Partition:|,NumNodes:|,Reason:|,tres-per-node:|,NumCPUs:|,MinMemory:|,StartTime:|,'\
+'SchedNodes:|,UserName:|,PriorityLong:|,TimeLimit:|,tres-per-job:|,tres-per-task:|,NumTasks:|,'\
+'tres-alloc:|'
 rc=$?; printf "@@pending_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@running"
-_t env SLURM_TIME_FORMAT=%s squeue -h -t RUNNING,COMPLETING -o '%i|%N|%b|%e|%C|%m'
+_t env SLURM_TIME_FORMAT=%s squeue -h -t RUNNING,COMPLETING -O \
+  'JobID:|,NodeList:|,tres-per-node:|,EndTime:|,NumCPUs:|,MinMemory:|,tres-per-job:|,'\
+'tres-per-task:|,NumTasks:|,tres-alloc:|'
 printf "@@running_rc\n%s\n" "$?"
 echo "@@history"
 if [ -n "$HIST" ]; then

@@ -18,6 +18,10 @@ Measured on Slurm 22.05 (the sandbox), which decides what is truthful here:
   where only jobcomp exists); its median discounts test-only's estimate, which is built from
   time limits (:func:`history_ratio`).
 
+A job's request is read whole: GPUs per node, per job (``--gpus``) or per task, and memory in
+all (``tres-alloc``: squeue's ``%m`` alone is per CPU on a ``DefMemPerCPU`` cluster and does
+not say so). GPUs per job over several nodes are assumed split evenly (Slurm does not say).
+
 Priorities are not compared: every pending job counts as ahead of a new one (FIFO, Slurm's
 default ``priority/basic``). A pending job's share of a node it plans to use is held from the
 node's idle resources now, even where part of it will come from a running job that ends before
@@ -137,6 +141,31 @@ def tres_gpus(text: str) -> dict[str, int]:
     return out
 
 
+def job_gpus(tres: str, per_job: str, per_task: str, tasks: str, nodes: int
+             ) -> tuple[dict[str, int], bool]:
+    """A job's GPUs per node, from ``tres-per-node`` and the GPUs it asks per job (``--gpus``)
+    or per task (``--gpus-per-task`` x its tasks), and whether that is a guess: a job on
+    several nodes that asks them per job or per task gets them split as Slurm likes; an even
+    split is assumed then (rounded up)."""
+    gpus = tres_gpus(tres)
+    whole = tres_gpus(per_job)
+    count = _int(tasks, 1)
+    for gtype, n in tres_gpus(per_task).items():
+        whole[gtype] = whole.get(gtype, 0) + n * max(1, count)
+    for gtype, n in whole.items():
+        gpus[gtype] = gpus.get(gtype, 0) + math.ceil(n / max(1, nodes))
+    return gpus, bool(whole) and nodes > 1
+
+
+def tres_memory_mb(text: str) -> int:
+    """The memory in a TRES list (``cpu=3,mem=4500M,node=1``), in MB; 0 when not there.
+    squeue's ``tres-alloc``: what a running job was given, what a pending one asks, in all
+    nodes; unlike ``MinMemory`` (``%m``), which is per CPU for a ``--mem-per-cpu`` job (and for
+    every job on a cluster with ``DefMemPerCPU``) and does not say so."""
+    match = re.search(r"(?:^|,)mem=([^,]+)", text or "")
+    return memory_mb(match.group(1)) if match else 0
+
+
 def memory_mb(text: str) -> int:
     """squeue's ``%m`` (``1000M``, ``4G``, ``0``) in MB; 0 when unreadable."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)[Bc]?", (text or "").strip())
@@ -162,6 +191,8 @@ class PendingJob:
     user: str = ""
     priority: int = 0
     time_limit_s: float | None = None
+    #: its GPUs per node are a guess (asked per job or per task, over several nodes)
+    gpus_guessed: bool = False
 
     @property
     def runnable(self) -> bool:
@@ -172,25 +203,35 @@ class PendingJob:
         return max(1, math.ceil(self.cpus / max(1, self.nodes)))
 
 
+#: the probe's pending jobs: ``squeue -t PENDING -O`` with these fields, each ending in ``|``
+#: (the first twelve are ``-o '%i|%P|%D|%r|%b|%C|%m|%S|%Y|%u|%Q|%l'``, which older probes printed)
+PENDING_FIELDS = ("JobID", "Partition", "NumNodes", "Reason", "tres-per-node", "NumCPUs",
+                  "MinMemory", "StartTime", "SchedNodes", "UserName", "PriorityLong",
+                  "TimeLimit", "tres-per-job", "tres-per-task", "NumTasks", "tres-alloc")
+
+
 def parse_pending(line: str) -> PendingJob | None:
-    """One line of ``%i|%P|%D|%r|%b|%C|%m|%S|%Y|%u|%Q|%l`` (shorter, older lines: what they
-    say)."""
+    """One line of :data:`PENDING_FIELDS` (shorter, older lines: what they say). Memory per
+    node is ``tres-alloc``'s over the nodes where it is there, else ``MinMemory``."""
     parts = [p.strip() for p in line.split("|")]
     if len(parts) < 2 or not parts[0]:
         return None
-    parts += [""] * (12 - len(parts))
-    job_id, parts_text, nodes, reason, tres, cpus, mem, start, sched, user, prio, limit = \
-        parts[:12]
+    parts += [""] * (len(PENDING_FIELDS) - len(parts))
+    (job_id, parts_text, nodes_text, reason, tres, cpus, mem, start, sched, user, prio, limit,
+     per_job, per_task, tasks, alloc) = parts[:len(PENDING_FIELDS)]
     try:
         when: float | None = float(start) if start.isdigit() and int(start) > 0 else None
     except ValueError:
         when = None
+    nodes = max(1, _int(nodes_text, 1))
+    gpus, guessed = job_gpus(tres, per_job, per_task, tasks, nodes)
+    total_mem = tres_memory_mb(alloc)
     return PendingJob(
         job_id=job_id, partitions=[p for p in parts_text.split(",") if p],
-        nodes=max(1, _int(nodes, 1)), reason=reason, gpus=tres_gpus(tres),
-        cpus=_int(cpus, 1), mem_mb=memory_mb(mem), start=when,
+        nodes=nodes, reason=reason, gpus=gpus, cpus=_int(cpus, 1),
+        mem_mb=math.ceil(total_mem / nodes) if total_mem else memory_mb(mem), start=when,
         sched_nodes=expand_hostlist(sched), user=user, priority=_int(prio, 0),
-        time_limit_s=duration_s(limit))
+        time_limit_s=duration_s(limit), gpus_guessed=guessed)
 
 
 def _int(text: str, default: int) -> int:
