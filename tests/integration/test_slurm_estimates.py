@@ -149,6 +149,29 @@ def test_backfills_hole_is_the_estimate_where_test_only_says_later_and_slurm_sta
     assert _squeue(slurm, "alpha", big, "%T") == "PENDING"
 
 
+def test_a_maintenance_reservation_to_come_holds_its_nodes_for_a_job_that_would_overlap_it(
+        slurm):
+    """a1 busy; a maintenance of a2 begins in 10 minutes (an admin's reservation: sinfo -T,
+    INACTIVE until then; squeue shows nothing of it). A 60-minute job is not free now on a2's
+    idle GPUs, and Slurm does not start it; a 5-minute one ends before: free now, and it runs."""
+    alpha = SlurmBackend("slurm_alpha")
+    _filler(slurm, "alpha", "-p", "batch", "-w", "a1", "--gres=gpu:a100:4", "-t", "30")
+    slurm.reserve("alpha", "maint-a2", "a2", 600, 60)
+    long_task = _task({"accelerators": "A100:1"}, {"time": "60"})
+    long = _at(alpha, long_task, "batch")
+    assert long.gpus_free == 0 and not long.free_now, long
+    assert long.details["held_for_reservations"] == ["maint-a2"]
+    assert "nodes held for reservation(s) maint-a2 starting before it would end" in long.notes
+    short_task = _task({"accelerators": "A100:1"}, {"time": "5"}, run="sleep 30")
+    short = _at(alpha, short_task, "batch")
+    assert short.free_now and "held_for_reservations" not in short.details
+    waits = alpha.submit(long_task, long, _name("sky-maint"), {"SKYPILOT_TASK_ID": "1"})
+    ran = alpha.submit(short_task, short, _name("sky-before"), {"SKYPILOT_TASK_ID": "2"})
+    _until(lambda: alpha.status([ran])[ran.job_id].state == JobState.RUNNING)
+    time.sleep(3)  # several backfill passes
+    assert alpha.status([waits])[waits.job_id].state == JobState.PENDING
+
+
 def test_a_time_limit_over_max_time_does_not_fit_and_slurm_would_never_start_it(slurm):
     alpha = SlurmBackend("slurm_alpha")
     task = _task({"accelerators": "A100:1"}, {"time": "20"})

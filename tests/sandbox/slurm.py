@@ -1133,6 +1133,22 @@ class SlurmSandbox:
         jobs = self._active_jobs(cluster)
         if jobs:
             self.run(cluster, "scancel", *jobs, check=False, as_root=True)
+        for name in self._reservations(cluster):
+            self.run(cluster, "scontrol", "delete", f"reservationname={name}", check=False,
+                     timeout=10, as_root=True)
+
+    def _reservations(self, cluster: str) -> list[str]:
+        proc = self.run(cluster, "sinfo", "-h", "-T", check=False, timeout=10, as_root=True)
+        # "No reservations in the system" when there are none
+        return [line.split()[0] for line in proc.stdout.splitlines() if len(line.split()) >= 6]
+
+    def reserve(self, cluster: str, name: str, nodes: str, start_in_s: int,
+                minutes: int) -> None:
+        """A maintenance reservation of ``nodes`` from ``start_in_s`` seconds on (root's, as an
+        admin makes one); ``reset`` deletes it."""
+        self.run(cluster, "scontrol", "create", "reservation", f"reservationname={name}",
+                 f"starttime=now+{start_in_s}", f"duration={minutes}", f"nodes={nodes}",
+                 "flags=maint", "users=root", as_root=True)
 
     def _wait_nodes_idle(self, cluster: str, timeout: float) -> None:
         """Wait (bounded) until no job is active and every node is plain IDLE."""

@@ -9,7 +9,7 @@ import math
 from airflow_skypilot.backends.slurm import offers
 from airflow_skypilot.backends.slurm.backfill import NOTHING, Need, backfill_start, parse_running
 from airflow_skypilot.backends.slurm.cluster import parse_cluster
-from airflow_skypilot.backends.slurm.queue import parse_pending
+from airflow_skypilot.backends.slurm.queue import Reservation, parse_pending
 from airflow_skypilot.backends.slurm.settings import SlurmSettings
 from airflow_skypilot.spec import load_task
 
@@ -104,6 +104,24 @@ def test_what_the_plan_does_not_say_gives_no_estimate():
                   pending=["3|gpu|1|Dependency|gres:gpu:a100:8|8|0|N/A|(null)|u|10|60",
                            "4|other|1|Priority|gres:gpu:a100:8|8|0|N/A|(null)|u|10|60"]) == NOW
     assert _start(2, math.inf, running=running) is None  # no time limit: no hole to fit
+
+
+def test_a_reservation_keeps_the_hole_out_of_its_window():
+    # n1 busy until +1h; a maintenance of n2 from +10 min to +2h
+    running = [f"1|n1|gres:gpu:a100:8|{int(NOW + H)}"]
+    resv = [Reservation("maint", False, NOW + 600, NOW + 2 * H, ("n2",))]
+    capacity = {"n1": Need(8, 64, 512000), "n2": Need(8, 64, 512000)}
+
+    def start(limit):
+        jobs = [parse_running(r) for r in running]
+        used = {"n1": Need(8, 0, 0), "n2": NOTHING}
+        return backfill_start(capacity, used, jobs, [], partitions={"gpu"}, now=NOW,
+                              gres_type="a100", want=Need(8, 1, 0), num_nodes=1,
+                              time_limit_s=limit, reservations=resv)
+
+    assert start(300) == NOW  # on n2, done before the maintenance
+    assert start(1800) == NOW + H  # on n1 when its job ends
+    assert start(3 * H) == NOW + H  # n1 again (n2 only after the maintenance: +2h)
 
 
 def test_cpus_in_use_until_a_jobs_end_keep_the_hole_until_then():

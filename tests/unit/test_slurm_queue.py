@@ -20,6 +20,7 @@ from airflow_skypilot.backends.slurm.queue import (
     history_ratio,
     memory_mb,
     parse_pending,
+    parse_reservation,
     tres_gpus,
 )
 from airflow_skypilot.backends.slurm.settings import SlurmSettings
@@ -193,6 +194,28 @@ def test_a_planned_node_is_idle_for_jobs_that_end_first_and_held_when_nobody_say
     unnamed = offers_of(probe(a2_state="planned"), task_of({"accelerators": "A100:1"}))
     assert not unnamed[("batch", 0)].free_now
     assert unnamed[("batch", 0)].details["held_for"] == ["(planned on a2)"]
+
+
+def test_a_reservation_to_come_holds_its_nodes_for_jobs_that_would_still_run_at_its_start():
+    # sinfo -T as 22.05 prints it with SLURM_TIME_FORMAT=%s (from the sandbox); it takes no -o
+    line = f"maint-a2   INACTIVE   {NOW + 600}   {NOW + 4200}   01:00:00  a2"
+    resv = parse_reservation(line)
+    assert (resv.name, resv.active, resv.start, resv.end, resv.nodes) == (
+        "maint-a2", False, NOW + 600, NOW + 4200, ("a2",))
+    assert parse_reservation("No reservations in the system") is None
+    out = probe(a1_used=4).replace("@@testonly", f"@@reservations\n{line}\n"
+                                   "@@reservations_rc\n0\n@@testonly")
+    long = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "60"}))[("batch", 0)]
+    assert not long.free_now and long.gpus_free == 0
+    assert long.details["held_for_reservations"] == ["maint-a2"]
+    short = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "5"}))[("batch", 0)]
+    assert short.free_now  # ends before the maintenance begins
+    # a connection whose jobs run in a reservation (its extra): they are not kept out of one
+    inside = SlurmSettings.from_extra("c", {"cluster": "alpha", "reservation": "maint-a2"})
+    own = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "60"}), inside)
+    assert "held_for_reservations" not in own[("batch", 0)].details
+    assert offers_of(probe(a1_used=4), task_of({"accelerators": "A100:1"}, {"time": "60"}))[
+        ("batch", 0)].free_now  # without it
 
 
 def test_a_pending_job_that_does_not_fit_the_idle_nodes_and_has_no_plan_holds_nothing():

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from airflow_skypilot.backends.slurm.queue import (
     PendingJob,
+    Reservation,
     expand_hostlist,
     job_gpus,
     memory_mb,
@@ -137,12 +138,14 @@ def _earliest(busy: list[_Busy], capacity: Need, want: Need, limit: float,
 def backfill_start(capacity: Mapping[str, Need], used: Mapping[str, Need],
                    running: Sequence[RunningJob], pending: Iterable[PendingJob], *,
                    partitions: set[str], now: float, gres_type: str, want: Need,
-                   num_nodes: int, time_limit_s: float | None) -> float | None:
+                   num_nodes: int, time_limit_s: float | None,
+                   reservations: Iterable[Reservation] = ()) -> float | None:
     """The earliest time (epoch, >= ``now``) at which ``num_nodes`` of the ``capacity`` nodes
     (the usable nodes of the partition -> what they have; ``used``: what is in use now;
     ``partitions``: every partition those nodes are in) each have ``want`` free for
-    ``time_limit_s`` beside the running jobs' and the pending jobs' plans; None when the plan
-    cannot be read whole (module docstring) or nothing fits."""
+    ``time_limit_s`` beside the running jobs' and the pending jobs' plans and outside the
+    ``reservations``; None when the plan cannot be read whole (module docstring) or nothing
+    fits."""
     if time_limit_s is None or math.isinf(time_limit_s):
         return None
     busy: dict[str, list[_Busy]] = {n: [] for n in capacity}
@@ -155,6 +158,9 @@ def backfill_start(capacity: Mapping[str, Need], used: Mapping[str, Need],
         accounted = sum((what for *_, what in busy.get(n, ())), NOTHING)
         if n in busy and not in_use.within(accounted):
             return None  # in use, and no running job listed says by whom until when
+    for resv in reservations:  # the whole node, from its start to its end
+        for n in (n for n in resv.nodes if n in busy):
+            busy[n].append((max(resv.start, now), resv.end, capacity[n]))
     for job in pending:
         if not job.runnable:
             continue

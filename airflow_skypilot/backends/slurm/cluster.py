@@ -4,7 +4,8 @@ The probe uses only portable ``-o``/``-O`` formats that Slurm 22.05 to today pri
 ``sinfo -N -O`` (per node and partition: state, CPUs, memory, GRES and GRES in use),
 ``sinfo -o`` (partitions, their MaxTime and DefaultTime), ``squeue -t PENDING -O`` (the queue
 ahead: each pending job's request, GPUs per node, job or task, CPUs and memory in all, reason,
-planned start and planned nodes, read by :mod:`.queue`), ``squeue -t RUNNING -O`` (each
+planned start and planned nodes, read by :mod:`.queue`), ``sinfo -T`` (reservations: their
+nodes, start and end), ``squeue -t RUNNING -O`` (each
 running job's nodes, GPUs, planned end, CPUs and memory: with the queue, backfill's plan, read
 by :mod:`.backfill`), the finished
 jobs' elapsed time and time limit (``sacct``, else ``sacct -c``; kept on the login node for
@@ -32,9 +33,11 @@ from airflow_skypilot.backends.slurm.backfill import RunningJob, parse_running
 from airflow_skypilot.backends.slurm.queue import (
     Discount,
     PendingJob,
+    Reservation,
     duration_s,
     history_ratio,
     parse_pending,
+    parse_reservation,
 )
 from airflow_skypilot.backends.slurm.shell import (
     bounded,
@@ -136,6 +139,8 @@ class ClusterState:
     #: the names of the login user's live jobs, listed before the nodes were read (None: not
     #: listed); a job among them is in the nodes' and the queue's counts
     our_jobs: frozenset[str] | None = None
+    #: advanced reservations (maintenance...), active or to come; none listed: none known
+    reservations: list[Reservation] = field(default_factory=list)
 
     @cached_property
     def discount(self) -> Discount | None:
@@ -181,6 +186,9 @@ _t env SLURM_TIME_FORMAT=%s squeue -h -t PENDING -O \
 'SchedNodes:|,UserName:|,PriorityLong:|,TimeLimit:|,tres-per-job:|,tres-per-task:|,NumTasks:|,'\
 'tres-alloc:|'
 rc=$?; printf "@@pending_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
+echo "@@reservations"
+_t env SLURM_TIME_FORMAT=%s sinfo -h -T
+printf "@@reservations_rc\n%s\n" "$?"
 echo "@@running"
 _t env SLURM_TIME_FORMAT=%s squeue -h -t RUNNING,COMPLETING -O \
   'JobID:|,NodeList:|,tres-per-node:|,EndTime:|,NumCPUs:|,MinMemory:|,tres-per-job:|,'\
@@ -338,8 +346,12 @@ def parse_cluster(output: str) -> ClusterState:
             if section_rc(sec, "ours") == 0 else None)
     running = ([j for j in map(parse_running, sec.get("running", [])) if j is not None]
                if section_rc(sec, "running") == 0 else None)
+    reservations = [r for r in map(parse_reservation, sec.get("reservations", []))
+                    if r is not None and r.nodes] if section_rc(sec, "reservations") == 0 \
+        else []
     return ClusterState(nodes=nodes, partitions=partitions,
                         now=_clock(now_lines[0]) if now_lines else time.time(),
                         home=home_lines[0] if home_lines else "", starts=starts,
                         pending_jobs=pending, user=user_lines[0].strip() if user_lines else "",
-                        history=history, our_jobs=ours, running=running)
+                        history=history, our_jobs=ours, running=running,
+                        reservations=reservations)

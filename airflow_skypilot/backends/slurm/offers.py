@@ -35,6 +35,7 @@ from airflow_skypilot.backends.slurm.backfill import Need, backfill_start
 from airflow_skypilot.backends.slurm.cluster import ClusterState, NodeInfo, Shape
 from airflow_skypilot.backends.slurm.queue import (
     Discount,
+    Reservation,
     Room,
     duration_s,
     duration_text,
@@ -185,7 +186,8 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     held = hold(_rooms(st), [n.name for n in nodes], st.pending_jobs,
                 {n.name: n.partitions for n in st.nodes.values()}, now=st.now,
                 time_limit_s=limit_s, gres_type=gres_type, user=st.user,
-                planned=[n.name for n in st.nodes.values() if n.planned])
+                planned=[n.name for n in st.nodes.values() if n.planned],
+                reservations=_blocking(st, s))
     pool = [_pool_node(n, gres_type, held.room.get(n.name, Room({}, 0, 0))) for n in nodes]
     after = fit_pool(pool, req, task.num_nodes, part, min_cpus=1)
     offer.nodes_free = after.nodes_free
@@ -199,6 +201,10 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
                           "nodes_idle": fit.nodes_free, "pending_ours": len(ours)})
     if req.accelerator:
         offer.details["gpus_idle"] = fit.gpus_free
+    if held.reservations:
+        offer.details["held_for_reservations"] = held.reservations
+        offer.notes.append(f"nodes held for reservation(s) {', '.join(held.reservations)} "
+                           "starting before it would end")
     if held.jobs and (held.gpus or after.nodes_free < fit.nodes_free):
         offer.details.update({"reserved_by_pending": held.gpus, "held_for": held.jobs[:20]})
         what = f"{held.gpus} idle {offer.accelerator}" if held.gpus else "idle nodes"
@@ -219,7 +225,8 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     later = isinstance(start, float) and start > st.now + HELD_MIN_WAIT_S
     # not free now (beside the jobs ahead): when backfill's plan has a hole for it
     hole = None if own or isinstance(start, str) or offer.nodes_free >= task.num_nodes \
-        else _backfill_hole(st, nodes, gres_type, req, task.num_nodes, limit_s)
+        else _backfill_hole(st, nodes, gres_type, req, task.num_nodes, limit_s,
+                            _blocking(st, s))
     if isinstance(start, float) and start - st.now < _HORIZON_S:
         offer.details["test_only_start"] = max(start, st.now)
     if hole is not None and (not isinstance(start, float) or hole < start):
@@ -264,8 +271,16 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     return offer
 
 
+def _blocking(st: ClusterState, settings: SlurmSettings) -> list[Reservation]:
+    """The reservations that keep the job off their nodes: every one, unless the connection
+    runs its jobs in a reservation (its extra ``reservation``: they run there, test-only
+    answers)."""
+    return [] if settings.reservation else st.reservations
+
+
 def _backfill_hole(st: ClusterState, nodes: list[NodeInfo], gres_type: str, req: ResourceRequest,
-                   num_nodes: int, limit_s: float | None) -> float | None:
+                   num_nodes: int, limit_s: float | None,
+                   reservations: list[Reservation] = ()) -> float | None:
     """:func:`.backfill.backfill_start` for one node's share of ``req`` (a GPU candidate) on
     the partition's usable ``nodes`` (None without the running jobs' list)."""
     gpus, cpus, mem_gb = shape(req)
@@ -279,7 +294,7 @@ def _backfill_hole(st: ClusterState, nodes: list[NodeInfo], gres_type: str, req:
         st.running, st.pending_jobs, partitions={p for n in usable for p in n.partitions},
         now=st.now, gres_type=gres_type,
         want=Need(int(gpus), max(1, math.ceil(cpus)), int(mem_gb * 1024)),
-        num_nodes=num_nodes, time_limit_s=limit_s)
+        num_nodes=num_nodes, time_limit_s=limit_s, reservations=reservations)
 
 
 def capacity_rows(state: ClusterState, settings: SlurmSettings,

@@ -241,6 +241,31 @@ def _int(text: str, default: int) -> int:
         return default
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """One advanced reservation (maintenance, a group's block), as ``sinfo -T`` lists it. A
+    job that does not ask for it (``--reservation``) cannot run on its nodes from its start to
+    its end: Slurm neither starts a job there that would still run at the start, nor plans one
+    inside it."""
+
+    name: str
+    active: bool
+    start: float  # epoch
+    end: float  # epoch; math.inf: no end
+    nodes: tuple[str, ...]
+
+
+def parse_reservation(line: str) -> Reservation | None:
+    """One line of ``SLURM_TIME_FORMAT=%s sinfo -h -T`` (name, state, start, end, duration,
+    nodes; whitespace apart: it takes no ``-o``)."""
+    parts = line.split()
+    if len(parts) < 6 or not parts[2].isdigit():
+        return None
+    end = float(parts[3]) if parts[3].isdigit() else math.inf
+    return Reservation(parts[0], parts[1].upper() == "ACTIVE", float(parts[2]), end,
+                       tuple(expand_hostlist(parts[5])))
+
+
 @dataclass
 class Room:
     """What one node has idle now: GPUs by GRES type, CPUs, memory (MB)."""
@@ -258,6 +283,8 @@ class Held:
     gpus: int = 0  # idle GPUs of the asked type held (on the partition's nodes)
     jobs: list[str] = field(default_factory=list)  # the pending jobs that hold them
     ours: list[str] = field(default_factory=list)  # ...of them, the connection user's
+    #: reservations that hold nodes of the partition (the job would still run at their start)
+    reservations: list[str] = field(default_factory=list)
 
 
 def _gpu_take(room: Room, want: dict[str, int]) -> dict[str, int]:
@@ -286,17 +313,28 @@ def _fits(room: Room, job: PendingJob) -> bool:
 def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
          pending: Sequence[PendingJob], node_partitions: dict[str, list[str]], *, now: float,
          time_limit_s: float | None, gres_type: str, user: str = "",
-         planned: Iterable[str] = ()) -> Held:
+         planned: Iterable[str] = (), reservations: Iterable[Reservation] = ()) -> Held:
     """Take from ``rooms`` (every usable node's idle resources) what the pending jobs ahead
     will take before a new job of ``time_limit_s`` (None or inf: unlimited) would end, in
     priority order. ``partition_nodes``: the partition the new job asks for (held GPUs are
     counted there); ``gres_type``: the GPU type it asks for. ``planned`` nodes (Slurm's
     PLANNED state) that no pending job names as its planned nodes are held whole: backfill
-    plans a job there that squeue did not show (another Slurm's ``%Y``), when, unknown."""
+    plans a job there that squeue did not show (another Slurm's ``%Y``), when, unknown.
+    The nodes of ``reservations`` that start before the new job would end are held whole."""
     rooms = {n: Room(dict(r.gpus), r.cpus, r.mem_mb) for n, r in rooms.items()}
     mine = set(partition_nodes)
     limit = math.inf if time_limit_s is None else time_limit_s
     out = Held(room=rooms)
+    for resv in reservations:
+        if resv.start > now + limit:
+            continue  # the new job would have ended by then
+        held_here = [n for n in resv.nodes if n in rooms]
+        for n in held_here:
+            if n in mine:
+                out.gpus += rooms[n].gpus.get(gres_type, 0)
+            rooms[n] = Room({t: 0 for t in rooms[n].gpus}, 0, 0)
+        if set(held_here) & mine:
+            out.reservations.append(resv.name)
     named = {n for j in pending for n in j.sched_nodes}
     for n in sorted(set(planned) - named):
         if n in rooms:
