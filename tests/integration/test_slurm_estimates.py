@@ -161,7 +161,8 @@ def test_a_maintenance_reservation_to_come_holds_its_nodes_for_a_job_that_would_
     long = _at(alpha, long_task, "batch")
     assert long.gpus_free == 0 and not long.free_now, long
     assert long.details["held_for_reservations"] == ["maint-a2"]
-    assert "nodes held for reservation(s) maint-a2 starting before it would end" in long.notes
+    assert "4 idle A100 held for reservation(s) maint-a2 starting before it would end" in \
+        long.notes
     short_task = _task({"accelerators": "A100:1"}, {"time": "5"}, run="sleep 30")
     short = _at(alpha, short_task, "batch")
     assert short.free_now and "held_for_reservations" not in short.details

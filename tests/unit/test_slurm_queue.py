@@ -208,6 +208,8 @@ def test_a_reservation_to_come_holds_its_nodes_for_jobs_that_would_still_run_at_
     long = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "60"}))[("batch", 0)]
     assert not long.free_now and long.gpus_free == 0
     assert long.details["held_for_reservations"] == ["maint-a2"]
+    assert long.notes[0] == "4 idle A100 held for reservation(s) maint-a2 starting before it " \
+        "would end" and "reserved_by_pending" not in long.details
     short = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "5"}))[("batch", 0)]
     assert short.free_now  # ends before the maintenance begins
     # a connection whose jobs run in a reservation (its extra): they are not kept out of one

@@ -203,7 +203,9 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
         offer.details["gpus_idle"] = fit.gpus_free
     if held.reservations:
         offer.details["held_for_reservations"] = held.reservations
-        offer.notes.append(f"nodes held for reservation(s) {', '.join(held.reservations)} "
+        what = f"{held.reserved_gpus} idle {offer.accelerator}" if held.reserved_gpus \
+            else "idle nodes"
+        offer.notes.append(f"{what} held for reservation(s) {', '.join(held.reservations)} "
                            "starting before it would end")
     if held.jobs and (held.gpus or after.nodes_free < fit.nodes_free):
         offer.details.update({"reserved_by_pending": held.gpus, "held_for": held.jobs[:20]})

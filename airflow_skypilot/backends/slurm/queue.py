@@ -246,7 +246,8 @@ class Reservation:
     """One advanced reservation (maintenance, a group's block), as ``sinfo -T`` lists it. A
     job that does not ask for it (``--reservation``) cannot run on its nodes from its start to
     its end: Slurm neither starts a job there that would still run at the start, nor plans one
-    inside it."""
+    inside it. Its nodes are counted whole, whatever its flags (one of some cores only, a
+    MAGNETIC one the login user may use): conservative."""
 
     name: str
     active: bool
@@ -285,6 +286,7 @@ class Held:
     ours: list[str] = field(default_factory=list)  # ...of them, the connection user's
     #: reservations that hold nodes of the partition (the job would still run at their start)
     reservations: list[str] = field(default_factory=list)
+    reserved_gpus: int = 0  # idle GPUs of the asked type on those nodes
 
 
 def _gpu_take(room: Room, want: dict[str, int]) -> dict[str, int]:
@@ -331,7 +333,7 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
         held_here = [n for n in resv.nodes if n in rooms]
         for n in held_here:
             if n in mine:
-                out.gpus += rooms[n].gpus.get(gres_type, 0)
+                out.reserved_gpus += rooms[n].gpus.get(gres_type, 0)
             rooms[n] = Room({t: 0 for t in rooms[n].gpus}, 0, 0)
         if set(held_here) & mine:
             out.reservations.append(resv.name)
