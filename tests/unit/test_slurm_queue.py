@@ -196,15 +196,30 @@ def test_a_planned_node_is_idle_for_jobs_that_end_first_and_held_when_nobody_say
     assert unnamed[("batch", 0)].details["held_for"] == ["(planned on a2)"]
 
 
+def _resv(name, start, end, nodes="a2", state="INACTIVE", flags="MAINT,SPEC_NODES"):
+    """A line of ``scontrol show res -o`` as 22.05 prints it with SLURM_TIME_FORMAT=%s (from
+    the sandbox)."""
+    return (f"ReservationName={name} StartTime={int(start)} EndTime={int(end)} "
+            f"Duration=01:00:00 Nodes={nodes} NodeCnt=1 CoreCnt=8 Features=(null) "
+            f"PartitionName=(null) Flags={flags} TRES=cpu=8 Users=root Groups=(null) "
+            f"Accounts=(null) Licenses=(null) State={state} BurstBuffer=(null) Watts=n/a "
+            "MaxStartDelay=(null)")
+
+
+def _with(out: str, *lines: str) -> str:
+    return out.replace("@@testonly", "@@reservations\n" + "".join(f"{x}\n" for x in lines)
+                       + "@@reservations_rc\n0\n@@testonly")
+
+
 def test_a_reservation_to_come_holds_its_nodes_for_jobs_that_would_still_run_at_its_start():
-    # sinfo -T as 22.05 prints it with SLURM_TIME_FORMAT=%s (from the sandbox); it takes no -o
-    line = f"maint-a2   INACTIVE   {NOW + 600}   {NOW + 4200}   01:00:00  a2"
+    line = _resv("maint-a2", NOW + 600, NOW + 4200)
     resv = parse_reservation(line)
     assert (resv.name, resv.active, resv.start, resv.end, resv.nodes) == (
         "maint-a2", False, NOW + 600, NOW + 4200, ("a2",))
     assert parse_reservation("No reservations in the system") is None
-    out = probe(a1_used=4).replace("@@testonly", f"@@reservations\n{line}\n"
-                                   "@@reservations_rc\n0\n@@testonly")
+    assert parse_reservation(_resv("d", NOW + 600, NOW + 900, flags="MAINT,DAILY")).end == \
+        math.inf  # it comes back tomorrow: scontrol shows its next window only
+    out = _with(probe(a1_used=4), line)
     long = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "60"}))[("batch", 0)]
     assert not long.free_now and long.gpus_free == 0
     assert long.details["held_for_reservations"] == ["maint-a2"]
@@ -212,12 +227,48 @@ def test_a_reservation_to_come_holds_its_nodes_for_jobs_that_would_still_run_at_
         "would end" and "reserved_by_pending" not in long.details
     short = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "5"}))[("batch", 0)]
     assert short.free_now  # ends before the maintenance begins
-    # a connection whose jobs run in a reservation (its extra): they are not kept out of one
-    inside = SlurmSettings.from_extra("c", {"cluster": "alpha", "reservation": "maint-a2"})
-    own = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "60"}), inside)
-    assert "held_for_reservations" not in own[("batch", 0)].details
     assert offers_of(probe(a1_used=4), task_of({"accelerators": "A100:1"}, {"time": "60"}))[
         ("batch", 0)].free_now  # without it
+    over = _with(probe(a1_used=4), _resv("old", NOW - 7200, NOW - 60, state="ACTIVE"))
+    assert offers_of(over, task_of({"accelerators": "A100:1"}, {"time": "60"}))[
+        ("batch", 0)].free_now  # one that has ended holds nothing
+
+
+def test_a_connection_whose_jobs_run_in_a_reservation_is_free_only_inside_it_once_it_began():
+    inside = SlurmSettings.from_extra("c", {"cluster": "alpha", "reservation": "grp"})
+    task = task_of({"accelerators": "A100:1"}, {"time": "60"})
+    # grp (a2) begins in 2 hours: a1 and a2 idle, but its jobs wait for it
+    later = offers_of(_with(probe(a1_used=0), _resv("grp", NOW + 7200, NOW + 14400,
+                                                    flags="SPEC_NODES")), task, inside)
+    got = later[("batch", 0)]
+    assert not got.free_now and got.details["held_for_reservations"] == [
+        "outside grp", "grp until it begins"]
+    # not listed (a typo, or deleted): nowhere is free for it
+    gone = offers_of(probe(a1_used=0), task, inside)[("batch", 0)]
+    assert not gone.free_now and gone.details["held_for_reservations"] == ["grp (not listed)"]
+    # another reservation (a maintenance of a2) still keeps it off a2
+    both = offers_of(_with(probe(a1_used=0), _resv("grp", NOW - 60, NOW + 14400, nodes="a1",
+                                                   state="ACTIVE", flags="SPEC_NODES"),
+                           _resv("maint-a2", NOW + 600, NOW + 4200)), task, inside)
+    assert both[("batch", 0)].details["held_for_reservations"] == ["maint-a2", "outside grp"]
+
+
+def test_gpus_asked_per_job_without_a_plan_are_taken_over_as_many_nodes_as_they_need():
+    # both nodes idle; a --gpus=8 job (NumNodes 1: the least it may take) just submitted, no
+    # plan yet: it takes a1 and a2 at the next pass (4 A100 each)
+    job = ("2001|batch|1|None|N/A|1|1000M|N/A|(null)|other|9|1:00:00|gres:gpu:8|N/A|1|"
+           "cpu=1,mem=1000M,node=1|")
+    assert parse_pending(job).gpus_whole == {"": 8}
+    got = offers_of(probe(a1_used=0, pending=[job]),
+                    task_of({"accelerators": "A100:1"}, {"time": "60"}))[("batch", 0)]
+    assert not got.free_now and got.details["reserved_by_pending"] == 8
+    # planned on two nodes: split over both
+    planned = ("2002|batch|1|Resources|N/A|1|1000M|1796096947|a[1-2]|other|9|1:00:00|"
+               "gres:gpu:6|N/A|1|cpu=1,mem=1000M,node=1|")
+    assert (parse_pending(planned).gpus, parse_pending(planned).gpus_guessed) == ({"": 3}, True)
+    # --gres=gpu (no count) is one GPU
+    assert tres_gpus("gres:gpu") == {"": 1} and tres_gpus("gres:gpu:a100") == {"a100": 1}
+    assert tres_gpus("gres/gpumem=4G,gres/gpu=2") == {"": 2}
 
 
 def test_a_pending_job_that_does_not_fit_the_idle_nodes_and_has_no_plan_holds_nothing():

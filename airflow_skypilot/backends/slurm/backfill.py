@@ -33,7 +33,9 @@ from airflow_skypilot.backends.slurm.queue import (
     expand_hostlist,
     job_gpus,
     memory_mb,
+    tres_gpus,
     tres_memory_mb,
+    whole_gpus,
 )
 
 #: the starts a multi-node job is tried at, at most (beyond: no estimate; test-only's)
@@ -95,9 +97,9 @@ def parse_running(line: str) -> RunningJob | None:
         parts[:len(RUNNING_FIELDS)]
     when = float(end) if end.isdigit() and int(end) > 0 else math.inf
     nodes = tuple(expand_hostlist(nodes_text))
-    gpus, guessed = job_gpus(tres, per_job, per_task, tasks, len(nodes) or 1)
+    gpus, guessed = job_gpus(tres, whole_gpus(per_job, per_task, tasks), len(nodes) or 1)
     if guessed:
-        gpus = job_gpus(tres, "", "", "", 1)[0]
+        gpus = tres_gpus(tres)
     total_mem = tres_memory_mb(alloc)
     return RunningJob(job_id, nodes, gpus, when, int(cpus) if cpus.isdigit() else 0,
                       math.ceil(total_mem / max(1, len(nodes))) if total_mem

@@ -4,8 +4,8 @@ The probe uses only portable ``-o``/``-O`` formats that Slurm 22.05 to today pri
 ``sinfo -N -O`` (per node and partition: state, CPUs, memory, GRES and GRES in use),
 ``sinfo -o`` (partitions, their MaxTime and DefaultTime), ``squeue -t PENDING -O`` (the queue
 ahead: each pending job's request, GPUs per node, job or task, CPUs and memory in all, reason,
-planned start and planned nodes, read by :mod:`.queue`), ``sinfo -T`` (reservations: their
-nodes, start and end), ``squeue -t RUNNING -O`` (each
+planned start and planned nodes, read by :mod:`.queue`), ``scontrol show res`` (reservations:
+their nodes, window and flags), ``squeue -t RUNNING -O`` (each
 running job's nodes, GPUs, planned end, CPUs and memory: with the queue, backfill's plan, read
 by :mod:`.backfill`), the finished
 jobs' elapsed time and time limit (``sacct``, else ``sacct -c``; kept on the login node for
@@ -187,7 +187,7 @@ _t env SLURM_TIME_FORMAT=%s squeue -h -t PENDING -O \
 'tres-alloc:|'
 rc=$?; printf "@@pending_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@reservations"
-_t env SLURM_TIME_FORMAT=%s sinfo -h -T
+_t env SLURM_TIME_FORMAT=%s scontrol show res -o
 printf "@@reservations_rc\n%s\n" "$?"
 echo "@@running"
 _t env SLURM_TIME_FORMAT=%s squeue -h -t RUNNING,COMPLETING -O \

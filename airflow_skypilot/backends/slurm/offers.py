@@ -274,10 +274,22 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
 
 
 def _blocking(st: ClusterState, settings: SlurmSettings) -> list[Reservation]:
-    """The reservations that keep the job off their nodes: every one, unless the connection
-    runs its jobs in a reservation (its extra ``reservation``: they run there, test-only
-    answers)."""
-    return [] if settings.reservation else st.reservations
+    """What keeps the job off nodes, as reservations: every one listed; with the connection's
+    extra ``reservation`` (its jobs run only there) the others, every node outside it, and its
+    own nodes until it begins (every node when it is not listed)."""
+    name = settings.reservation
+    if not name:
+        return st.reservations
+    out = [r for r in st.reservations if r.name != name]
+    own = next((r for r in st.reservations if r.name == name), None)
+    if own is None:
+        return out + [Reservation(f"{name} (not listed)", True, st.now, math.inf,
+                                  tuple(st.nodes))]
+    if outside := tuple(n for n in st.nodes if n not in own.nodes):
+        out.append(Reservation(f"outside {name}", True, st.now, math.inf, outside))
+    if own.start > st.now:
+        out.append(Reservation(f"{name} until it begins", True, st.now, own.start, own.nodes))
+    return out
 
 
 def _backfill_hole(st: ClusterState, nodes: list[NodeInfo], gres_type: str, req: ResourceRequest,

@@ -34,7 +34,7 @@ import math
 import re
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 #: pending reasons of jobs that wait only for resources or priority: they hold what they plan
 RUNNABLE_REASONS = frozenset({"Resources", "Priority", "None", "", "(null)"})
@@ -46,7 +46,9 @@ HISTORY_MIN_JOBS = 20
 HISTORY_FLOOR = 0.1
 HISTORY_CEILING = 1.0
 
-_TRES_GPU = re.compile(r"(?:^|[,;])(?:gres[:/])?gpu(?::(?P<type>[^:=,]+))?[:=](?P<count>\d+)")
+#: one GPU item of a TRES/GRES list: ``gres:gpu:a100:4``, ``gres/gpu:h100=2``, ``gpu:4``, and
+#: without a count (``--gres=gpu``, ``--gres=gpu:a100``: one)
+_TRES_GPU = re.compile(r"^(?:gres[:/])?gpu(?::(?P<type>[^:=,\d][^:=,]*))?(?:[:=](?P<count>\d+))?$")
 
 
 def duration_s(text: str | None) -> float | None:
@@ -132,26 +134,33 @@ def _expand_one(item: str) -> list[str]:
 
 
 def tres_gpus(text: str) -> dict[str, int]:
-    """GPUs per node from squeue's ``%b`` (``gres:gpu:a100:4``; newer Slurm ``gres/gpu:a100=4``;
-    untyped ``gres:gpu:4`` as type "")."""
+    """GPUs from squeue's ``tres-per-*`` (``gres:gpu:a100:4``; newer Slurm ``gres/gpu:a100=4``;
+    untyped ``gres:gpu:4`` as type ""; ``gres:gpu`` with no count, as ``--gres=gpu`` shows:
+    one). Other GRES (``gpumem``...) are not GPUs."""
     out: dict[str, int] = {}
-    for match in _TRES_GPU.finditer(text or ""):
-        gtype = match.group("type") or ""
-        out[gtype] = out.get(gtype, 0) + int(match.group("count"))
+    for item in re.split(r"[,;]", text or ""):
+        match = _TRES_GPU.match(item.strip())
+        if match:
+            gtype = match.group("type") or ""
+            out[gtype] = out.get(gtype, 0) + int(match.group("count") or 1)
     return out
 
 
-def job_gpus(tres: str, per_job: str, per_task: str, tasks: str, nodes: int
-             ) -> tuple[dict[str, int], bool]:
-    """A job's GPUs per node, from ``tres-per-node`` and the GPUs it asks per job (``--gpus``)
-    or per task (``--gpus-per-task`` x its tasks), and whether that is a guess: a job on
-    several nodes that asks them per job or per task gets them split as Slurm likes; an even
-    split is assumed then (rounded up)."""
-    gpus = tres_gpus(tres)
+def whole_gpus(per_job: str, per_task: str, tasks: str) -> dict[str, int]:
+    """The GPUs a job asks per job (``--gpus``) and per task (``--gpus-per-task`` x its
+    tasks), in all."""
     whole = tres_gpus(per_job)
     count = _int(tasks, 1)
     for gtype, n in tres_gpus(per_task).items():
         whole[gtype] = whole.get(gtype, 0) + n * max(1, count)
+    return whole
+
+
+def job_gpus(tres: str, whole: dict[str, int], nodes: int) -> tuple[dict[str, int], bool]:
+    """A job's GPUs per node, from ``tres-per-node`` and ``whole`` (per job or task, in all)
+    split over ``nodes``, and whether that is a guess: over several nodes Slurm splits them as
+    it likes; an even split is assumed then (rounded up)."""
+    gpus = tres_gpus(tres)
     for gtype, n in whole.items():
         gpus[gtype] = gpus.get(gtype, 0) + math.ceil(n / max(1, nodes))
     return gpus, bool(whole) and nodes > 1
@@ -193,6 +202,8 @@ class PendingJob:
     time_limit_s: float | None = None
     #: its GPUs per node are a guess (asked per job or per task, over several nodes)
     gpus_guessed: bool = False
+    #: the GPUs it asks per job or per task, in all (``--gpus``...; {}: per node only)
+    gpus_whole: dict[str, int] = field(default_factory=dict)
 
     @property
     def runnable(self) -> bool:
@@ -224,14 +235,17 @@ def parse_pending(line: str) -> PendingJob | None:
     except ValueError:
         when = None
     nodes = max(1, _int(nodes_text, 1))
-    gpus, guessed = job_gpus(tres, per_job, per_task, tasks, nodes)
+    sched_nodes = expand_hostlist(sched)
+    whole = whole_gpus(per_job, per_task, tasks)
+    # NumNodes is the least it may take: a --gpus job planned on more nodes splits over them
+    gpus, guessed = job_gpus(tres, whole, max(nodes, len(sched_nodes)))
     total_mem = tres_memory_mb(alloc)
     return PendingJob(
         job_id=job_id, partitions=[p for p in parts_text.split(",") if p],
         nodes=nodes, reason=reason, gpus=gpus, cpus=_int(cpus, 1),
         mem_mb=math.ceil(total_mem / nodes) if total_mem else memory_mb(mem), start=when,
-        sched_nodes=expand_hostlist(sched), user=user, priority=_int(prio, 0),
-        time_limit_s=duration_s(limit), gpus_guessed=guessed)
+        sched_nodes=sched_nodes, user=user, priority=_int(prio, 0),
+        time_limit_s=duration_s(limit), gpus_guessed=guessed, gpus_whole=whole)
 
 
 def _int(text: str, default: int) -> int:
@@ -243,28 +257,35 @@ def _int(text: str, default: int) -> int:
 
 @dataclass(frozen=True)
 class Reservation:
-    """One advanced reservation (maintenance, a group's block), as ``sinfo -T`` lists it. A
-    job that does not ask for it (``--reservation``) cannot run on its nodes from its start to
-    its end: Slurm neither starts a job there that would still run at the start, nor plans one
-    inside it. Its nodes are counted whole, whatever its flags (one of some cores only, a
-    MAGNETIC one the login user may use): conservative."""
+    """One advanced reservation (maintenance, a group's block), as ``scontrol show res -o``
+    lists it. A job that does not ask for it (``--reservation``) cannot run on its nodes from
+    its start to its end: Slurm neither starts a job there that would still run at the start,
+    nor plans one inside it. Its nodes are counted whole, whatever its flags (one of some cores
+    only, a MAGNETIC one the login user may use): conservative. A repeating one (DAILY,
+    WEEKLY...) lists only its next window: it is taken as never ending."""
 
     name: str
     active: bool
     start: float  # epoch
-    end: float  # epoch; math.inf: no end
+    end: float  # epoch; math.inf: no end, or it repeats
     nodes: tuple[str, ...]
 
 
+_REPEATS = ("HOURLY", "DAILY", "WEEKDAY", "WEEKEND", "WEEKLY")
+
+
 def parse_reservation(line: str) -> Reservation | None:
-    """One line of ``SLURM_TIME_FORMAT=%s sinfo -h -T`` (name, state, start, end, duration,
-    nodes; whitespace apart: it takes no ``-o``)."""
-    parts = line.split()
-    if len(parts) < 6 or not parts[2].isdigit():
+    """One line of ``SLURM_TIME_FORMAT=%s scontrol show res -o`` (``Key=value`` words; "No
+    reservations in the system" when there are none)."""
+    fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+    name, start = fields.get("ReservationName", ""), fields.get("StartTime", "")
+    if not name or not start.isdigit():
         return None
-    end = float(parts[3]) if parts[3].isdigit() else math.inf
-    return Reservation(parts[0], parts[1].upper() == "ACTIVE", float(parts[2]), end,
-                       tuple(expand_hostlist(parts[5])))
+    end = fields.get("EndTime", "")
+    flags = set(fields.get("Flags", "").upper().split(","))
+    return Reservation(name, fields.get("State", "").upper() == "ACTIVE", float(start),
+                       float(end) if end.isdigit() and not flags & set(_REPEATS) else math.inf,
+                       tuple(expand_hostlist(fields.get("Nodes", ""))))
 
 
 @dataclass
@@ -312,6 +333,30 @@ def _fits(room: Room, job: PendingJob) -> bool:
     return room.cpus >= job.cpus_per_node and room.mem_mb >= job.mem_mb
 
 
+#: more nodes than it asks, at most, that a job asking GPUs per job is tried on (Slurm takes
+#: as few as hold them)
+SPREAD_MAX = 8
+
+
+def _place_now(rooms: dict[str, Room], where: Iterable[str], job: PendingJob
+               ) -> tuple[list[str], PendingJob]:
+    """Where a pending job without a plan starts now, if anywhere: the fewest nodes that fit
+    it (best fit by GPUs), and the job as it takes them (GPUs asked per job split over them);
+    ([], job) when none."""
+    order = sorted(where, key=lambda n: (sum(rooms[n].gpus.values()), rooms[n].cpus, n))
+    top = job.nodes + (SPREAD_MAX if job.gpus_whole else 0)
+    as_parsed = job_gpus("", job.gpus_whole, job.nodes)[0]
+    per_node = {t: n - as_parsed.get(t, 0) for t, n in job.gpus.items()}  # asked per node
+    for count in range(job.nodes, min(top, max(job.nodes, len(order))) + 1):
+        spread = job_gpus("", job.gpus_whole, count)[0]
+        share = job if count == job.nodes else replace(job, nodes=count, gpus={
+            t: per_node.get(t, 0) + spread.get(t, 0) for t in {*per_node, *spread}})
+        fit = [n for n in order if _fits(rooms[n], share)]
+        if len(fit) >= count:
+            return fit[:count], share
+    return [], job
+
+
 def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
          pending: Sequence[PendingJob], node_partitions: dict[str, list[str]], *, now: float,
          time_limit_s: float | None, gres_type: str, user: str = "",
@@ -328,8 +373,8 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
     limit = math.inf if time_limit_s is None else time_limit_s
     out = Held(room=rooms)
     for resv in reservations:
-        if resv.start > now + limit:
-            continue  # the new job would have ended by then
+        if resv.start > now + limit or resv.end <= now:
+            continue  # the new job would have ended by then; it is over
         held_here = [n for n in resv.nodes if n in rooms]
         for n in held_here:
             if n in mine:
@@ -367,12 +412,10 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
             if shape in unfit:
                 continue  # rooms only shrink: what did not fit an earlier job does not now
             where = {n for part in job.partitions for n in open_in.get(part, ())}
-            fit = sorted((n for n in where if _fits(rooms[n], job)),
-                         key=lambda n: (sum(rooms[n].gpus.values()), rooms[n].cpus, n))
-            if len(fit) < job.nodes:
+            chosen, job = _place_now(rooms, where, job)
+            if not chosen:
                 unfit.add(shape)
                 continue
-            chosen = fit[:job.nodes]
         held_here = 0
         for n in chosen:
             room = rooms[n]
