@@ -64,6 +64,11 @@ def test_memory_per_cpu_and_gpus_per_job_are_accounted_so_the_hole_is_found():
     # a pending job ahead on our partition whose per-job GPUs spread over 2 nodes: no plan
     spread = f"2|gpu|2|Resources|N/A|2|0|{int(NOW + H)}|n[1-2]|u|1|60|gres:gpu:a100:6|N/A|2||"
     assert _start(4, 600, running=[line], used=used, pending=[spread]) is None
+    # a job array ahead: squeue shows its first task's plan only; the others' are unknown
+    array = f"3|gpu|1|Resources|gres:gpu:a100:2|1|0|{int(NOW + H)}|n1|u|1|60|N/A|N/A|1||0-5|"
+    assert _start(4, 600, running=[line], used=used, pending=[array]) is None
+    one = f"3|gpu|1|Resources|gres:gpu:a100:2|1|0|{int(NOW + H)}|n1|u|1|60|N/A|N/A|1||N/A|"
+    assert _start(4, 600, running=[line], used=used, pending=[one]) == NOW
 
 
 def test_a_short_job_fits_the_hole_before_a_reservation_a_long_one_starts_after_it():

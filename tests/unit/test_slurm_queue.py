@@ -15,6 +15,7 @@ from airflow_skypilot.backends.slurm.backfill import RUNNING_FIELDS
 from airflow_skypilot.backends.slurm.cluster import PROBE_SCRIPT, parse_cluster, probe_script
 from airflow_skypilot.backends.slurm.queue import (
     PENDING_FIELDS,
+    array_tasks,
     duration_s,
     expand_hostlist,
     history_ratio,
@@ -251,6 +252,21 @@ def test_a_connection_whose_jobs_run_in_a_reservation_is_free_only_inside_it_onc
                                                    state="ACTIVE", flags="SPEC_NODES"),
                            _resv("maint-a2", NOW + 600, NOW + 4200)), task, inside)
     assert both[("batch", 0)].details["held_for_reservations"] == ["maint-a2", "outside grp"]
+
+
+def test_a_pending_job_arrays_tasks_each_take_what_fits_them():
+    assert [array_tasks(t) for t in ("N/A", "0-9", "1,3,5-11:2", "0-99%4", "7", "")] == \
+        [1, 10, 6, 4, 1, 1]
+    # squeue (22.05, no -r) shows a pending array as one line, the first task's plan on it
+    line = ("1002|batch|1|Priority|gres:gpu:a100:2|2|1000M|N/A|(null)|other|9|20:00|N/A|N/A|1|"
+            "cpu=2,mem=2000M,node=1|0-3|")
+    job = parse_pending(line)
+    assert (job.job_id, job.array_more, job.gpus) == ("1002", 3, {"a100": 2})
+    got = offers_of(probe(a1_used=0, pending=[line]),
+                    task_of({"accelerators": "A100:1"}, {"time": "60"}))[("batch", 0)]
+    # four tasks of 2 GPUs take both idle nodes (one line read as one job took 2 of 8)
+    assert not got.free_now and got.details["reserved_by_pending"] == 8
+    assert got.details["held_for"] == ["1002"] and got.pending_jobs == 4
 
 
 def test_gpus_asked_per_job_without_a_plan_are_taken_over_as_many_nodes_as_they_need():

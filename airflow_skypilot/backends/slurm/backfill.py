@@ -13,7 +13,8 @@ limits).
 Where the plan cannot be read whole, the answer is None (test-only stays the estimate): a
 runnable pending job without a planned start or planned nodes (just submitted, or beyond
 backfill's look-ahead), or that asks its GPUs per job or per task over several nodes (how
-Slurm will split them is not said), in a partition that shares a node with ours; GPUs, CPUs
+Slurm will split them is not said), or a job array's tasks after its first (squeue shows the
+first one's plan only), in a partition that shares a node with ours; GPUs, CPUs
 or memory in use that the running jobs listed do not account for (a job on several nodes with
 GPUs per job); a job without a time limit. A job's GPUs asked per job (``--gpus``) or per task
 on one node are its node's; its memory is ``tres-alloc``'s (``--mem-per-cpu`` and
@@ -167,10 +168,11 @@ def backfill_start(capacity: Mapping[str, Need], used: Mapping[str, Need],
         if not job.runnable:
             continue
         if (job.start is None or not job.sched_nodes or job.time_limit_s is None
-                or job.gpus_guessed):
+                or job.gpus_guessed or job.array_more):
             if set(job.partitions) & partitions:
                 return None  # ahead of us on our nodes, and where, how much or until when
-                # not planned (GPUs per job over several nodes: how Slurm splits them)
+                # not planned (GPUs per job over several nodes: how Slurm splits them; an
+                # array's other tasks, whose plans squeue does not show)
             continue
         start = max(job.start, now)
         share = Need(_gpus_of(job.gpus, gres_type), job.cpus_per_node, job.mem_mb)

@@ -184,7 +184,7 @@ echo "@@pending"
 _t env SLURM_TIME_FORMAT=%s squeue -h -t PENDING -O \
   'JobID:|,Partition:|,NumNodes:|,Reason:|,tres-per-node:|,NumCPUs:|,MinMemory:|,StartTime:|,'\
 'SchedNodes:|,UserName:|,PriorityLong:|,TimeLimit:|,tres-per-job:|,tres-per-task:|,NumTasks:|,'\
-'tres-alloc:|'
+'tres-alloc:|,ArrayTaskID:|'
 rc=$?; printf "@@pending_rc\n%s\n" "$rc"; [ "$rc" = 0 ] || exit 0
 echo "@@reservations"
 _t env SLURM_TIME_FORMAT=%s scontrol show res -o
@@ -329,7 +329,7 @@ def parse_cluster(output: str) -> ClusterState:
         pending.append(job)
         for part in job.partitions:
             if part in partitions:
-                partitions[part].pending += 1
+                partitions[part].pending += 1 + job.array_more
     starts: dict[tuple[str, str, int, int, int, int], float | str] = {}
     for line in sec.get("testonly", []):
         # partition|gres type|gpus per node|nodes|cpus|mem MB|epoch or error text

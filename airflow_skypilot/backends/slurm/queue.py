@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 #: pending reasons of jobs that wait only for resources or priority: they hold what they plan
@@ -204,6 +204,9 @@ class PendingJob:
     gpus_guessed: bool = False
     #: the GPUs it asks per job or per task, in all (``--gpus``...; {}: per node only)
     gpus_whole: dict[str, int] = field(default_factory=dict)
+    #: the other tasks of a job array the line stands for (squeue shows a pending array as
+    #: one line, with the plan of its first task): each takes what fits it at the next pass
+    array_more: int = 0
 
     @property
     def runnable(self) -> bool:
@@ -218,7 +221,8 @@ class PendingJob:
 #: (the first twelve are ``-o '%i|%P|%D|%r|%b|%C|%m|%S|%Y|%u|%Q|%l'``, which older probes printed)
 PENDING_FIELDS = ("JobID", "Partition", "NumNodes", "Reason", "tres-per-node", "NumCPUs",
                   "MinMemory", "StartTime", "SchedNodes", "UserName", "PriorityLong",
-                  "TimeLimit", "tres-per-job", "tres-per-task", "NumTasks", "tres-alloc")
+                  "TimeLimit", "tres-per-job", "tres-per-task", "NumTasks", "tres-alloc",
+                  "ArrayTaskID")
 
 
 def parse_pending(line: str) -> PendingJob | None:
@@ -229,7 +233,7 @@ def parse_pending(line: str) -> PendingJob | None:
         return None
     parts += [""] * (len(PENDING_FIELDS) - len(parts))
     (job_id, parts_text, nodes_text, reason, tres, cpus, mem, start, sched, user, prio, limit,
-     per_job, per_task, tasks, alloc) = parts[:len(PENDING_FIELDS)]
+     per_job, per_task, tasks, alloc, array) = parts[:len(PENDING_FIELDS)]
     try:
         when: float | None = float(start) if start.isdigit() and int(start) > 0 else None
     except ValueError:
@@ -245,7 +249,25 @@ def parse_pending(line: str) -> PendingJob | None:
         nodes=nodes, reason=reason, gpus=gpus, cpus=_int(cpus, 1),
         mem_mb=math.ceil(total_mem / nodes) if total_mem else memory_mb(mem), start=when,
         sched_nodes=sched_nodes, user=user, priority=_int(prio, 0),
-        time_limit_s=duration_s(limit), gpus_guessed=guessed, gpus_whole=whole)
+        time_limit_s=duration_s(limit), gpus_guessed=guessed, gpus_whole=whole,
+        array_more=max(0, array_tasks(array) - 1))
+
+
+def array_tasks(text: str) -> int:
+    """How many tasks of a job array one squeue line stands for (``ArrayTaskID``: ``0-9``,
+    ``1,3,5-11:2``, ``0-99%4``: at most 4 at once); 1 for a job that is not an array."""
+    text = (text or "").strip()
+    spec, _, throttle = text.partition("%")
+    count = 0
+    for part in spec.split(","):
+        rng, _, step = part.partition(":")
+        lo, _, hi = rng.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (step and not step.isdigit()):
+            continue
+        count += (int(hi) - int(lo)) // max(1, int(step or 1)) + 1 if hi else 1
+    if throttle.isdigit() and int(throttle) > 0:
+        count = min(count, int(throttle))
+    return max(1, count)
 
 
 def _int(text: str, default: int) -> int:
@@ -397,7 +419,8 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
             for part in parts:
                 open_in.setdefault(part, []).append(n)
     unfit: set[tuple] = set()
-    for job in sorted(pending, key=lambda j: (-j.priority, _int(j.job_id.split("_")[0], 0))):
+    for job in _tasks(sorted(pending, key=lambda j: (-j.priority,
+                                                     _int(j.job_id.split("_")[0], 0)))):
         if not job.runnable:
             continue
         if job.start is not None and job.start > now + limit:
@@ -427,11 +450,22 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
             room.cpus = max(0, room.cpus - job.cpus_per_node)
             room.mem_mb = max(0, room.mem_mb - job.mem_mb)
         if chosen and set(chosen) & mine:
-            out.jobs.append(job.job_id)
-            if user and job.user == user:
-                out.ours.append(job.job_id)
+            if job.job_id not in out.jobs:  # an array's tasks: once
+                out.jobs.append(job.job_id)
+                if user and job.user == user:
+                    out.ours.append(job.job_id)
             out.gpus += held_here
     return out
+
+
+def _tasks(pending: Iterable[PendingJob]) -> Iterator[PendingJob]:
+    """The pending jobs in order, each array's other tasks after it, without a plan."""
+    for job in pending:
+        yield job
+        if job.array_more and job.runnable:
+            rest = replace(job, start=None, sched_nodes=[], array_more=0)
+            for _ in range(job.array_more):
+                yield rest
 
 
 @dataclass(frozen=True)
