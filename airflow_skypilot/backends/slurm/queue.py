@@ -458,13 +458,18 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
     return out
 
 
+#: an array's other tasks that take room in the model, at most (a cluster with room for more
+#: of them runs them at once; bounded so a probe stays quick)
+ARRAY_TASKS_MAX = 256
+
+
 def _tasks(pending: Iterable[PendingJob]) -> Iterator[PendingJob]:
     """The pending jobs in order, each array's other tasks after it, without a plan."""
     for job in pending:
         yield job
         if job.array_more and job.runnable:
             rest = replace(job, start=None, sched_nodes=[], array_more=0)
-            for _ in range(job.array_more):
+            for _ in range(min(job.array_more, ARRAY_TASKS_MAX)):
                 yield rest
 
 
