@@ -15,7 +15,7 @@ import pytest
 from airflow_skypilot.backends.base import JobState
 from airflow_skypilot.backends.slurm import SlurmBackend
 from airflow_skypilot.spec import load_task
-from tests.conftest import wait_until
+from tests.conftest import use_connections, wait_until
 from tests.sandbox.slurm import remote_work_dir
 
 pytestmark = pytest.mark.sandbox
@@ -171,6 +171,29 @@ def test_a_maintenance_reservation_to_come_holds_its_nodes_for_a_job_that_would_
     _until(lambda: alpha.status([ran])[ran.job_id].state == JobState.RUNNING)
     time.sleep(3)  # several backfill passes
     assert alpha.status([waits])[waits.job_id].state == JobState.PENDING
+
+
+def test_a_connection_whose_jobs_run_in_a_reservation_starts_them_on_its_idle_nodes(
+        slurm, monkeypatch):
+    """A group's reservation of a2 (active, idle: sinfo shows a2 RESERVED); a1 busy. Through a
+    connection with the extra ``reservation``, a2 is free now, and the job runs there; for
+    the plain connection a2 is not free."""
+    alpha = SlurmBackend("slurm_alpha")
+    _filler(slurm, "alpha", "-p", "batch", "-w", "a1", "--gres=gpu:a100:4", "-t", "30")
+    slurm.reserve("alpha", "grp", "a2", 0, 60, users="skyuser", flags="")
+    _until(lambda: "reserved" in slurm.run("alpha", "sinfo", "-h", "-n", "a2", "-o",
+                                           "%T").stdout)
+    task = _task({"accelerators": "A100:1"}, {"time": "20"}, run="sleep 30")
+    assert not _at(alpha, task, "batch").free_now
+    conn = slurm.connections()["slurm_alpha"]
+    conn["extra"] = {**conn["extra"], "reservation": "grp"}
+    use_connections(monkeypatch, {"slurm_alpha": conn})
+    inside = SlurmBackend("slurm_alpha")
+    offer = _at(inside, task, "batch")
+    assert offer.free_now and offer.gpus_free == 4, offer
+    handle = inside.submit(task, offer, _name("sky-grp"), {"SKYPILOT_TASK_ID": "t"})
+    _until(lambda: inside.status([handle])[handle.job_id].state == JobState.RUNNING)
+    assert _squeue(slurm, "alpha", handle.job_id, "%N") == "a2"
 
 
 def test_a_time_limit_over_max_time_does_not_fit_and_slurm_would_never_start_it(slurm):

@@ -1143,12 +1143,13 @@ class SlurmSandbox:
         return [line.split()[0] for line in proc.stdout.splitlines() if len(line.split()) >= 6]
 
     def reserve(self, cluster: str, name: str, nodes: str, start_in_s: int,
-                minutes: int) -> None:
-        """A maintenance reservation of ``nodes`` from ``start_in_s`` seconds on (root's, as an
-        admin makes one); ``reset`` deletes it."""
+                minutes: int, users: str = "root", flags: str = "maint") -> None:
+        """A reservation of ``nodes`` from ``start_in_s`` seconds on, made as an admin makes
+        one (a maintenance by default; ``flags=""`` and ``users`` for a group's block);
+        ``reset`` deletes it."""
         self.run(cluster, "scontrol", "create", "reservation", f"reservationname={name}",
                  f"starttime=now+{start_in_s}", f"duration={minutes}", f"nodes={nodes}",
-                 "flags=maint", "users=root", as_root=True)
+                 *([f"flags={flags}"] if flags else []), f"users={users}", as_root=True)
 
     def _wait_nodes_idle(self, cluster: str, timeout: float) -> None:
         """Wait (bounded) until no job is active and every node is plain IDLE."""

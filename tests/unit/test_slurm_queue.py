@@ -247,6 +247,12 @@ def test_a_connection_whose_jobs_run_in_a_reservation_is_free_only_inside_it_onc
     # not listed (a typo, or deleted): nowhere is free for it
     gone = offers_of(probe(a1_used=0), task, inside)[("batch", 0)]
     assert not gone.free_now and gone.details["held_for_reservations"] == ["grp (not listed)"]
+    # grp (a2) active and idle: Slurm shows a2 RESERVED to all; its jobs may start there now
+    active = _with(probe(a1_used=4, a2_state="reserved"),
+                   _resv("grp", NOW - 60, NOW + 14400, state="ACTIVE", flags="SPEC_NODES"))
+    now = offers_of(active, task, inside)[("batch", 0)]
+    assert now.free_now and now.gpus_free == 4
+    assert not offers_of(active, task)[("batch", 0)].free_now  # a connection without it
     # another reservation (a maintenance of a2) still keeps it off a2
     both = offers_of(_with(probe(a1_used=0), _resv("grp", NOW - 60, NOW + 14400, nodes="a1",
                                                    state="ACTIVE", flags="SPEC_NODES"),

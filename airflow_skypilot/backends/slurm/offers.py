@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from airflow_skypilot.backends.base import CapacityRow, Offer
 from airflow_skypilot.backends.common.fit import PoolNode, fit_pool, hourly_price, shape
@@ -86,6 +87,7 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
     """
     out = []
     discount = state.discount
+    state = _inside_reservation(state, settings)
     for req in task.candidates:
         if not applies(req, settings):
             continue
@@ -271,6 +273,19 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     offer.price_per_hour = hourly_price(task.num_nodes, need, s.price_per_gpu_hour,
                                         s.price_per_node_hour)
     return offer
+
+
+def _inside_reservation(st: ClusterState, settings: SlurmSettings) -> ClusterState:
+    """``st`` as the connection's jobs see it when they run in its reservation (extra
+    ``reservation``) and that one is active: its idle nodes, which Slurm shows RESERVED to
+    everyone, are usable for them."""
+    own = next((r for r in st.reservations if r.name == settings.reservation and r.active),
+               None) if settings.reservation else None
+    if own is None:
+        return st
+    nodes = {name: replace(node, state=node.state.lower().replace("reserved", "idle"))
+             if name in own.nodes else node for name, node in st.nodes.items()}
+    return replace(st, nodes=nodes)
 
 
 def _blocking(st: ClusterState, settings: SlurmSettings) -> list[Reservation]:
