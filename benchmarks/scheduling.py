@@ -652,6 +652,10 @@ class SlurmPlace(Place):
                          f"{64000 * u}|gpu:{self.gres}:{cap}(S:0-1)|gpu:{self.gres}:{u}(IDX:0)|"
                          f"10.0.0.{n}|")
         lines += ["@@partitions", "gpu|up|2-00:00:00|n/a", "@@pending"]
+
+        def tail(j: BJob) -> str:  # squeue -O's last fields: GPUs per node only, what in all
+            return f"N/A|N/A|1|cpu={8 * j.gpus},mem={64000 * j.gpus}M,node=1|"
+
         for prio, (j, when, node) in enumerate(reversed(queued)):
             if self.knobs.slurm_free == "idle":  # Step 7 read the count only: hold nothing
                 lines.append(f"{j.seq}|gpu|1|Dependency")
@@ -661,15 +665,13 @@ class SlurmPlace(Place):
             user = "sky" if j.owner is not None else "other"
             lines.append(f"{j.seq}|gpu|1|Resources|gres:gpu:{self.gres}:{j.gpus}|{8 * j.gpus}|"
                          f"{64000 * j.gpus}M|{start}|{sched}|{user}|{prio}|"
-                         f"{math.ceil((j.limit or 0) / 60) or 'UNLIMITED'}|N/A|N/A|1|"
-                         f"cpu={8 * j.gpus},mem={64000 * j.gpus}M,node=1|")
+                         f"{math.ceil((j.limit or 0) / 60) or 'UNLIMITED'}|{tail(j)}")
         if self.knobs.slurm_estimate == "backfill":
             lines.append("@@running")
             for j in self.running:
                 end = "N/A" if not j.limit else str(int(EPOCH + (j.start or t) + j.limit))
                 lines.append(f"{j.seq}|{self.conn}-n{j.node}|gres:gpu:{self.gres}:{j.gpus}|{end}|"
-                             f"{8 * j.gpus}|{64000 * j.gpus}M|N/A|N/A|1|"
-                             f"cpu={8 * j.gpus},mem={64000 * j.gpus}M,node=1|")
+                             f"{8 * j.gpus}|{64000 * j.gpus}M|{tail(j)}")
             lines += ["@@running_rc", "0"]
         if self.knobs.slurm_estimate != "testonly":
             lines += ["@@history", *self.history_lines(), "@@history_rc", "0"]

@@ -18,8 +18,8 @@ first one's plan only), in a partition that shares a node with ours; GPUs, CPUs
 or memory in use that the running jobs listed do not account for (a job on several nodes with
 GPUs per job); a job without a time limit. A job's GPUs asked per job (``--gpus``) or per task
 on one node are its node's; its memory is ``tres-alloc``'s (``--mem-per-cpu`` and
-``DefMemPerCPU`` jobs included). What squeue does not show at all is test-only's alone: a
-reservation not active yet (maintenance).
+``DefMemPerCPU`` jobs included). Reservations (``scontrol show res``) take their nodes whole
+through their window.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from airflow_skypilot.backends.slurm.queue import (
     Reservation,
     expand_hostlist,
     job_gpus,
-    memory_mb,
+    node_memory_mb,
     tres_gpus,
-    tres_memory_mb,
     whole_gpus,
 )
 
@@ -98,13 +97,11 @@ def parse_running(line: str) -> RunningJob | None:
         parts[:len(RUNNING_FIELDS)]
     when = float(end) if end.isdigit() and int(end) > 0 else math.inf
     nodes = tuple(expand_hostlist(nodes_text))
-    gpus, guessed = job_gpus(tres, whole_gpus(per_job, per_task, tasks), len(nodes) or 1)
-    if guessed:
-        gpus = tres_gpus(tres)
-    total_mem = tres_memory_mb(alloc)
-    return RunningJob(job_id, nodes, gpus, when, int(cpus) if cpus.isdigit() else 0,
-                      math.ceil(total_mem / max(1, len(nodes))) if total_mem
-                      else memory_mb(mem))
+    per_node = tres_gpus(tres)
+    gpus, guessed = job_gpus(per_node, whole_gpus(per_job, per_task, tasks), len(nodes) or 1)
+    return RunningJob(job_id, nodes, per_node if guessed else gpus, when,
+                      int(cpus) if cpus.isdigit() else 0,
+                      node_memory_mb(alloc, mem, len(nodes)))
 
 
 #: (from, until, what) on one node

@@ -140,6 +140,7 @@ class ClusterState:
     #: listed); a job among them is in the nodes' and the queue's counts
     our_jobs: frozenset[str] | None = None
     #: advanced reservations (maintenance...), active or to come; none listed: none known
+    #: (``offers`` reads a connection's own reservation into them)
     reservations: list[Reservation] = field(default_factory=list)
 
     @cached_property

@@ -87,7 +87,7 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
     """
     out = []
     discount = state.discount
-    state = _inside_reservation(state, settings)
+    state = _for_connection(state, settings)
     for req in task.candidates:
         if not applies(req, settings):
             continue
@@ -189,7 +189,7 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
                 {n.name: n.partitions for n in st.nodes.values()}, now=st.now,
                 time_limit_s=limit_s, gres_type=gres_type, user=st.user,
                 planned=[n.name for n in st.nodes.values() if n.planned],
-                reservations=_blocking(st, s))
+                reservations=st.reservations)
     pool = [_pool_node(n, gres_type, held.room.get(n.name, Room({}, 0, 0))) for n in nodes]
     after = fit_pool(pool, req, task.num_nodes, part, min_cpus=1)
     offer.nodes_free = after.nodes_free
@@ -229,8 +229,7 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     later = isinstance(start, float) and start > st.now + HELD_MIN_WAIT_S
     # not free now (beside the jobs ahead): when backfill's plan has a hole for it
     hole = None if own or isinstance(start, str) or offer.nodes_free >= task.num_nodes \
-        else _backfill_hole(st, nodes, gres_type, req, task.num_nodes, limit_s,
-                            _blocking(st, s))
+        else _backfill_hole(st, nodes, gres_type, req, task.num_nodes, limit_s)
     if isinstance(start, float) and start - st.now < _HORIZON_S:
         offer.details["test_only_start"] = max(start, st.now)
     if hole is not None and (not isinstance(start, float) or hole < start):
@@ -275,41 +274,32 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     return offer
 
 
-def _inside_reservation(st: ClusterState, settings: SlurmSettings) -> ClusterState:
-    """``st`` as the connection's jobs see it when they run in its reservation (extra
-    ``reservation``) and that one is active: its idle nodes, which Slurm shows RESERVED to
-    everyone, are usable for them."""
-    own = next((r for r in st.reservations if r.name == settings.reservation and r.active),
-               None) if settings.reservation else None
-    if own is None:
-        return st
-    nodes = {name: replace(node, state=node.state.lower().replace("reserved", "idle"))
-             if name in own.nodes else node for name, node in st.nodes.items()}
-    return replace(st, nodes=nodes)
-
-
-def _blocking(st: ClusterState, settings: SlurmSettings) -> list[Reservation]:
-    """What keeps the job off nodes, as reservations: every one listed; with the connection's
-    extra ``reservation`` (its jobs run only there) the others, every node outside it, and its
-    own nodes until it begins (every node when it is not listed)."""
+def _for_connection(st: ClusterState, settings: SlurmSettings) -> ClusterState:
+    """``st`` as the jobs of a connection whose jobs run in a reservation (extra
+    ``reservation``) see it: its ``reservations`` become what keeps them off nodes (the other
+    reservations, every node outside theirs, and its own nodes until it begins; every node when
+    it is not listed), and once it is active its idle nodes, which Slurm shows RESERVED to
+    everyone, are usable for them. Without the extra, ``st`` as is."""
     name = settings.reservation
     if not name:
-        return st.reservations
-    out = [r for r in st.reservations if r.name != name]
+        return st
+    blocking = [r for r in st.reservations if r.name != name]
     own = next((r for r in st.reservations if r.name == name), None)
     if own is None:
-        return out + [Reservation(f"{name} (not listed)", True, st.now, math.inf,
-                                  tuple(st.nodes))]
+        return replace(st, reservations=blocking + [Reservation(
+            f"{name} (not listed)", True, st.now, math.inf, tuple(st.nodes))])
     if outside := tuple(n for n in st.nodes if n not in own.nodes):
-        out.append(Reservation(f"outside {name}", True, st.now, math.inf, outside))
+        blocking.append(Reservation(f"outside {name}", True, st.now, math.inf, outside))
     if own.start > st.now:
-        out.append(Reservation(f"{name} until it begins", True, st.now, own.start, own.nodes))
-    return out
+        blocking.append(Reservation(f"{name} until it begins", True, st.now, own.start,
+                                    own.nodes))
+    nodes = {n: replace(node, state=node.state.lower().replace("reserved", "idle"))
+             if own.active and n in own.nodes else node for n, node in st.nodes.items()}
+    return replace(st, nodes=nodes, reservations=blocking)
 
 
 def _backfill_hole(st: ClusterState, nodes: list[NodeInfo], gres_type: str, req: ResourceRequest,
-                   num_nodes: int, limit_s: float | None,
-                   reservations: list[Reservation] = ()) -> float | None:
+                   num_nodes: int, limit_s: float | None) -> float | None:
     """:func:`.backfill.backfill_start` for one node's share of ``req`` (a GPU candidate) on
     the partition's usable ``nodes`` (None without the running jobs' list)."""
     gpus, cpus, mem_gb = shape(req)
@@ -323,7 +313,7 @@ def _backfill_hole(st: ClusterState, nodes: list[NodeInfo], gres_type: str, req:
         st.running, st.pending_jobs, partitions={p for n in usable for p in n.partitions},
         now=st.now, gres_type=gres_type,
         want=Need(int(gpus), max(1, math.ceil(cpus)), int(mem_gb * 1024)),
-        num_nodes=num_nodes, time_limit_s=limit_s, reservations=reservations)
+        num_nodes=num_nodes, time_limit_s=limit_s, reservations=st.reservations)
 
 
 def capacity_rows(state: ClusterState, settings: SlurmSettings,

@@ -156,23 +156,26 @@ def whole_gpus(per_job: str, per_task: str, tasks: str) -> dict[str, int]:
     return whole
 
 
-def job_gpus(tres: str, whole: dict[str, int], nodes: int) -> tuple[dict[str, int], bool]:
-    """A job's GPUs per node, from ``tres-per-node`` and ``whole`` (per job or task, in all)
-    split over ``nodes``, and whether that is a guess: over several nodes Slurm splits them as
-    it likes; an even split is assumed then (rounded up)."""
-    gpus = tres_gpus(tres)
+def job_gpus(per_node: dict[str, int], whole: dict[str, int], nodes: int
+             ) -> tuple[dict[str, int], bool]:
+    """A job's GPUs per node: those it asks per node (``tres-per-node``) and ``whole`` (per job
+    or task, in all) split over ``nodes``, and whether that is a guess: over several nodes
+    Slurm splits them as it likes; an even split is assumed then (rounded up)."""
+    gpus = dict(per_node)
     for gtype, n in whole.items():
         gpus[gtype] = gpus.get(gtype, 0) + math.ceil(n / max(1, nodes))
     return gpus, bool(whole) and nodes > 1
 
 
-def tres_memory_mb(text: str) -> int:
-    """The memory in a TRES list (``cpu=3,mem=4500M,node=1``), in MB; 0 when not there.
-    squeue's ``tres-alloc``: what a running job was given, what a pending one asks, in all
-    nodes; unlike ``MinMemory`` (``%m``), which is per CPU for a ``--mem-per-cpu`` job (and for
-    every job on a cluster with ``DefMemPerCPU``) and does not say so."""
-    match = re.search(r"(?:^|,)mem=([^,]+)", text or "")
-    return memory_mb(match.group(1)) if match else 0
+def node_memory_mb(alloc: str, min_memory: str, nodes: int) -> int:
+    """A job's memory per node, in MB: the memory of squeue's ``tres-alloc`` (``cpu=3,
+    mem=4500M,node=1``: what a running job was given, what a pending one asks, in all nodes)
+    over its ``nodes``; where that is not there, ``MinMemory`` (``%m``), which is per CPU for a
+    ``--mem-per-cpu`` job (and for every job on a cluster with ``DefMemPerCPU``) and does not
+    say so."""
+    match = re.search(r"(?:^|,)mem=([^,]+)", alloc or "")
+    total = memory_mb(match.group(1)) if match else 0
+    return math.ceil(total / max(1, nodes)) if total else memory_mb(min_memory)
 
 
 def memory_mb(text: str) -> int:
@@ -202,8 +205,10 @@ class PendingJob:
     time_limit_s: float | None = None
     #: its GPUs per node are a guess (asked per job or per task, over several nodes)
     gpus_guessed: bool = False
-    #: the GPUs it asks per job or per task, in all (``--gpus``...; {}: per node only)
+    #: the GPUs it asks per job or per task, in all (``--gpus``...; {}: per node only)...
     gpus_whole: dict[str, int] = field(default_factory=dict)
+    #: ...and per node (``tres-per-node``): ``gpus`` is both, the first split over its nodes
+    gpus_node: dict[str, int] = field(default_factory=dict)
     #: the other tasks of a job array the line stands for (squeue shows a pending array as
     #: one line, with the plan of its first task): each takes what fits it at the next pass
     array_more: int = 0
@@ -240,17 +245,16 @@ def parse_pending(line: str) -> PendingJob | None:
         when = None
     nodes = max(1, _int(nodes_text, 1))
     sched_nodes = expand_hostlist(sched)
-    whole = whole_gpus(per_job, per_task, tasks)
+    per_node, whole = tres_gpus(tres), whole_gpus(per_job, per_task, tasks)
     # NumNodes is the least it may take: a --gpus job planned on more nodes splits over them
-    gpus, guessed = job_gpus(tres, whole, max(nodes, len(sched_nodes)))
-    total_mem = tres_memory_mb(alloc)
+    gpus, guessed = job_gpus(per_node, whole, max(nodes, len(sched_nodes)))
     return PendingJob(
         job_id=job_id, partitions=[p for p in parts_text.split(",") if p],
         nodes=nodes, reason=reason, gpus=gpus, cpus=_int(cpus, 1),
-        mem_mb=math.ceil(total_mem / nodes) if total_mem else memory_mb(mem), start=when,
+        mem_mb=node_memory_mb(alloc, mem, nodes), start=when,
         sched_nodes=sched_nodes, user=user, priority=_int(prio, 0),
         time_limit_s=duration_s(limit), gpus_guessed=guessed, gpus_whole=whole,
-        array_more=max(0, array_tasks(array) - 1))
+        gpus_node=per_node, array_more=max(0, array_tasks(array) - 1))
 
 
 def array_tasks(text: str) -> int:
@@ -355,6 +359,13 @@ def _fits(room: Room, job: PendingJob) -> bool:
     return room.cpus >= job.cpus_per_node and room.mem_mb >= job.mem_mb
 
 
+def _hold_whole(rooms: dict[str, Room], node: str, gres_type: str) -> int:
+    """Take all of ``node``'s idle room; the idle GPUs of ``gres_type`` it had."""
+    gpus = rooms[node].gpus.get(gres_type, 0)
+    rooms[node] = Room({t: 0 for t in rooms[node].gpus}, 0, 0)
+    return gpus
+
+
 #: more nodes than it asks, at most, that a job asking GPUs per job is tried on (Slurm takes
 #: as few as hold them)
 SPREAD_MAX = 8
@@ -367,12 +378,9 @@ def _place_now(rooms: dict[str, Room], where: Iterable[str], job: PendingJob
     ([], job) when none."""
     order = sorted(where, key=lambda n: (sum(rooms[n].gpus.values()), rooms[n].cpus, n))
     top = job.nodes + (SPREAD_MAX if job.gpus_whole else 0)
-    as_parsed = job_gpus("", job.gpus_whole, job.nodes)[0]
-    per_node = {t: n - as_parsed.get(t, 0) for t, n in job.gpus.items()}  # asked per node
     for count in range(job.nodes, min(top, max(job.nodes, len(order))) + 1):
-        spread = job_gpus("", job.gpus_whole, count)[0]
-        share = job if count == job.nodes else replace(job, nodes=count, gpus={
-            t: per_node.get(t, 0) + spread.get(t, 0) for t in {*per_node, *spread}})
+        share = replace(job, nodes=count, gpus=job_gpus(job.gpus_node, job.gpus_whole,
+                                                         count)[0]) if job.gpus_whole else job
         fit = [n for n in order if _fits(rooms[n], share)]
         if len(fit) >= count:
             return fit[:count], share
@@ -399,18 +407,18 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
             continue  # the new job would have ended by then; it is over
         held_here = [n for n in resv.nodes if n in rooms]
         for n in held_here:
+            gpus = _hold_whole(rooms, n, gres_type)
             if n in mine:
-                out.reserved_gpus += rooms[n].gpus.get(gres_type, 0)
-            rooms[n] = Room({t: 0 for t in rooms[n].gpus}, 0, 0)
+                out.reserved_gpus += gpus
         if set(held_here) & mine:
             out.reservations.append(resv.name)
     named = {n for j in pending for n in j.sched_nodes}
     for n in sorted(set(planned) - named):
         if n in rooms:
+            gpus = _hold_whole(rooms, n, gres_type)
             if n in mine:
-                out.gpus += rooms[n].gpus.get(gres_type, 0)
+                out.gpus += gpus
                 out.jobs.append(f"(planned on {n})")
-            rooms[n] = Room({t: 0 for t in rooms[n].gpus}, 0, 0)
     # nodes with a CPU left, per partition: where a job without a plan may still start now
     # (on a busy cluster, few: thousands of pending jobs do not each scan every node)
     open_in: dict[str, list[str]] = {}
