@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shlex
 import time
@@ -257,6 +258,19 @@ def test_infra_filter_selects_cluster_and_partition(slurm):
     task = _task(resources={"accelerators": "A100:1", "infra": "slurm/alpha/short"})
     assert [o.location for o in alpha.probe(task)] == ["short"]
     assert SlurmBackend("slurm_beta").probe(task) == []
+
+
+def test_a_scripts_output_is_read_to_its_end_not_to_its_exit_status(slurm):
+    # sshd sends the exit status when the shell is reaped, which may come before the last
+    # output still in the pipe (CI lost a lookup's last line so: "squeue failed (exit None)");
+    # output written after the shell exited shows it every time
+    remote = SlurmBackend("slurm_alpha").remote
+    for _ in range(3):
+        rc, out, _ = remote.run("(sleep 1; echo late) & echo early", 30)
+        assert (rc, out.split()) == (0, ["early", "late"])
+    # and the triggerer's side (asyncssh waits for the channel to close)
+    rc, out, _ = asyncio.run(remote.arun("(sleep 1; echo late) & echo early", 30))
+    assert (rc, out.split()) == (0, ["early", "late"])
 
 
 def test_unreachable_login_node_is_reported_and_the_others_answer(slurm):

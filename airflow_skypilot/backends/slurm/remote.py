@@ -144,7 +144,10 @@ class SSHRunner:
                     out += chan.recv(65536)
                 elif chan.recv_stderr_ready():
                     err += chan.recv_stderr(65536)
-                elif chan.exit_status_ready():
+                elif chan.exit_status_ready() and (chan.eof_received or chan.closed):
+                    # sshd sends the exit status when the shell is reaped, which may be
+                    # before the last output it read from the pipe: only EOF says all is in
+                    # (measured on the sandbox; a lost last line read as "could not ask")
                     while chan.recv_ready():
                         out += chan.recv(65536)
                     while chan.recv_stderr_ready():
