@@ -293,6 +293,22 @@ def test_gpus_asked_per_job_without_a_plan_are_taken_over_as_many_nodes_as_they_
     assert tres_gpus("gres/gpumem=4G,gres/gpu=2") == {"": 2}
 
 
+def test_gpu_types_that_start_with_a_digit_are_read_and_held():
+    # common on university clusters (2080ti, 3090) and MIG slices (1g.5gb); a bare number
+    # after gpu is a count, as Slurm reads --gres=gpu:4
+    assert tres_gpus("gres:gpu:2080ti:2") == {"2080ti": 2}
+    assert tres_gpus("gres/gpu:2080ti=2") == {"2080ti": 2}
+    assert tres_gpus("gres:gpu:1g.5gb:1,gres:gpu:3090:2") == {"1g.5gb": 1, "3090": 2}
+    assert tres_gpus("gres:gpu:2080ti") == {"2080ti": 1} and tres_gpus("gres:gpu:4") == {"": 4}
+    # a 4-GPU job ahead holds a2's four idle 2080ti (read as no GPU: all four "free now")
+    ahead = ("1010|batch|1|None|gres:gpu:2080ti:4|1|1000M|N/A|(null)|other|9|1:00:00|N/A|N/A|"
+             "1|cpu=1,mem=1000M,node=1|N/A|")
+    out = probe(a1_used=4, pending=[ahead],
+                testonly=[f"batch|2080ti|1|1|0|0|{NOW + 3600}"]).replace("gpu:a100", "gpu:2080ti")
+    got = offers_of(out, task_of({"accelerators": "2080ti:1"}, {"time": "60"}))[("batch", 0)]
+    assert (got.free_now, got.gpus_free, got.details["reserved_by_pending"]) == (False, 0, 4)
+
+
 def test_a_pending_job_that_does_not_fit_the_idle_nodes_and_has_no_plan_holds_nothing():
     big = "1020|batch|2|Resources|gres:gpu:a100:4|2|1000M|N/A|(null)|other|9|1:00:00"
     got = offers_of(probe(pending=[big]), task_of({"accelerators": "A100:4"}))[("batch", 0)]

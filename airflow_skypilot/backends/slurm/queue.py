@@ -46,9 +46,11 @@ HISTORY_MIN_JOBS = 20
 HISTORY_FLOOR = 0.1
 HISTORY_CEILING = 1.0
 
-#: one GPU item of a TRES/GRES list: ``gres:gpu:a100:4``, ``gres/gpu:h100=2``, ``gpu:4``, and
-#: without a count (``--gres=gpu``, ``--gres=gpu:a100``: one)
-_TRES_GPU = re.compile(r"^(?:gres[:/])?gpu(?::(?P<type>[^:=,\d][^:=,]*))?(?:[:=](?P<count>\d+))?$")
+#: one GPU item of a TRES/GRES list: ``gres:gpu:a100:4``, ``gres/gpu:h100=2``, ``gpu:4``,
+#: ``gres:gpu:2080ti:2`` (a type may start with a digit: 2080ti, 1g.5gb)...
+_TRES_GPU = re.compile(r"^(?:gres[:/])?gpu(?::(?P<type>[^:=,]+))?[:=](?P<count>\d+)$")
+#: ... and without a count (``--gres=gpu``, ``--gres=gpu:a100``: one; a bare number is a count)
+_TRES_GPU_ONE = re.compile(r"^(?:gres[:/])?gpu(?::(?P<type>[^:=,]+))?$")
 
 
 def duration_s(text: str | None) -> float | None:
@@ -139,10 +141,10 @@ def tres_gpus(text: str) -> dict[str, int]:
     one). Other GRES (``gpumem``...) are not GPUs."""
     out: dict[str, int] = {}
     for item in re.split(r"[,;]", text or ""):
-        match = _TRES_GPU.match(item.strip())
+        match = _TRES_GPU.match(item.strip()) or _TRES_GPU_ONE.match(item.strip())
         if match:
             gtype = match.group("type") or ""
-            out[gtype] = out.get(gtype, 0) + int(match.group("count") or 1)
+            out[gtype] = out.get(gtype, 0) + int(match.groupdict().get("count") or 1)
     return out
 
 
