@@ -26,6 +26,7 @@ from airflow_skypilot.backends.slurm.queue import (
 )
 from airflow_skypilot.backends.slurm.settings import SlurmSettings
 from airflow_skypilot.backends.slurm.status import parse_status
+from airflow_skypilot.exceptions import ConfigurationError
 from airflow_skypilot.spec import load_task
 
 NOW = 1796095149
@@ -258,6 +259,19 @@ def test_a_connection_whose_jobs_run_in_a_reservation_is_free_only_inside_it_onc
                                                    state="ACTIVE", flags="SPEC_NODES"),
                            _resv("maint-a2", NOW + 600, NOW + 4200)), task, inside)
     assert both[("batch", 0)].details["held_for_reservations"] == ["maint-a2", "outside grp"]
+    # the reservation given among the connection's sbatch_options confines its jobs alike
+    # (read as no reservation before: a1, outside grp, was "free now" for them)
+    for options in (["--reservation=grp"], ["--res", "grp"]):
+        via = SlurmSettings.from_extra("c", {"cluster": "alpha", "sbatch_options": options})
+        assert via.reservation == "grp" and via.common_sbatch_args() == options
+        got = offers_of(_with(probe(a1_used=0, a2_used=4, a2_state="reserved"),
+                              _resv("grp", NOW - 60, NOW + 14400, nodes="a2", state="ACTIVE",
+                                    flags="SPEC_NODES")), task, via)[("batch", 0)]
+        assert not got.free_now and "outside grp" in got.details["held_for_reservations"]
+    with pytest.raises(ConfigurationError, match="'reservation' is 'grp' but extra "
+                       "'sbatch_options' asks --reservation=other"):
+        SlurmSettings.from_extra("c", {"reservation": "grp",
+                                       "sbatch_options": ["--reservation=other"]})
 
 
 def test_a_pending_job_arrays_tasks_each_take_what_fits_them():

@@ -73,17 +73,25 @@ class SlurmSettings:
                 raise ConfigurationError(f"connection {conn_id!r}: extra 'sbatch_options' "
                                          f"cannot be read: {exc}") from None
         try:
-            sbatch.parse_tokens(options)
+            parsed = sbatch.parse_tokens(options)
         except sbatch.OptionError as exc:
             raise ConfigurationError(f"connection {conn_id!r}: extra 'sbatch_options': "
                                      f"{exc}") from None
+        # a reservation given among the options confines the jobs as the extra does: the
+        # probe must know it (which nodes the jobs may use), whichever way it was given
+        given = [o.value for o in parsed if sbatch.canonical(o.name) == "reservation" and o.value]
+        reservation = extra.get("reservation") or (given[-1] if given else None)
+        if given and given[-1] != reservation:
+            raise ConfigurationError(
+                f"connection {conn_id!r}: extra 'reservation' is {reservation!r} but extra "
+                f"'sbatch_options' asks --reservation={given[-1]}: give one of them")
         return cls(
             cluster=str(extra.get("cluster") or conn_id),
             partitions=strings(extra.get("partitions")),
             account=extra.get("account") or None,
             qos=extra.get("qos") or None,
             constraint=extra.get("constraint") or None,
-            reservation=extra.get("reservation") or None,
+            reservation=reservation,
             sbatch_options=[str(o) for o in options],
             time_limit=str(extra["time_limit"]) if extra.get("time_limit") else None,
             remote_work_dir=str(extra.get("remote_work_dir") or "~/.airflow-skypilot"),
@@ -109,9 +117,15 @@ class SlurmSettings:
         for flag, value in (("--account", self.account), ("--qos", self.qos),
                             ("--constraint", self.constraint),
                             ("--reservation", self.reservation), ("--time", self.time_limit)):
+            if flag == "--reservation" and self._reservation_in_options():
+                continue  # given among sbatch_options (from_extra read it from there)
             if value:
                 out.append(f"{flag}={value}")
         return out + list(self.sbatch_options)
+
+    def _reservation_in_options(self) -> bool:
+        return any(sbatch.canonical(o.name) == "reservation"
+                   for o in sbatch.parse_tokens(self.sbatch_options))
 
     def owned_options(self) -> dict[str, str]:
         """The sbatch options a task may not set at this connection, with why: the ones the
