@@ -221,6 +221,11 @@ def test_a_reservation_to_come_holds_its_nodes_for_jobs_that_would_still_run_at_
     assert parse_reservation("No reservations in the system") is None
     assert parse_reservation(_resv("d", NOW + 600, NOW + 900, flags="MAINT,DAILY")).end == \
         math.inf  # it comes back tomorrow: scontrol shows its next window only
+    # a start not given as epoch (a Slurm ignoring SLURM_TIME_FORMAT): held now, for ever
+    unread = parse_reservation("ReservationName=m StartTime=Unknown EndTime=Unknown Nodes=a2 "
+                               "State=INACTIVE")
+    assert (unread.start, unread.end, unread.nodes) == (0.0, math.inf, ("a2",))
+    assert parse_pending("1|batch|inf|None|N/A|1|1000M|N/A|(null)|u|9|1:00").nodes == 1
     out = _with(probe(a1_used=4), line)
     long = offers_of(out, task_of({"accelerators": "A100:1"}, {"time": "60"}))[("batch", 0)]
     assert not long.free_now and long.gpus_free == 0

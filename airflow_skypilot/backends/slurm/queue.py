@@ -279,7 +279,7 @@ def array_tasks(text: str) -> int:
 def _int(text: str, default: int) -> int:
     try:
         return int(float(text))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: "inf"
         return default
 
 
@@ -307,10 +307,12 @@ def parse_reservation(line: str) -> Reservation | None:
     reservations in the system" when there are none)."""
     fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
     name, start = fields.get("ReservationName", ""), fields.get("StartTime", "")
-    if not name or not start.isdigit():
+    if not name:
         return None
     end = fields.get("EndTime", "")
     flags = set(fields.get("Flags", "").upper().split(","))
+    if not start.isdigit():  # a time it does not give as epoch: held from now on, for ever
+        start, end = "0", ""
     return Reservation(name, fields.get("State", "").upper() == "ACTIVE", float(start),
                        float(end) if end.isdigit() and not flags & set(_REPEATS) else math.inf,
                        tuple(expand_hostlist(fields.get("Nodes", ""))))

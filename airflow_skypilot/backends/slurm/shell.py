@@ -28,7 +28,7 @@ def parse_int(text: str, default: int = 0) -> int:
     """An integer from Slurm's text (``"8"``, ``"8.0"``); ``default`` when there is none."""
     try:
         return int(float(text))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: "inf"
         return default
 
 
