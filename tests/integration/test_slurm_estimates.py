@@ -191,6 +191,10 @@ def test_a_connection_whose_jobs_run_in_a_reservation_starts_them_on_its_idle_no
     inside = SlurmBackend("slurm_alpha")
     offer = _at(inside, task, "batch")
     assert offer.free_now and offer.gpus_free == 4, offer
+    # a job that would outlast the reservation does not fit there: Slurm would start it and
+    # end it with the reservation (TIMEOUT; measured here with a 2-minute one)
+    over = _at(inside, _task({"accelerators": "A100:1"}, {"time": "90"}), "batch")
+    assert not over.fits and over.reason.startswith("time limit 1h30m; reservation grp ends in")
     handle = inside.submit(task, offer, _name("sky-grp"), {"SKYPILOT_TASK_ID": "t"})
     _until(lambda: inside.status([handle])[handle.job_id].state == JobState.RUNNING)
     assert _squeue(slurm, "alpha", handle.job_id, "%N") == "a2"

@@ -279,6 +279,31 @@ def test_a_connection_whose_jobs_run_in_a_reservation_is_free_only_inside_it_onc
                                        "sbatch_options": ["--reservation=other"]})
 
 
+def test_a_job_that_would_outlast_the_reservation_its_connection_runs_in_does_not_fit():
+    # Slurm starts it all the same and ends it with the reservation (TIMEOUT): the sandbox
+    inside = SlurmSettings.from_extra("c", {"cluster": "alpha", "reservation": "grp"})
+    active = _with(probe(a1_used=4, a2_state="reserved"),
+                   _resv("grp", NOW - 60, NOW + 1800, state="ACTIVE", flags="SPEC_NODES"))
+    long = offers_of(active, task_of({"accelerators": "A100:1"}, {"time": "60"}), inside)
+    assert not long[("batch", 0)].fits
+    assert long[("batch", 0)].reason == ("time limit 1h00m; reservation grp ends in 30m: "
+                                         "Slurm would end the job then (TIMEOUT)")
+    short = offers_of(active, task_of({"accelerators": "A100:1"}, {"time": "20"}), inside)
+    assert short[("batch", 0)].fits and short[("batch", 0)].free_now
+    # no time limit (the partition's default is unlimited): it may end before; said in the table
+    free = offers_of(active, task_of({"accelerators": "A100:1"}), inside)[("batch", 0)]
+    assert free.fits and "reservation grp ends in 30m: Slurm ends the job then" in free.notes
+    # one to come: the time left is counted from its start
+    later = _with(probe(a1_used=4), _resv("grp", NOW + 600, NOW + 2400, flags="SPEC_NODES"))
+    assert offers_of(later, task_of({"accelerators": "A100:1"}, {"time": "30"}), inside)[
+        ("batch", 0)].fits
+    assert not offers_of(later, task_of({"accelerators": "A100:1"}, {"time": "40"}), inside)[
+        ("batch", 0)].fits
+    # a connection without the extra is not confined to it
+    assert offers_of(active, task_of({"accelerators": "A100:1"}, {"time": "60"}))[
+        ("batch", 0)].fits
+
+
 def test_a_pending_job_arrays_tasks_each_take_what_fits_them():
     assert [array_tasks(t) for t in ("N/A", "0-9", "1,3,5-11:2", "0-99%4", "7", "")] == \
         [1, 10, 6, 4, 1, 1]

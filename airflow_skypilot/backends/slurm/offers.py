@@ -7,7 +7,9 @@ asked for) go through the shared fit rule (:func:`fit_pool`, with at least one C
 allocates one to every job). Prices come from the connection's extras.
 
 - **Fit**: the task's time limit (its own ``--time``, or the connection's) over the
-  partition's MaxTime does not fit: Slurm would keep it pending for ever (PartitionTimeLimit).
+  partition's MaxTime does not fit: Slurm would keep it pending for ever (PartitionTimeLimit);
+  nor one that would run past the end of the reservation the connection's jobs run in
+  (extra ``reservation``): Slurm would start it and end it there (TIMEOUT).
 - **Free now** only when Slurm would start the job now: idle resources that pending jobs
   ahead will take before the job would end (backfill's plan, or jobs just submitted that fit
   them now: placements made moments ago, ours or others') are held, not free
@@ -87,6 +89,8 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
     """
     out = []
     discount = state.discount
+    own = next((r for r in state.reservations if r.name == settings.reservation), None) \
+        if settings.reservation else None
     state = _for_connection(state, settings)
     for req in task.candidates:
         if not applies(req, settings):
@@ -95,7 +99,8 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
         for part in sorted(state.partitions):
             if not fields.infra_matches(req.infra, settings.infra(part)):
                 continue
-            out.append(offer_at(task, req, part, state, settings, conn_id, why, discount))
+            out.append(offer_at(task, req, part, state, settings, conn_id, why, discount,
+                                own_reservation=own))
     return out
 
 
@@ -127,10 +132,12 @@ def _takes(node: PoolNode, req: ResourceRequest) -> bool:
 
 def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
              settings: SlurmSettings, conn_id: str, unsupported: str = "",
-             discount: Discount | None = None) -> Offer:
-    """Candidate ``req`` in partition ``part``: does it fit (shape, MaxTime), is it free now
-    (beside the pending jobs ahead), when could it start (Slurm's estimate, discounted by
-    ``discount``), at what price."""
+             discount: Discount | None = None,
+             own_reservation: Reservation | None = None) -> Offer:
+    """Candidate ``req`` in partition ``part``: does it fit (shape, MaxTime, the end of the
+    reservation its jobs run in: ``own_reservation``), is it free now (beside the pending jobs
+    ahead), when could it start (Slurm's estimate, discounted by ``discount``), at what
+    price."""
     s = settings
     info = st.partitions[part]
     nodes = st.nodes_in(part)
@@ -162,6 +169,16 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     limit_s = asked_s if asked_s is not None else info.default_time_s
     if limit_s is not None:
         offer.details["time_limit"] = duration_text(limit_s)
+    if own_reservation is not None and own_reservation.end < math.inf:
+        # Slurm starts a job in a reservation whatever its time limit, and ends it with the
+        # reservation (TIMEOUT; ResvOverRun 0 by default): measured on the sandbox
+        left = own_reservation.end - max(st.now, own_reservation.start)
+        ends = f"reservation {own_reservation.name} ends in {duration_text(max(0.0, left))}"
+        if limit_s is not None and math.isfinite(limit_s) and limit_s > left:
+            return no(f"time limit {duration_text(limit_s)}; {ends}: Slurm would end the job "
+                      "then (TIMEOUT)")
+        if limit_s is None or not math.isfinite(limit_s):
+            offer.notes.append(f"{ends}: Slurm ends the job then")
     gres_type = ""
     if req.accelerator:
         if not float(req.accelerator_count).is_integer():
