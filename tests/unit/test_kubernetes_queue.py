@@ -161,6 +161,16 @@ def test_a_pending_pod_ahead_binds_first_as_room_frees():
     assert got.est_start == NOW - 600 + 3600 + 3600
 
 
+def test_work_ahead_bound_on_another_gpu_type_does_not_break_the_estimate():
+    # a pod for the H100 node binds there in the model: it frees nothing on the A100 pool
+    # (it raised KeyError 'h0' before, and the whole connection was skipped)
+    nodes = [node("a0", 8, "a100"), node("h0", 8, "h100")]
+    pods = [pod("busy", 8, "a0", started=NOW - 7200, deadline=4 * 3600),
+            pod("h100-job", 4, created=NOW - 5, selector={"skypilot.co/accelerator": "h100"})]
+    got = offer_for({"accelerators": "A100:4"}, nodes, pods, own_pods=_history(5, 3600))
+    assert not got.free_now and got.est_start == NOW - 7200 + 4 * 3600
+
+
 def test_pod_deadlines_bound_the_estimate_without_history():
     got = offer_for(A100, [node("n0")], [pod("a", 8, "n0", started=NOW - 100, deadline=900)])
     assert got.est_start == NOW - 100 + 900

@@ -269,7 +269,8 @@ def estimate(slots: Sequence[Slot], running: Iterable[PodInfo], taken: Taken,
             unknown += 1
         ends_at(max(end, now), pod.node, pod.requests)
     for pod, node in taken.pods:
-        ends_at(now + typical_run, node, pod.requests)
+        if node in names:  # work ahead bound elsewhere (another GPU type) frees nothing here
+            ends_at(now + typical_run, node, pod.requests)
     by_name = {s.name: s for s in slots}
     queue = [p for p in taken.left if any(admits(s, p) for s in slots)]
     wants = job[0].requests if job else {}
