@@ -230,8 +230,9 @@ def canonical_from_label(value: str) -> str:
             return "A100-80GB"
         if name == "V100" and "32gb" in rest:
             return "V100-32GB"
-        # "A10" must not swallow "A100"; "L4" must not swallow "L40".
-        if rest[:1].isdigit():
+        # "A10" must not swallow "A100"; "L4" must not swallow "L40"; digits that are a
+        # memory size (GKE's nvidia-h100-80gb, GFD's NVIDIA-H200-141GB-HBM3) are not a name
+        if rest[:1].isdigit() and not re.match(r"\d+gb", rest):
             continue
         return name
     return value

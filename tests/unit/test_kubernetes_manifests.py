@@ -455,6 +455,23 @@ def test_gpu_type_from_any_known_label():
     assert a80.fits and a80.accelerator == "A100-80GB"
 
 
+def test_gpu_labels_with_a_memory_size_after_the_name():
+    # GKE's and GPU Feature Discovery's H100/H200 labels: read as no H100 before (the digits
+    # after the name were taken for a longer name)
+    from airflow_skypilot.spec.accelerators import canonical_from_label
+
+    for label, name in (("nvidia-h100-80gb", "H100"), ("nvidia-h200-141gb", "H200"),
+                        ("NVIDIA-H100-80GB-HBM3", "H100"), ("NVIDIA-GH200-480GB", "GH200"),
+                        ("nvidia-h100-mega-80gb", "H100-MEGA"), ("a100-40gb", "A100"),
+                        ("nvidia-a10-24gb", "A10"), ("nvidia-l4-24gb", "L4"),
+                        ("nvidia-l40-48gb", "L40"), ("a100", "A100"), ("a10", "A10")):
+        assert canonical_from_label(label) == name, label
+    nodes = [_node("h", label=None, labels={"cloud.google.com/gke-accelerator":
+                                            "nvidia-h100-80gb"})]
+    [h100] = _offers(load_task({"run": "x", "resources": {"accelerators": "H100:8"}}), nodes, [])
+    assert h100.fits and h100.accelerator == "H100"
+
+
 def test_forbidden_pod_listing_leaves_free_unknown_not_zero():
     backend = _backend()
     view = cluster_view([_node("n1")], None, "team-a", note="pods may not be listed")
