@@ -306,7 +306,7 @@ def infra_matches(wanted: str | None, offered: str) -> bool:
     if w[0] not in ("*", o[0]):
         return False
     if o[0] == "kubernetes" and len(w) > 1:
-        return "/".join(w[1:]) == (o[1] if len(o) > 1 else "")
+        return "/".join(w[1:]) == "/".join(o[1:])  # EKS: arn:...:cluster/<name>
     for i, part in enumerate(w[1:], start=1):
         if part == "*":
             continue

@@ -851,3 +851,16 @@ def test_an_api_server_that_cannot_answer_now_is_unreachable_and_one_silence_is_
     results = list_all(Silent(), {"default": [handle]}, with_nodes=True)
     assert len(calls) == 1, "each request after the first would wait as long again"
     assert len(results) == 3 and all(isinstance(r, BackendUnreachable) for r in results)
+
+
+def test_an_eks_context_with_a_slash_is_matched_whole_by_infra():
+    from airflow_skypilot.backends.kubernetes import offers as k_offers
+    from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
+
+    arn = "arn:aws:eks:us-east-1:123456789012:cluster/gpu"
+    settings = KubernetesSettings.from_extra("k", {"cluster_context": arn})
+    for infra, applies in ((f"k8s/{arn}", True), (f"kubernetes/{arn}", True), ("k8s", True),
+                           ("k8s/arn:aws:eks:us-east-1:123456789012:cluster/cpu", False),
+                           ("k8s/arn:aws:eks:us-east-1:123456789012:cluster", False)):
+        task = load_task({"run": "x", "resources": {"infra": infra}})
+        assert k_offers.applies(task.candidates[0], settings) is applies, infra
