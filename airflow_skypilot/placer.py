@@ -95,8 +95,12 @@ class Placer:
     def place(self, task: Task, run: RunState) -> JobHandle | None:
         """Probe, rank, submit; on a refused submission, block that place and take the next.
 
-        None when nothing can take the job now (places blocked, unreachable or over budget).
+        None when nothing can take the job now (places blocked, unreachable or over budget),
+        or while a copy moved away from is not yet confirmed dead (no second live copy).
         """
+        if waiting := self._unconfirmed_move(run):
+            run.last_plan = f"the copy moved away from is not confirmed dead yet: {waiting}"
+            return None
         began = time.time()
         result = self.hook.probe(task)
         fail_on_config_errors(result.config_errors)
@@ -164,6 +168,13 @@ class Placer:
                       handle.location, handle.job_name)
         return handle
 
+    def _unconfirmed_move(self, run: RunState) -> str:
+        """One more try at the sweeps of copies a move left unconfirmed; what still is."""
+        pending = [w for w in run.pending_sweeps if w.before_next]
+        if pending:
+            self.sweep_pending(run)
+        return "; ".join(w.describe() for w in run.pending_sweeps if w.before_next)
+
     # --- old copies -----------------------------------------------------------------------------
     def stop_copy(self, run: RunState, handle: JobHandle, why: str,
                   attempt: Attempt | None = None) -> Sweep:
@@ -183,7 +194,8 @@ class Placer:
         submitted. The place left stays blocked for the cooldown: no back and forth.
 
         Returns (the copy to watch next, moved?): the same copy when it stays, the new one, or
-        None when ``to`` refused it (the caller places it again from scratch)."""
+        None when ``to`` refused it or the waiting copy could not be confirmed dead (the caller
+        places it again from scratch, which waits for that confirmation)."""
         backend = backend_for_handle(handle)
 
         def refused(why: str) -> tuple[JobHandle, bool]:
@@ -194,32 +206,48 @@ class Placer:
                                outcome="move refused", why=why))
             return handle, False
 
+        # the target first (a probe takes seconds), then whether the copy still waits, right
+        # before the cancel: a copy that started meanwhile is not cancelled
+        fresh = self._still_good(task, run, to)
+        if fresh is None:
+            return refused(f"{to.place_key}, probed again, no longer takes it as it did")
         try:
             status = backend.status([handle]).get(handle.job_id)
         except Exception as exc:  # could not ask: do not move what may have started
+            self.ledger.submitted(run.prefix, False)
             self.log.warning("Not moving job %s: %s could not be asked (%s)", handle.job_id,
                              handle.connection, exc)
             return refused(f"{handle.connection} could not be asked about the job: {exc}")
         if status is None or status.state != JobState.PENDING:
+            self.ledger.submitted(run.prefix, False)
             state = status.state.value if status else "unknown"
             self.log.info("Not moving job %s: it is %s now", handle.job_id, state)
             return refused(f"the job is {state} now")
-        fresh = self._still_good(task, run, to)
-        if fresh is None:
-            return refused(f"{to.place_key}, probed again, no longer takes it as it did")
         why = f"moved to {fresh.place_key}: {reason}"
         sweep = self.stop_copy(run, handle, why)
         ended = run.close(handle, JobStatus(JobState.CANCELLED, reason=why))
         ended.state, ended.confirmed_dead = "moved", sweep.done_at is not None
         if sweep.done_at is not None:
-            after = backend.status([handle]).get(handle.job_id)
+            try:  # only to say so: it was cancelled and is confirmed dead either way
+                after = backend.status([handle]).get(handle.job_id)
+            except Exception:
+                after = None
             if after is not None and after.started_at:
+                ended.started_at = after.started_at
                 self.log.warning("Job %s had started just before it was cancelled for the "
                                  "move", handle.job_id)
         run.blocked.append(Blocked(ended.place, "moved away from it",
                                    until=time.time() + self.cooldown))
         run.moves += 1
         run.attempt += 1
+        if sweep.done_at is None:
+            # the waiting copy was healthy: a new one now could make two live copies if it
+            # starts before its backend answers; none is submitted until it is confirmed dead
+            sweep.before_next = True
+            self.ledger.submitted(run.prefix, False)
+            self.log.warning("Job %s: the move to %s waits until the copy on %s is confirmed "
+                             "dead", handle.job_id, fresh.place_key, handle.connection)
+            return None, True
         self.log.warning("Job %s %s", handle.job_id, why)
         moved = self.submit_at(task, run, fresh)
         self.ledger.submitted(run.prefix, moved is not None, moved and moved.job_name)

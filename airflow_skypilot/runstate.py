@@ -105,6 +105,9 @@ class Sweep:
     since: float = field(default_factory=time.time)
     done_at: float | None = None
     outcome: str = ""  # how it ended: "confirmed dead", "cancelled", "nothing there"...
+    #: no new copy is submitted while this one is pending: a move's waiting copy whose
+    #: cancel was not confirmed (it was healthy: it may start meanwhile)
+    before_next: bool = False
 
     @property
     def what(self) -> str:
@@ -178,7 +181,10 @@ class Attempt:
         self.infra_failure = bool(status.state.infra_failure)
 
     def hours(self, now: float | None = None) -> float:
-        """Wall-clock hours on the allocation (from the start, else from the submission)."""
+        """Wall-clock hours on the allocation (from the start, else from the submission); a
+        queued copy moved away before it started held none (an instance launching did)."""
+        if self.state == "moved" and not self.started_at and self.backend != "aws":
+            return 0.0
         start = self.started_at or self.submitted_at
         if not start:
             return 0.0

@@ -198,3 +198,94 @@ def test_the_place_left_is_blocked_so_the_job_does_not_move_back():
         return await asyncio.wait_for(task, 5)
 
     assert asyncio.run(watch())["status"] == "done"
+
+
+def _live_jobs():
+    return sorted(k for k, j in FakeBackend.jobs.items() if not j["status"].state.terminal)
+
+
+def test_a_move_whose_cancel_is_not_confirmed_submits_nothing_until_it_is(monkeypatch):
+    """The waiting copy was healthy: if its backend goes silent at the cancel, a new copy now
+    could start beside it. None is submitted until the old one is confirmed dead."""
+    from airflow_skypilot.triggers.skypilot import SkyPilotWaitTrigger
+
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    real_cancel = FakeBackend.cancel
+
+    def cancel(self, handle):  # c1's login node stops answering as the cancel is sent
+        if self.conn_id == "c1":
+            FakeBackend.down.add("c1")
+        return real_cancel(self, handle)
+
+    monkeypatch.setattr(FakeBackend, "cancel", cancel)
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    assert isinstance(info.value.trigger, SkyPilotWaitTrigger)
+    assert list(FakeBackend.jobs) == ["1"] and _live_jobs() == ["1"]
+    run = RunState.from_dict(info.value.trigger.state)
+    assert [(a.state, a.confirmed_dead) for a in run.attempts] == [("moved", False)]
+    assert [w.before_next for w in run.pending_sweeps] == [True]
+    assert "not confirmed dead yet" in run.last_plan
+    # still silent at the next probe: still nothing submitted
+    reprobe = asyncio.run(asyncio.wait_for(_first(info.value.trigger), 5))
+    with pytest.raises(TaskDeferred) as again:
+        _op().execute_complete(_ctx(), reprobe)
+    assert isinstance(again.value.trigger, SkyPilotWaitTrigger) and list(FakeBackend.jobs) == ["1"]
+    # c1 answers: the wait's sweep cancels the old copy, then the job is placed on c2
+    FakeBackend.down.discard("c1")
+    monkeypatch.setattr(FakeBackend, "cancel", real_cancel)
+    reprobe = asyncio.run(asyncio.wait_for(_first(again.value.trigger), 5))
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+    with pytest.raises(TaskDeferred) as placed:
+        _op().execute_complete(_ctx(), reprobe)
+    assert placed.value.trigger.handle["connection"] == "c2" and _live_jobs() == ["2"]
+
+
+def test_a_status_blip_after_a_confirmed_cancel_does_not_fail_the_move(monkeypatch):
+    from airflow_skypilot.placer import Placer
+
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    real_stop = Placer.stop_copy
+
+    def stop_copy(self, *args, **kwargs):  # confirmed dead, then c1 blips
+        sweep = real_stop(self, *args, **kwargs)
+        FakeBackend.down.add("c1")
+        return sweep
+
+    monkeypatch.setattr(Placer, "stop_copy", stop_copy)
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    assert info.value.trigger.handle["connection"] == "c2" and _live_jobs() == ["2"]
+
+
+def test_a_copy_that_starts_while_the_target_is_probed_again_is_not_cancelled(monkeypatch):
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    real_probe = FakeBackend.probe
+
+    def probe(self, task):  # the probe of the target takes a while: job 1 starts meanwhile
+        if self.conn_id == "c2":
+            FakeBackend.jobs["1"]["status"] = JobStatus(JobState.RUNNING, started_at=time.time())
+        return real_probe(self, task)
+
+    monkeypatch.setattr(FakeBackend, "probe", probe)
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    assert info.value.trigger.handle["job_id"] == "1" and list(FakeBackend.jobs) == ["1"]
+    assert FakeBackend.jobs["1"]["status"].state == JobState.RUNNING
+
+
+def test_a_moved_copy_that_never_started_costs_nothing():
+    from airflow_skypilot.runstate import Attempt
+
+    queued = Attempt(connection="c1", backend="slurm", state="moved", submitted_at=1000.0,
+                     ended_at=8200.0, gpus=1, price_per_hour=2.0)
+    assert queued.hours() == 0.0  # two hours in a queue hold no GPU
+    launching = Attempt(connection="a", backend="aws", state="moved", submitted_at=1000.0,
+                        ended_at=1600.0, gpus=1, price_per_hour=2.0)
+    assert launching.hours() == pytest.approx(600 / 3600)  # an instance bills from launch
