@@ -18,8 +18,8 @@ A placement is not a one-time guess: while a job waits in a queue, :func:`recons
 its place again (as just re-probed) beside fresh offers elsewhere and says whether to move it.
 Start estimates are guesses (Slurm's come from time limits, which real jobs rarely use up), so a
 move needs a clear margin, never goes back and forth without bound, and never to a place the
-policy would not pick (a costlier place only to start now, under ``fastest``; never under
-``cheapest``; never against the user's ``ordered`` list).
+policy would not pick (a costlier place under ``fastest`` only within the request's
+``max_hourly_cost``; never under ``cheapest``; never against the user's ``ordered`` list).
 """
 
 from __future__ import annotations
@@ -373,7 +373,12 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
                 "cost more (policy cheapest)" if policy == "cheapest"
                 else "come later in your order"))
         return Reconsideration(None, None, "no other place takes it")
-    best = rank(others, policy, ordered=ordered, blocked=blocked, now=now).chosen
+    # a place that can start it now wins over a queue, under cheapest too (``rank`` puts the
+    # price first there: a cheaper queue without an estimate would hide it)
+    free = [o for o in others if o.free_now]
+    best = rank(free, policy, ordered=ordered, blocked=blocked, now=now).chosen if free \
+        else None
+    best = best or rank(others, policy, ordered=ordered, blocked=blocked, now=now).chosen
     if best is None:
         return Reconsideration(None, None,
                                "every other place is blocked, over budget or does not fit")
@@ -405,12 +410,17 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
 def as_promised(to: Offer, offers: list[Offer]) -> Offer | None:
     """``to`` (a move's target, as a look chose it) among ``offers`` (its connection probed
     again, the ledger's holds taken): the fresh offer if it still takes the job as promised,
-    else None. Free now stays free now; a queue may be at most 20% and a minute later."""
+    else None. Free now stays free now; a queue may be at most 20% and a minute later; the
+    price (a spot price moves) at most 5% more, and within the request's ``max_hourly_cost``."""
     fresh = next((o for o in offers if o.place_key == to.place_key
                   and o.request.index == to.request.index and o.fits), None)
     promised = to.wait_seconds or 0.0
     if fresh is None or (to.free_now and not fresh.free_now) or (
             not to.free_now and (fresh.wait_seconds is None
                                  or fresh.wait_seconds > promised * 1.2 + 60)):
+        return None
+    cap = fresh.request.max_hourly_cost
+    if fresh.price_per_hour > to.price_per_hour * 1.05 + 1e-9 or (
+            cap is not None and fresh.price_per_hour > cap):
         return None
     return fresh

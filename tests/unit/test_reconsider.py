@@ -85,3 +85,22 @@ def test_no_ping_pong_between_two_queues_with_similar_estimates():
     b = offer("beta", "main", nodes_free=0, est_in=1500)
     assert reconsider(a, [b], "fastest") is None
     assert reconsider(b, [a], "fastest") is None
+
+
+def test_under_cheapest_a_place_that_starts_it_now_is_not_hidden_by_a_cheaper_queue():
+    here = _here(price=2.0)
+    cheaper_queue = offer("beta", "main", nodes_free=0, est_in=None, price=1.0)
+    free_same_price = offer("gamma", "gpu", price=2.0)
+    moved = reconsider(here, [cheaper_queue, free_same_price], "cheapest")
+    assert moved is not None and moved.place_key == "gamma/gpu"
+
+
+def test_a_move_target_whose_price_rose_since_the_look_is_no_longer_as_promised():
+    from airflow_skypilot.placement import as_promised
+
+    chosen = offer("aws", "us-east-1a", price=1.0, max_cost=2.0)
+    assert as_promised(chosen, [offer("aws", "us-east-1a", price=1.02, max_cost=2.0)])
+    # a spot price that moved: over the request's cap, or more than 5% over what was judged
+    assert as_promised(chosen, [offer("aws", "us-east-1a", price=5.0, max_cost=2.0)]) is None
+    assert as_promised(offer("aws", "us-east-1a", price=1.0),
+                       [offer("aws", "us-east-1a", price=1.5)]) is None
