@@ -181,6 +181,12 @@ def test_labels_make_the_job_and_its_pods_findable():
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     assert job["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
+    # the capacity model reads its ranks' anti-affinity: never two on one node
+    from airflow_skypilot.backends.kubernetes.queue import spread_key
+
+    template = job["spec"]["template"]
+    assert spread_key(template["spec"], template["metadata"]["labels"]) == \
+        f"{names.LABEL_JOB}=sky-find-me-a0"
 
 
 def test_indexed_job_for_several_nodes_plain_job_for_one():

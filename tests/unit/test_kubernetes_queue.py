@@ -62,7 +62,7 @@ def finished(name, ran_s, ended=NOW - 600):
 
 
 def job(name, gpus=4, *, parallelism=1, created=NOW - 2, cancelled=False, conditions=(),
-        active=0, selector=None):
+        active=0, selector=None, spread=False):
     meta = {"name": name, "namespace": "default", "labels": {LABEL_JOB: name},
             "creationTimestamp": ts(created), "annotations": {}}
     if cancelled:
@@ -71,8 +71,14 @@ def job(name, gpus=4, *, parallelism=1, created=NOW - 2, cancelled=False, condit
         "nvidia.com/gpu": str(gpus)}, "requests": {"cpu": "8"}}}]}
     if selector:
         tspec["nodeSelector"] = selector
+    template = {"spec": tspec}
+    if spread:  # as manifests.job_manifest makes a multi-node Job: one rank per node
+        template["metadata"] = {"labels": {LABEL_JOB: name}}
+        tspec["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": {LABEL_JOB: name}},
+             "topologyKey": "kubernetes.io/hostname"}]}}
     return {"metadata": meta, "spec": {"parallelism": parallelism, "completions": parallelism,
-                                       "suspend": False, "template": {"spec": tspec}},
+                                       "suspend": False, "template": template},
             "status": {"active": active, "conditions": [{"type": c, "status": "True"}
                                                         for c in conditions]}}
 
@@ -171,6 +177,26 @@ def test_work_ahead_bound_on_another_gpu_type_does_not_break_the_estimate():
     assert not got.free_now and got.est_start == NOW - 7200 + 4 * 3600
 
 
+def test_a_multi_node_job_ahead_takes_one_node_per_rank():
+    # its ranks may not share a node (pod anti-affinity): two 4-GPU ranks take 4 GPUs on each
+    # of two empty 8-GPU nodes, so an 8-GPU job is not free (the model packed both on one)
+    nodes = [node("n0"), node("n1")]
+    ahead = job("sky-ddp-1", gpus=4, parallelism=2, spread=True)
+    got = offer_for({"accelerators": "A100:8"}, nodes, [], jobs=[ahead])
+    assert (got.free_now, got.nodes_free, got.gpus_free) == (False, 0, 8)
+    # its pods created, not bound yet, and one rank bound already: alike
+    ranks = [pod(f"sky-ddp-1-{i}", 4, ours=True, created=NOW - 2) for i in range(2)]
+    for p in ranks:
+        p["metadata"]["labels"] = {LABEL_JOB: "sky-ddp-1"}
+        p["spec"]["affinity"] = ahead["spec"]["template"]["spec"]["affinity"]
+    assert not offer_for({"accelerators": "A100:8"}, nodes, ranks).free_now
+    ranks[0]["spec"]["nodeName"], ranks[0]["status"]["phase"] = "n0", "Running"
+    assert not offer_for({"accelerators": "A100:8"}, nodes, ranks).free_now
+    # a one-node job's pods (no anti-affinity) still pack: 8 GPUs left on n1
+    assert offer_for({"accelerators": "A100:8"}, nodes, [], jobs=[job("a", 4, parallelism=2)]
+                     ).free_now
+
+
 def test_pod_deadlines_bound_the_estimate_without_history():
     got = offer_for(A100, [node("n0")], [pod("a", 8, "n0", started=NOW - 100, deadline=900)])
     assert got.est_start == NOW - 100 + 900
@@ -198,3 +224,42 @@ def test_cpu_only_candidates_are_marked_where_only_gpu_nodes_have_room():
     mixed = offer_for({"cpus": 4}, [node("n0"), node("c0", gpus=0)], [])
     assert mixed.details["gpu_place"] is False
     assert "gpu_place" not in offer_for(A100, [node("n0")], []).details
+
+
+def test_the_tasks_pod_config_node_selector_narrows_the_nodes_counted():
+    n0, n1 = node("n0"), node("n1")
+    n0["metadata"]["labels"]["cloud.google.com/gke-nodepool"] = "reserved"
+    n1["metadata"]["labels"]["cloud.google.com/gke-nodepool"] = "general"
+    pods = [pod("busy", 8, "n0", started=NOW - 60)]  # the reserved pool is full
+    view = cluster_view([n0, n1], pods, "default")
+    view.now = NOW
+
+    def offer_with(selector):
+        task = load_task({"run": "x", "resources": {"accelerators": "A100:4"},
+                          "config": {"kubernetes": {"pod_config": {"spec": {
+                              "nodeSelector": selector}}}}})
+        return offers.offer("k", "kubernetes", SETTINGS, task, task.candidates[0], view,
+                            unsupported="", bundle_error="")
+
+    # its pods may go only to the reserved pool: not free (n1's free GPUs were counted)
+    got = offer_with({"cloud.google.com/gke-nodepool": "reserved"})
+    assert (got.free_now, got.nodes_total, got.gpus_free) == (False, 1, 0)
+    assert offer_with({"cloud.google.com/gke-nodepool": "general"}).free_now
+    none = offer_with({"cloud.google.com/gke-nodepool": "gone"})
+    assert not none.fits and "pod_config nodeSelector" in none.reason
+
+
+def test_a_pods_requests_count_its_native_sidecars_beside_its_containers():
+    from airflow_skypilot.backends.kubernetes.cluster import pod_requests
+
+    def c(cpu, mem, **kw):
+        return {"name": "c", "resources": {"requests": {"cpu": cpu, "memory": mem}}, **kw}
+
+    spec = {"containers": [c("4", "8Gi")],
+            "initContainers": [c("1", "1Gi", restartPolicy="Always"), c("6", "1Gi")]}
+    got = pod_requests({"spec": spec})
+    # the sidecar runs beside the container: 4 + 1 CPU, 8 + 1 GiB; the plain init container
+    # (6 CPU, with the sidecar before it: 7) is the larger CPU need, which runs alone first
+    assert (got["cpu"], got["memory"]) == (7.0, 9 * 2**30)
+    spec["initContainers"] = [c("2", "2Gi", restartPolicy="Always")]
+    assert pod_requests({"spec": spec})["cpu"] == 6.0  # was 4: the sidecar's max, not its sum

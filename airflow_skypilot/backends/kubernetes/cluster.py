@@ -82,16 +82,26 @@ def _container_requests(container: Mapping[str, Any]) -> dict[str, float]:
 
 
 def pod_requests(pod: Mapping[str, Any]) -> dict[str, float]:
-    """What the scheduler reserves for a pod: its containers' sum, or its largest init
-    container if that is more, plus overhead."""
+    """What the scheduler reserves for a pod: its containers' sum with its native sidecars
+    (init containers with ``restartPolicy: Always``, which run beside them), or an init
+    container (with the sidecars started before it) if that is more, plus overhead."""
     spec = pod.get("spec") or {}
     total: dict[str, float] = {}
     for container in spec.get("containers") or []:
         for key, value in _container_requests(container).items():
             total[key] = total.get(key, 0.0) + value
+    sidecars: dict[str, float] = {}
+    peak: dict[str, float] = {}
     for container in spec.get("initContainers") or []:
         for key, value in _container_requests(container).items():
-            total[key] = max(total.get(key, 0.0), value)
+            if container.get("restartPolicy") == "Always":
+                sidecars[key] = sidecars.get(key, 0.0) + value
+            else:
+                peak[key] = max(peak.get(key, 0.0), value + sidecars.get(key, 0.0))
+    for key, value in sidecars.items():
+        total[key] = total.get(key, 0.0) + value
+    for key, value in peak.items():
+        total[key] = max(total.get(key, 0.0), value)
     for key, value in (spec.get("overhead") or {}).items():
         total[key] = total.get(key, 0.0) + quantity(value)
     return total

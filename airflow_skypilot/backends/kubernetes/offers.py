@@ -17,6 +17,7 @@ CPU-only candidate whose free nodes all have GPUs is marked ``details["gpu_place
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,13 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
     if choice.accelerator:
         offer.accelerator = choice.accelerator
     nodes = choice.nodes
+    # the task's own pod_config may narrow the nodes further (its pods carry that selector)
+    task_selector = _pod_config_selector(task)
+    if task_selector:
+        nodes = [n for n in nodes if all(n.labels.get(k) == v for k, v in task_selector.items())]
+        if not nodes:
+            return no(f"no {'GPU ' if gpus else ''}nodes in {s.context} match the task's "
+                      f"config.kubernetes.pod_config nodeSelector {task_selector}")
     tolerations = s.tolerations + choice.tolerations
     fit = fit_pool([pool_node(n, tolerations) for n in nodes], req, task.num_nodes, s.context)
     offer.nodes_total = fit.nodes_total
@@ -166,6 +174,9 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
                   {k: n.free(k) for k in (GPU_RESOURCE, "cpu", "memory", "pods")},
                   usable=n.ready and not n.unschedulable) for n in view.nodes]
     by_name = {sl.name: sl for sl in slots}
+    for pod in view.pods:  # a rank bound already keeps its job's other ranks off its node
+        if pod.node in by_name and pod.spread:
+            by_name[pod.node].spread.add(pod.spread)
     mine = {n.name for n in nodes}
     pending = [p for p in view.pods if p.node is None] + (view.waiting or [])
     taken = take_pending(slots, pending, mine)
@@ -194,7 +205,7 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
         return offer
     _, cpus, mem_gb = shape(req)
     need = {GPU_RESOURCE: float(gpus), "cpu": cpus, "memory": mem_gb * 2**30, "pods": 1.0}
-    selector = {**s.node_selector, **choice.node_selector}
+    selector = {**task_selector, **s.node_selector, **choice.node_selector}
     job = [PodInfo(name=f"new[{i}]", namespace=s.namespace, node=None, requests=dict(need),
                    created=view.now, selector=selector, tolerations=tolerations)
            for i in range(task.num_nodes)]
@@ -210,6 +221,15 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
         offer.details["estimate"] = est.basis
         offer.notes.append(f"est. {est.basis}")
     return offer
+
+
+def _pod_config_selector(task: Task) -> dict[str, str]:
+    """``config.kubernetes.pod_config.spec.nodeSelector`` ({} when none)."""
+    pod_config = (task.config.get("kubernetes") or {}).get("pod_config") or {}
+    spec = pod_config.get("spec") if isinstance(pod_config, Mapping) else None
+    selector = spec.get("nodeSelector") if isinstance(spec, Mapping) else None
+    return {str(k): str(v) for k, v in selector.items()} if isinstance(selector, Mapping) \
+        else {}
 
 
 def _after(node: NodeView, slot: Slot, tolerations: list[dict[str, Any]]) -> PoolNode:

@@ -57,6 +57,9 @@ class PodInfo:
     ours: bool = False
     job: str = ""  # our Job's name (LABEL_JOB)
     phase: str = ""
+    #: pods with the same key never share a node (a required pod anti-affinity on the
+    #: hostname that matches the pod's own labels: a multi-node job's ranks, one per node)
+    spread: str = ""
 
     @classmethod
     def parse(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -76,7 +79,20 @@ class PodInfo:
             selector=dict(spec.get("nodeSelector") or {}),
             tolerations=list(spec.get("tolerations") or []),
             priority=int(_number(spec.get("priority")) or 0), ours=LABEL_JOB in labels,
-            job=labels.get(LABEL_JOB, ""), phase=status.get("phase", ""))
+            job=labels.get(LABEL_JOB, ""), phase=status.get("phase", ""),
+            spread=spread_key(spec, labels))
+
+
+def spread_key(spec: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+    """The key of a required pod anti-affinity on the hostname against the pod's own labels
+    ("" when it has none): the scheduler puts no two such pods on one node."""
+    anti = ((spec.get("affinity") or {}).get("podAntiAffinity") or {})
+    for term in anti.get("requiredDuringSchedulingIgnoredDuringExecution") or []:
+        match = (term.get("labelSelector") or {}).get("matchLabels") or {}
+        if term.get("topologyKey") == "kubernetes.io/hostname" and match and all(
+                labels.get(k) == v for k, v in match.items()):
+            return ",".join(f"{k}={v}" for k, v in sorted(match.items()))
+    return ""
 
 
 def _number(value: Any) -> float | None:
@@ -111,6 +127,7 @@ def waiting_jobs(jobs: Iterable[Mapping[str, Any]], pods: Sequence[PodInfo]) -> 
             continue
         template = spec.get("template") or {}
         tspec = template.get("spec") or {}
+        spread = spread_key(tspec, (template.get("metadata") or {}).get("labels") or {})
         requests = pod_requests(template)
         requests["pods"] = 1.0
         for i in range(count):
@@ -121,7 +138,7 @@ def waiting_jobs(jobs: Iterable[Mapping[str, Any]], pods: Sequence[PodInfo]) -> 
                 selector=dict(tspec.get("nodeSelector") or {}),
                 tolerations=list(tspec.get("tolerations") or []),
                 priority=int(_number(tspec.get("priority")) or 0), ours=True, job=name,
-                phase="(no pods yet)"))
+                phase="(no pods yet)", spread=spread))
     return out
 
 
@@ -154,6 +171,7 @@ class Slot:
     taints: list[dict[str, Any]]
     free: dict[str, float]
     usable: bool = True
+    spread: set[str] = field(default_factory=set)  # the spread keys of pods bound here
 
 
 def admits(slot: Slot, pod: PodInfo) -> bool:
@@ -179,13 +197,17 @@ def _take(slot: Slot, need: Mapping[str, float], sign: float = -1.0) -> None:
 
 
 def _bind(slots: Sequence[Slot], pod: PodInfo) -> Slot | None:
-    """Where the scheduler may put ``pod`` now (tightest GPU fit), taking its room; None."""
-    fits = [s for s in slots if _room(s, pod.requests) and admits(s, pod)]
+    """Where the scheduler may put ``pod`` now (tightest GPU fit, never beside a pod it must
+    stay apart from), taking its room; None."""
+    fits = [s for s in slots if _room(s, pod.requests) and admits(s, pod)
+            and not (pod.spread and pod.spread in s.spread)]
     if not fits:
         return None
     best = min(fits, key=lambda s: (s.free.get(GPU_RESOURCE, 0.0), s.free.get("cpu", 0.0),
                                     s.name))
     _take(best, pod.requests)
+    if pod.spread:
+        best.spread.add(pod.spread)
     return best
 
 
