@@ -306,6 +306,8 @@ def test_offer_not_free_when_quota_used_and_no_fit_when_quota_too_small():
     offer = _offers({"resources": {"accelerators": "A100:8"}}, _state(quotas=quotas))[0]
     assert offer.fits and not offer.free_now and offer.est_start is None
     assert "needs 96 vCPUs of the P on-demand quota (L-417A185B), 32 of 128 left" in offer.reason
+    assert offer.details["estimate"] == "unknown"  # as every backend says an unknown start
+    assert offer.notes[-1] == f"start unknown: {offer.reason}"
     quotas = {("p", False): QuotaView("p", False, "L-417A185B", limit=64, used=0)}
     offer = _offers({"resources": {"accelerators": "A100:8"}}, _state(quotas=quotas))[0]
     assert not offer.fits

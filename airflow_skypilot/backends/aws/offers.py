@@ -238,6 +238,8 @@ def offer_in(conn_id: str, settings: AwsSettings, task: Task, req: ResourceReque
         offer.est_start = st.now + s.boot_seconds
     else:  # fits the quota, not now: others' instances hold it; no ETA
         offer.reason = quota.describe(need)
+        offer.details["estimate"] = "unknown"
+        offer.notes.append(f"start unknown: {offer.reason}")
     return offer
 
 
