@@ -59,14 +59,26 @@ class ReconsiderSpec:
 _lock = threading.Lock()
 #: (connection, shape key) -> (probed at, offers or the error): one probe per interval
 _cache: dict[tuple[str, str], tuple[float, Any]] = {}
+#: probes under way: the looks that come meanwhile wait for them instead of probing again
+_inflight: dict[tuple[str, str], threading.Event] = {}
 
 
 def _probe(conn_id: str, task: Task, key: str, max_age: float) -> list[Offer]:
     from airflow_skypilot.backends.registry import backend_for_connection
 
-    with _lock:
-        hit = _cache.get((conn_id, key))
-    if hit is not None and time.monotonic() - hit[0] < max_age:
+    k = (conn_id, key)
+    while True:
+        with _lock:
+            hit = _cache.get(k)
+            if hit is not None and time.monotonic() - hit[0] < max_age:
+                break
+            running = _inflight.get(k)
+            if running is None:
+                _inflight[k] = threading.Event()
+                hit = None
+                break
+        running.wait(max(1.0, max_age))  # then the cache has its answer (or probe ourselves)
+    if hit is not None:
         if isinstance(hit[1], Exception):
             raise hit[1]
         return hit[1]
@@ -74,8 +86,13 @@ def _probe(conn_id: str, task: Task, key: str, max_age: float) -> list[Offer]:
         offers: Any = backend_for_connection(conn_id).probe(task)
     except Exception as exc:  # cached too: N waiting jobs do not retry a dead backend N times
         offers = exc
+    except BaseException:
+        with _lock:
+            _inflight.pop(k).set()  # the looks waiting for it probe themselves
+        raise
     with _lock:
-        _cache[(conn_id, key)] = (time.monotonic(), offers)
+        _cache[k] = (time.monotonic(), offers)
+        _inflight.pop(k).set()
     if isinstance(offers, Exception):
         raise offers
     return offers

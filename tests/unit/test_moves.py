@@ -289,3 +289,31 @@ def test_a_moved_copy_that_never_started_costs_nothing():
     launching = Attempt(connection="a", backend="aws", state="moved", submitted_at=1000.0,
                         ended_at=1600.0, gpus=1, price_per_hour=2.0)
     assert launching.hours() == pytest.approx(600 / 3600)  # an instance bills from launch
+
+
+def test_looks_that_overlap_a_probe_under_way_wait_for_it_instead_of_probing_again(
+        monkeypatch):
+    from airflow_skypilot.backends.base import JobHandle
+
+    calls = []
+    real = FakeBackend.probe
+
+    def slow_probe(self, task):
+        calls.append(self.conn_id)
+        time.sleep(0.3)
+        return real(self, task)
+
+    monkeypatch.setattr(FakeBackend, "probe", slow_probe)
+    task = load_task({"resources": {"accelerators": "A100:1"}, "run": "x"})
+    spec = rebalance.ReconsiderSpec(connections=["c1"], task=task.capacity_view(),
+                                    places=["c1/p"], interval=60)
+    handles = [JobHandle(backend="fake", connection="c1", job_id=str(i), job_name=f"j{i}",
+                         location="p", infra="x") for i in range(12)]
+
+    async def looks():
+        return await asyncio.gather(*[rebalance.adecide(spec, h, JobStatus(JobState.PENDING))
+                                      for h in handles])
+
+    decisions = asyncio.run(looks())
+    assert calls == ["c1"]  # one probe for twelve looks (six before: one per pool thread)
+    assert all(d.look.place == "c1/p" for d in decisions)
