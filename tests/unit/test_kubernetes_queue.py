@@ -263,3 +263,28 @@ def test_a_pods_requests_count_its_native_sidecars_beside_its_containers():
     assert (got["cpu"], got["memory"]) == (7.0, 9 * 2**30)
     spec["initContainers"] = [c("2", "2Gi", restartPolicy="Always")]
     assert pod_requests({"spec": spec})["cpu"] == 6.0  # was 4: the sidecar's max, not its sum
+
+
+def test_a_pending_pods_required_node_affinity_keeps_it_off_other_nodes():
+    # another team's pod, pending for an hour, for H100 nodes only (Karpenter style): it does
+    # not take the idle A100 node (it did: "8 free A100 taken by 1 pod(s) pending ahead")
+    def wants(op, values=None, key="skypilot.co/accelerator", fields=False):
+        p = pod("other-team", 8, created=NOW - 3600)
+        expr = {"key": key, "operator": op, **({"values": values} if values else {})}
+        term = {"matchFields" if fields else "matchExpressions": [expr]}
+        p["spec"]["affinity"] = {"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+        return p
+
+    nodes = [node("a0", 8, "a100")]
+    a100 = {"accelerators": "A100:8"}
+    assert offer_for(a100, nodes, [wants("In", ["h100"])]).free_now
+    assert offer_for(a100, nodes, [wants("NotIn", ["a100"])]).free_now
+    assert offer_for(a100, nodes, [wants("Exists", key="h100-only")]).free_now
+    assert offer_for(a100, nodes, [wants("In", ["b0"], key="metadata.name", fields=True)]
+                     ).free_now
+    # one that may land there still takes it first
+    for p in (wants("In", ["a100", "h100"]), wants("DoesNotExist", key="h100-only"),
+              wants("In", ["a0"], key="metadata.name", fields=True)):
+        taken = offer_for(a100, nodes, [p])
+        assert not taken.free_now and taken.details["reserved_by_pending"] == 8

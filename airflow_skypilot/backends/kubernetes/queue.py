@@ -60,6 +60,8 @@ class PodInfo:
     #: pods with the same key never share a node (a required pod anti-affinity on the
     #: hostname that matches the pod's own labels: a multi-node job's ranks, one per node)
     spread: str = ""
+    #: required node affinity: the nodeSelectorTerms one of which a node must match
+    node_terms: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def parse(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -80,7 +82,40 @@ class PodInfo:
             tolerations=list(spec.get("tolerations") or []),
             priority=int(_number(spec.get("priority")) or 0), ours=LABEL_JOB in labels,
             job=labels.get(LABEL_JOB, ""), phase=status.get("phase", ""),
-            spread=spread_key(spec, labels))
+            spread=spread_key(spec, labels), node_terms=node_terms(spec))
+
+
+def node_terms(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A pod spec's required node affinity terms ([] when none)."""
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    return [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, Mapping)]
+
+
+def _matches(term: Mapping[str, Any], name: str, labels: Mapping[str, str]) -> bool:
+    """Does a node match one nodeSelectorTerm (its expressions and fields all hold)?"""
+    for expr, value_of in [*((e, labels.get) for e in term.get("matchExpressions") or []),
+                           *((e, {"metadata.name": name}.get)
+                             for e in term.get("matchFields") or [])]:
+        have = value_of(expr.get("key", ""))
+        values = [str(v) for v in expr.get("values") or []]
+        op = expr.get("operator", "")
+        if op == "In" and have not in values:
+            return False
+        if op == "NotIn" and have in values:
+            return False
+        if op == "Exists" and have is None:
+            return False
+        if op == "DoesNotExist" and have is not None:
+            return False
+        if op in ("Gt", "Lt"):
+            try:
+                a, b = int(have or ""), int(values[0])
+            except (ValueError, IndexError):
+                return False
+            if (op == "Gt" and not a > b) or (op == "Lt" and not a < b):
+                return False
+    return True
 
 
 def spread_key(spec: Mapping[str, Any], labels: Mapping[str, str]) -> str:
@@ -138,7 +173,7 @@ def waiting_jobs(jobs: Iterable[Mapping[str, Any]], pods: Sequence[PodInfo]) -> 
                 selector=dict(tspec.get("nodeSelector") or {}),
                 tolerations=list(tspec.get("tolerations") or []),
                 priority=int(_number(tspec.get("priority")) or 0), ours=True, job=name,
-                phase="(no pods yet)", spread=spread))
+                phase="(no pods yet)", spread=spread, node_terms=node_terms(tspec)))
     return out
 
 
@@ -181,6 +216,8 @@ def admits(slot: Slot, pod: PodInfo) -> bool:
     if not slot.usable:
         return False
     if any(slot.labels.get(k) != v for k, v in pod.selector.items()):
+        return False
+    if pod.node_terms and not any(_matches(t, slot.name, slot.labels) for t in pod.node_terms):
         return False
     return all(tolerates(pod.tolerations, t) for t in slot.taints
                if t.get("effect") in ("NoSchedule", "NoExecute"))
