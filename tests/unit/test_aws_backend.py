@@ -442,7 +442,8 @@ def test_a_terminal_status_ends_when_aws_recorded_it():
     assert judge(2, False, two, m, now=200.0).ended_at == 160.0
     assert judge(2, False, two, m, now=900.0).ended_at == 160.0
     m = Markers(exit_codes={1: 7}, written={(1, "exit_code"): 155.0})
-    assert judge(2, False, two, m, now=200.0).ended_at == 155.0
+    one_left = [_inst(0, "running"), _inst(1, "terminated")]
+    assert judge(2, False, one_left, m, now=200.0).ended_at == 155.0
     m = Markers(errors={0: "x"}, written={(0, "bootstrap_error"): 120.0})
     assert judge(1, False, two[:1], m, now=200.0).ended_at == 120.0
     m = Markers(preempted={0: ""}, written={(0, "preempted"): 130.0})
@@ -1024,3 +1025,41 @@ def test_instances_still_launching_count_against_the_quota_and_say_so():
     assert offer.details["reserved_by_pending"] == 192 and offer.details["pending_ours"] == 1
     assert offer.notes == ["192 vCPUs of the quota taken by 2 instance(s) still launching, "
                            "1 of them ours"]
+
+
+def test_a_lost_allocation_decides_before_an_exit_code_it_caused():
+    """SkyPilot's rule: a failure is the program's only when its nodes are still there."""
+    def inst(rank, state, code=""):
+        return _inst(rank, state, spot=True, code=code)
+
+    # a 2-node spot job: EC2 reclaims rank 1; rank 0's training dies on the lost peer (exit 1)
+    st = judge(2, True, [inst(0, "running"),
+                         inst(1, "terminated", "Server.SpotInstanceTermination")],
+               Markers(exit_codes={0: 1}), now=200.0)
+    assert st.state == JobState.PREEMPTED and "reclaimed" in st.reason
+    # one node, notice written; the reclaim's shutdown kills the program (143)
+    st = judge(1, True, [inst(0, "shutting-down", "Server.SpotInstanceTermination")],
+               Markers(exit_codes={0: 143}, preempted={0: "{}"}), now=200.0)
+    assert st.state == JobState.PREEMPTED and "notice" in st.reason
+    # the same with the bootstrap's error marker instead of the exit code
+    st = judge(1, True, [inst(0, "terminated", "Server.SpotInstanceTermination")],
+               Markers(errors={0: "the bootstrap exited unexpectedly"}, preempted={0: ""}),
+               now=200.0)
+    assert st.state == JobState.PREEMPTED
+    # on demand: rank 1's node gone without an end of its own, rank 0 failed on it
+    st = judge(2, False, [_inst(0, "running"), _inst(1, "stopped")],
+               Markers(exit_codes={0: 1}), now=200.0)
+    assert st.state == JobState.INFRA_FAILED and "without an exit code of its own" in st.reason
+    # the program's own failure, its node shut down after it: the user's
+    st = judge(2, False, [_inst(0, "running"), _inst(1, "terminated")],
+               Markers(exit_codes={1: 3}), now=200.0)
+    assert (st.state, st.exit_code) == (JobState.FAILED, 3)
+    # a success is a success, notice or not
+    st = judge(1, True, [inst(0, "terminated")], Markers(exit_codes={0: 0}, preempted={0: ""}),
+               now=200.0)
+    assert st.state == JobState.SUCCEEDED
+    # after a failure, the rest terminated by our cleanup (tagged): still the program's
+    tagged = _inst(0, "terminated", tags={"skypilot-airflow:cancelled": "1"})
+    st = judge(2, False, [tagged, _inst(1, "terminated")], Markers(exit_codes={1: 3}),
+               now=200.0)
+    assert st.state == JobState.FAILED

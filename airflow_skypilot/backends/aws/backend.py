@@ -309,7 +309,9 @@ class AwsBackend(Backend):
                       f": terminated {', '.join(ids)}" if ids else " (no instance was left)")
 
     def cleanup(self, handle: JobHandle) -> None:
-        ids = self._terminate(handle, cancelled=False)
+        # tagged as ours: a later status of a failed job still reads its exit code, not a
+        # node "gone without an exit code of its own"
+        ids = self._terminate(handle, cancelled=True)
         if ids:
             self.log.info("Terminated instances left by %s: %s", handle.job_name, ", ".join(ids))
         self._forget(handle)

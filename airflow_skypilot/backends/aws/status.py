@@ -136,10 +136,12 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
     """A job's state from its instances and its S3 markers (SkyPilot's rule: the program's
     exit code decides when there is one; an allocation lost without one is infra).
 
-    Every rank's exit code 0 -> SUCCEEDED; any non-zero -> FAILED with it (lowest rank first);
-    a bootstrap error -> INFRA_FAILED; a spot notice or reclaim, or an instance that stopped or
-    terminated without an exit code -> PREEMPTED (spot) / INFRA_FAILED (on-demand), unless we
-    terminated it (``cancelled`` tag) -> CANCELLED; no instance at all -> LOST, except within
+    Every rank's exit code 0 -> SUCCEEDED; then a spot notice or reclaim, or an instance that
+    stopped or terminated without an end of its own -> PREEMPTED (spot) / INFRA_FAILED
+    (on-demand), even beside another rank's non-zero exit code (it failed on the lost peer),
+    unless we terminated it (``cancelled`` tag) -> CANCELLED when no exit code says more; any
+    non-zero exit code -> FAILED with it (lowest rank first); a bootstrap error ->
+    INFRA_FAILED; no instance at all -> LOST, except within
     ``grace`` seconds of the launch (``launched_at``): DescribeInstances is eventually
     consistent, so instances just launched may not be listed yet -> UNKNOWN; else
     PENDING/RUNNING.
@@ -157,28 +159,41 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
         return JobStatus(state, reason=reason, exit_code=code, started_at=started,
                          ended_at=end, nodes=ips, raw_state=raw)
 
+    if markers.exit_codes and all(markers.exit_codes.get(r) == 0 for r in range(num_nodes)):
+        ends = [markers.when(r, "exit_code") for r in range(num_nodes)]
+        return status(JobState.SUCCEEDED, "", 0,
+                      max(ends) if ends and None not in ends else None)  # type: ignore[type-var]
+    cancelled = [i for i in instances if i.tags.get(TAG_CANCELLED)]
+    lost_state = JobState.PREEMPTED if spot else JobState.INFRA_FAILED
+    # the allocation lost decides before an exit code: a program killed by the reclaim's
+    # shutdown (143), or a rank that failed because its peer's node went, did not fail itself
+    # (SkyPilot checks the cluster before it calls a failure the user's)
+    if markers.preempted:
+        rank = min(markers.preempted)
+        return status(lost_state, f"spot interruption notice on rank {rank}"
+                      + (f": {markers.preempted[rank]}" if markers.preempted[rank] else ""),
+                      ended=markers.when(rank, "preempted"))
+    reclaimed = [i for i in instances if i.state in GONE
+                 and i.reason_code == "Server.SpotInstanceTermination"]
+    gone = [i for i in instances if i.state in GONE and not markers.ended(i.rank)]
+    if lost := reclaimed or ([] if cancelled else gone):
+        first = lost[0]
+        what = f"spot instance reclaimed by EC2 ({first.reason_code})" if reclaimed else \
+            first.reason or first.reason_code or first.state
+        return status(lost_state, f"instance {first.instance_id} (rank {first.rank}) is "
+                                  f"{first.state} without an exit code of its own: {what}"
+                      if not reclaimed else f"instance {first.instance_id} (rank "
+                      f"{first.rank}): {what}", ended=first.transition_time)
     failed = sorted((r, c) for r, c in markers.exit_codes.items() if c != 0)
     if failed:
         rank, code = failed[0]
         where = f" on rank {rank}" if num_nodes > 1 else ""
         return status(JobState.FAILED, f"exit code {code}{where}", code,
                       markers.when(rank, "exit_code"))
-    if all(markers.exit_codes.get(r) == 0 for r in range(num_nodes)):
-        ends = [markers.when(r, "exit_code") for r in range(num_nodes)]
-        return status(JobState.SUCCEEDED, "", 0,
-                      max(ends) if ends and None not in ends else None)  # type: ignore[type-var]
-    cancelled = [i for i in instances if i.tags.get(TAG_CANCELLED)]
     if markers.errors:
         rank, text = sorted(markers.errors.items())[0]
         return status(JobState.INFRA_FAILED, f"node bootstrap failed on rank {rank}: {text}",
                       ended=markers.when(rank, "bootstrap_error"))
-    lost_state = JobState.PREEMPTED if spot else JobState.INFRA_FAILED
-    pending_preempt = {r: t for r, t in markers.preempted.items() if r not in markers.exit_codes}
-    if pending_preempt:  # the notice came first: a later cancel does not change what happened
-        rank = min(pending_preempt)
-        return status(lost_state, f"spot interruption notice on rank {rank}"
-                      + (f": {pending_preempt[rank]}" if pending_preempt[rank] else ""),
-                      ended=markers.when(rank, "preempted"))
     if not instances:
         age = now - launched_at if launched_at is not None else None
         if age is not None and age < grace:
@@ -186,21 +201,10 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
                                             "EC2 yet (DescribeInstances is eventually "
                                             "consistent)")
         return status(JobState.LOST, "no instance of the job exists (never launched, or gone)")
-    gone = [i for i in instances if i.state in GONE and i.rank not in markers.exit_codes]
-    if gone:
-        first = gone[0]
-        what = first.reason or first.reason_code or first.state
-        reclaimed = [i for i in gone if i.reason_code == "Server.SpotInstanceTermination"]
-        if reclaimed:
-            first, what = reclaimed[0], "spot instance reclaimed by EC2 " \
-                f"({reclaimed[0].reason_code})"
-        elif cancelled:
-            marks = [t for i in cancelled if (t := cancelled_at(i.tags[TAG_CANCELLED]))]
-            return status(JobState.CANCELLED, "cancelled (instances terminated)",
-                          ended=min(marks) if marks else first.transition_time)
-        return status(lost_state, f"instance {first.instance_id} (rank {first.rank}) is "
-                                  f"{first.state} without an exit code: {what}",
-                      ended=first.transition_time)
+    if gone:  # all of them ours: we terminated them (cancel)
+        marks = [t for i in cancelled if (t := cancelled_at(i.tags[TAG_CANCELLED]))]
+        return status(JobState.CANCELLED, "cancelled (instances terminated)",
+                      ended=min(marks) if marks else gone[0].transition_time)
     if any(i.state == "pending" for i in instances) or len(instances) < num_nodes:
         return status(JobState.PENDING, f"{sum(i.state == 'running' for i in instances)} of "
                                         f"{num_nodes} instance(s) running")
