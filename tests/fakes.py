@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 from airflow_skypilot.backends.base import (
     Backend,
@@ -102,6 +103,8 @@ class FakeBackend(Backend):
         job = self.jobs[handle.job_id]
         if not job["status"].state.terminal:
             job["status"] = JobStatus(JobState.CANCELLED)
+        elif job["status"].still_up:  # ended, part of it still up: that part is stopped
+            job["status"] = replace(job["status"], still_up=False)
 
     polls = 0
 

@@ -60,6 +60,9 @@ class JobStatus:
     raw_state: str = ""
     #: a pending job's own estimated start (epoch seconds), where the backend knows it
     est_start: float | None = None
+    #: an ended job whose allocation is still (partly) up (AWS: a rank's instance still
+    #: running beside a lost one): stopping it still takes a cancel
+    still_up: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

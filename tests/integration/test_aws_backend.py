@@ -446,6 +446,9 @@ def test_cancel_terminates_only_instances_whose_tags_are_the_jobs(box):
     forged = type(mine).from_dict(mine.to_dict())
     forged.extra["instance_ids"] = mine.extra["instance_ids"] + other.extra["instance_ids"] + [
         "i-0123456789abcdef0"]
+    # an id EC2 does not show is refused once the launch is past launch_grace (before it,
+    # "not shown" may be "not listed yet": the cancel is not confirmed; tested below)
+    forged.submitted_at -= 600
     AwsBackend(CONN).cancel(forged)
     assert _wait(backend, mine).state == JobState.CANCELLED
     assert backend.status([other])[other.job_id].state == JobState.RUNNING
@@ -453,3 +456,81 @@ def test_cancel_terminates_only_instances_whose_tags_are_the_jobs(box):
     assert states == {"running"}, states
     backend.cancel(other)
     assert _wait(backend, other).state == JobState.CANCELLED
+
+
+class _ListingLag:
+    """EC2's eventual consistency, as AWS documents it, on the backend's own client: for
+    ``seconds`` after a launch DescribeInstances lists none of its instances (by filter) and
+    does not know their ids (InvalidInstanceID.NotFound)."""
+
+    def __init__(self, client, seconds: float):
+        self.seconds, self.on = seconds, True
+        client.meta.events.register("before-call.ec2.DescribeInstances", self._by_id)
+        client.meta.events.register("after-call.ec2.DescribeInstances", self._listed)
+
+    def _young(self, inst) -> bool:
+        return self.on and time.time() - inst["LaunchTime"].timestamp() < self.seconds
+
+    def _by_id(self, params, **_):
+        if self.on and params.get("InstanceIds"):
+            from botocore.exceptions import ClientError
+
+            raise ClientError({"Error": {"Code": "InvalidInstanceID.NotFound",
+                                         "Message": "does not exist"}}, "DescribeInstances")
+
+    def _listed(self, parsed, **_):
+        for res in parsed.get("Reservations", []):
+            res["Instances"] = [i for i in res["Instances"] if not self._young(i)]
+        parsed["Reservations"] = [r for r in parsed.get("Reservations", []) if r["Instances"]]
+
+
+def test_a_launch_whose_answer_was_lost_is_not_called_gone_while_ec2_may_not_list_it(box):
+    """RunInstances acted on, its answer lost: the placer sweeps the job by name. While EC2
+    may not list the instance yet, "none listed" is not "none": the sweep stays until it
+    finds the instance and terminates it (it was confirmed 'nothing alive' and left running)."""
+    from botocore.exceptions import ReadTimeoutError
+
+    from airflow_skypilot import sweeps
+    from airflow_skypilot.exceptions import BackendUnreachable
+    from airflow_skypilot.runstate import Sweep
+
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "sleep 300", "resources": {"cpus": "2+"}})
+    offer = _offer(backend, task)
+    name = _name("lost-answer")
+
+    def lost(**_):  # EC2 launched; the answer never came back
+        raise ReadTimeoutError(endpoint_url=box.endpoint_url())
+
+    region = offer.details["region"]
+    backend._clients.client("ec2", region, attempts=1).meta.events.register(
+        "after-call.ec2.RunInstances", lost)
+    lag = _ListingLag(backend._clients.client("ec2", region), 600)
+    with pytest.raises(BackendUnreachable, match="may have been launched"):
+        backend.submit(task, offer, name, {})
+    assert len(_instances(box, name)) == 1  # it exists
+    sweep = Sweep(connection=CONN, job_name=name, reason="submission cut short")
+    with pytest.raises(BackendUnreachable, match="may still show up"):
+        sweeps.step(sweep, backend)
+    assert sweep.done_at is None
+    lag.on = False  # EC2 lists it now
+    assert sweeps.step(sweep, backend) and sweep.done_at is not None
+    assert {i["State"]["Name"] for i in _instances(box, name)} <= {"shutting-down",
+                                                                   "terminated"}
+
+
+def test_a_cancel_moments_after_a_launch_that_ec2_does_not_show_yet_is_not_confirmed(box):
+    from airflow_skypilot.exceptions import BackendUnreachable
+
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "sleep 300", "resources": {"cpus": "2+"}})
+    offer = _offer(backend, task)
+    handle = backend.submit(task, offer, _name("early-cancel"), {})
+    lag = _ListingLag(backend._clients.client("ec2", offer.details["region"]), 600)
+    with pytest.raises(BackendUnreachable, match="does not show .* yet: not terminated"):
+        backend.cancel(handle)  # it logged "no instance was left" and returned
+    assert {i["State"]["Name"] for i in _instances(box, handle.job_name)} <= {"pending",
+                                                                             "running"}
+    lag.on = False
+    backend.cancel(handle)
+    assert _wait(backend, handle).state == JobState.CANCELLED

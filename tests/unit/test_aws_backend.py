@@ -1050,6 +1050,9 @@ def test_a_lost_allocation_decides_before_an_exit_code_it_caused():
     st = judge(2, False, [_inst(0, "running"), _inst(1, "stopped")],
                Markers(exit_codes={0: 1}), now=200.0)
     assert st.state == JobState.INFRA_FAILED and "without an exit code of its own" in st.reason
+    assert st.still_up  # rank 0 still runs: a sweep of this copy cancels it, not trusts it
+    assert not judge(2, False, [_inst(0, "terminated"), _inst(1, "stopped")],
+                     Markers(exit_codes={0: 1}), now=200.0).still_up
     # the program's own failure, its node shut down after it: the user's
     st = judge(2, False, [_inst(0, "running"), _inst(1, "terminated")],
                Markers(exit_codes={1: 3}), now=200.0)

@@ -316,3 +316,19 @@ def test_a_connection_that_could_not_be_checked_does_not_hold_the_tasks_end():
     assert result["state"] == "succeeded"
     assert [(c["connection"], c["confirmed_dead"], c["outcome"]) for c in
             result["old_copies"]] == [("c2", False, "not checked")]
+
+
+def test_an_ended_copy_with_part_of_it_still_up_is_cancelled_before_it_counts_as_dead():
+    """AWS ends a 2-node job as an infra failure when one node is lost while the other still
+    runs: the sweep cancels it, instead of trusting the terminal state."""
+    from airflow_skypilot import sweeps
+    from airflow_skypilot.spec import load_task
+
+    task = load_task({"run": "x", "resources": {"accelerators": "A100:1"}})
+    handle = FakeBackend("c1").submit(task, offer("c1"), "sky-x-t1-a0", {})
+    FakeBackend.jobs[handle.job_id]["status"] = JobStatus(JobState.INFRA_FAILED, still_up=True)
+    sweep = Sweep(connection="c1", handle=handle.to_dict(), reason="its place failed")
+    assert sweeps.step(sweep, FakeBackend("c1"))
+    after = FakeBackend.jobs[handle.job_id]["status"]
+    assert (after.state, after.still_up) == (JobState.INFRA_FAILED, False)
+    assert sweep.outcome == "infra_failed"

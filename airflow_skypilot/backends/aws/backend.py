@@ -38,7 +38,9 @@ from airflow_skypilot.backends.aws.clients import AwsClients
 from airflow_skypilot.backends.aws.ec2 import InstanceView
 from airflow_skypilot.backends.aws.handles import (
     HANDLE_OBJECT,
+    INTENT_OBJECT,
     handle_from_instances,
+    launch_intent,
     launched_handle,
     region_of,
     stored_handle,
@@ -190,7 +192,18 @@ class AwsBackend(Backend):
                 return handle_from_instances(
                     self.conn_id, self.settings, job_name, region,
                     ec2.newest_reservation(found[job_name]))
+        self._not_in_doubt(job_name)
         return None
+
+    def _not_in_doubt(self, job_name: str) -> None:
+        """Raise while a launch of ``job_name`` whose answer was lost may still have instances
+        EC2 does not list yet (DescribeInstances is eventually consistent): "none listed" is
+        "none" only ``launch_grace`` seconds after it was begun."""
+        began = launch_intent(self._clients, self.settings, job_name)
+        if began is not None and time.time() - began < self.settings.launch_grace:
+            raise BackendUnreachable(
+                f"{self.conn_id}: a launch of {job_name} began {time.time() - began:.0f}s ago "
+                "and no instance of it is listed yet; it may still show up")
 
     def find_all(self, prefix: str) -> list[JobHandle]:
         found: dict[str, JobHandle] = {}
@@ -205,6 +218,8 @@ class AwsBackend(Backend):
                 stored = stored_handle(self._clients, self.settings, name)
                 if stored is not None:
                     found[name] = stored
+                elif name not in found:
+                    self._not_in_doubt(name)
         return sorted(found.values(), key=lambda h: h.job_name)
 
     def submit(self, task: Task, offer: Offer, job_name: str,
@@ -269,6 +284,7 @@ class AwsBackend(Backend):
                                                  first_az, env)
         script = userdata.render_user_data(boot)
         staged_key = s.job_prefix(job_name) + launch.PAYLOAD_OBJECT
+        intent_key = s.job_prefix(job_name) + INTENT_OBJECT
         staged = False
         try:
             if userdata.user_data_size(script) > userdata.USER_DATA_BUDGET:
@@ -280,12 +296,15 @@ class AwsBackend(Backend):
             meta = launch.job_meta(task, req, offer.price_per_hour)
             params = launch.launch_params(s, self.conn_id, task, req, job_name, info, ami,
                                           root_device, script, meta)
+            launch.s3_put(self._clients, s, intent_key,
+                          json.dumps({"at": time.time(), "region": region}).encode())
             reservation, az, refusals = launch.run_instances(
                 self._clients, s, self._refused, region, info.name, req.use_spot, azs, params)
             for refusal in refusals:
                 self.log.warning("RunInstances of %d x %s refused: %s", task.num_nodes,
                                  info.name, refusal)
-            if reservation is None:
+            if reservation is None:  # every AZ refused: nothing was launched
+                launch.s3_delete(self._clients, s, intent_key)
                 raise SubmissionError(
                     f"launch of {task.num_nodes} x {info.name}"
                     f"{' (spot)' if req.use_spot else ''} in {region} failed: "
@@ -324,6 +343,12 @@ class AwsBackend(Backend):
             handle.extra.get("instance_ids", []), cancelled)
         if untagged:
             self.log.debug("Could not tag %s cancelled: %s", ids, untagged)
+        unseen = [r for r in refused if r.endswith("not shown by EC2 (yet)")]
+        if unseen and time.time() - (handle.submitted_at or 0) < self.settings.launch_grace:
+            # launched moments ago and not listed yet: nothing says they are not running
+            raise BackendUnreachable(
+                f"{self.conn_id}: {handle.job_name} was launched moments ago and EC2 does not "
+                f"show {', '.join(r.split(':')[0] for r in unseen)} yet: not terminated")
         if refused:
             self.log.warning("Did not terminate instances of the handle of %s on %s that EC2 "
                              "does not show as this job's: %s", handle.job_name, self.conn_id,

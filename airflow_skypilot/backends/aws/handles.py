@@ -19,6 +19,9 @@ from airflow_skypilot.backends.aws.settings import BACKEND, AwsSettings
 from airflow_skypilot.backends.base import JobHandle
 
 HANDLE_OBJECT = "handle.json"
+#: written before RunInstances: a launch whose answer was lost may have instances EC2 does not
+#: list yet; until ``launch_grace`` has passed, "none listed" is not "none"
+INTENT_OBJECT = "launching.json"
 
 
 def region_of(handle: JobHandle) -> str:
@@ -113,3 +116,23 @@ def stored_job_names(clients: AwsClients, settings: AwsSettings, prefix: str) ->
     except Exception as exc:
         raise clients.error(exc, f"listing s3://{s.s3_bucket}/{s.job_prefix(prefix)}") from exc
     return names
+
+
+def launch_intent(clients: AwsClients, settings: AwsSettings, job_name: str) -> float | None:
+    """When a launch of ``job_name`` was begun (its intent object), None when none was."""
+    s = settings
+    if not s.s3_bucket:
+        return None
+    key = s.job_prefix(job_name) + INTENT_OBJECT
+    try:
+        body = clients.client("s3", s.s3_region).get_object(Bucket=s.s3_bucket,
+                                                            Key=key)["Body"].read()
+    except Exception as exc:
+        code, _ = client_error(exc)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise clients.error(exc, f"reading s3://{s.s3_bucket}/{key}") from exc
+    try:
+        return float(json.loads(body)["at"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0  # unreadable: as old as can be

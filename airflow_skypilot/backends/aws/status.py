@@ -156,8 +156,9 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
                ended: float | None = None) -> JobStatus:
         """``ended``: when AWS recorded the end (else the job's newest object, else now)."""
         end = (ended or markers.last_write or now) if state.terminal else None
+        up = state.terminal and any(i.state not in GONE for i in instances)
         return JobStatus(state, reason=reason, exit_code=code, started_at=started,
-                         ended_at=end, nodes=ips, raw_state=raw)
+                         ended_at=end, nodes=ips, raw_state=raw, still_up=up)
 
     if markers.exit_codes and all(markers.exit_codes.get(r) == 0 for r in range(num_nodes)):
         ends = [markers.when(r, "exit_code") for r in range(num_nodes)]
