@@ -199,3 +199,42 @@ def test_a_step_launch_retry_the_job_script_cannot_count_is_refused_at_the_conne
     for bad in ("inf", "nan", -1, 1e19):
         with pytest.raises(ConfigurationError, match="step_launch_retry"):
             SlurmSettings.from_extra("c", {"step_launch_retry": bad})
+
+
+def test_sbatch_notices_on_stderr_never_become_the_job_id(tmp_path):
+    """A site's job_submit plugin (or a warning) talks on stderr on success: the id is only
+    what --parsable prints. The real submit script, run by bash with a stand-in sbatch."""
+    import os
+    import subprocess
+
+    import pytest
+
+    from airflow_skypilot.exceptions import BackendError, BackendUnreachable
+
+    bin_dir, job_dir = tmp_path / "bin", tmp_path / "job"
+    bin_dir.mkdir()
+    job_dir.mkdir()
+
+    def run(prints: str) -> subprocess.CompletedProcess:
+        sbatch = bin_dir / "sbatch"
+        sbatch.write_text("#!/bin/bash\necho 'sbatch: Warning: job_submit/lua: no --time "
+                          f"given, partition default applied' >&2\n{prints}\n")
+        sbatch.chmod(0o755)
+        (job_dir / "job_id").unlink(missing_ok=True)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+        return subprocess.run(["bash", "-s"], input=submit.submit_script(str(job_dir), "n"),
+                              capture_output=True, text=True, env=env, timeout=30)
+
+    done = run("echo '4242;alpha'")
+    assert submit.parse_submitted(done.returncode, done.stdout, done.stderr, "c")[0] == "4242"
+    assert (job_dir / "job_id").read_text() == "4242\n"
+    assert "job_submit/lua" in done.stderr  # the notice, apart (the backend logs it)
+    odd = run("echo 'Submitted batch job 4243'")  # not --parsable's shape: no id to trust
+    with pytest.raises(BackendUnreachable, match="printed no job id"):
+        submit.parse_submitted(odd.returncode, odd.stdout, odd.stderr, "c")
+    assert not (job_dir / "job_id").exists()
+    # an id that is not a number is never taken for a job gone at scancel
+    handle = JobHandle(backend="slurm", connection="c", job_id="sbatch: Warning", job_name="n",
+                       location="batch", infra="slurm/alpha/batch")
+    with pytest.raises(BackendError):
+        submit.check_cancelled(1, "scancel: error: Invalid job id specified", "", handle)

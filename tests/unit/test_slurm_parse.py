@@ -99,6 +99,8 @@ def _handle(job_id: str) -> JobHandle:
     ("COMPLETING", "None", "", JobState.RUNNING, None),
     ("COMPLETING", "None", "0", JobState.SUCCEEDED, 0),  # its exit file: Slurm cleans up
     ("COMPLETING", "None", "2", JobState.FAILED, 2),
+    # a node of a multi-node job went down: srun exited non-zero; Slurm ends it NODE_FAIL
+    ("COMPLETING", "NodeDown", "1", JobState.RUNNING, 1),
     ("COMPLETED", "None", "0", JobState.SUCCEEDED, 0),
     ("FAILED", "NonZeroExitCode", "3", JobState.FAILED, 3),
     ("OUT_OF_MEMORY", "OutOfMemory", "", JobState.FAILED, None),

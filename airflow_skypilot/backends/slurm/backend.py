@@ -184,6 +184,8 @@ class SlurmBackend(Backend):
         rc, out, err = self.remote.run(jobs.submit_script(job_dir, job_name, s),
                                        self._budget(3))
         job_id, adopted, removed = jobs.parse_submitted(rc, out, err, self.conn_id)
+        if notices := [line for line in err.splitlines() if line.startswith("sbatch:")]:
+            self.log.warning("sbatch on %s said: %s", self.conn_id, " | ".join(notices)[-500:])
         if removed:
             self.log.info("Removed %d job dir(s) on %s older than %g days: %s", len(removed),
                           self.conn_id, s.log_retention_days, ", ".join(removed))

@@ -212,9 +212,12 @@ def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start
     raw = words[0].rstrip("+")
     # a state this module does not know (a newer Slurm) says the job exists: not "gone"
     state = STATE_MAP.get(raw, JobState.UNKNOWN)
-    if raw == "COMPLETING" and exit_code is not None:
+    node_trouble = any(w in reason.lower() for w in ("node", "launch", "boot", "prolog"))
+    if raw == "COMPLETING" and exit_code is not None and (exit_code == 0 or not node_trouble):
         # the batch script wrote its exit code as its last act: what is left is Slurm's
-        # clean-up (which can take a minute when slurmctld was away), not the program
+        # clean-up (which can take a minute when slurmctld was away), not the program. Not
+        # when Slurm's reason is a node's (NodeDown...): a node failing under a multi-node job
+        # makes srun exit non-zero too, and the job ends as NODE_FAIL (infra) after it
         raw = "COMPLETED" if exit_code == 0 else "FAILED"
         state = STATE_MAP[raw]
     if raw == "CANCELLED" and reason.lower().startswith("node"):

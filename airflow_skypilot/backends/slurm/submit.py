@@ -378,13 +378,17 @@ def submit_script(job_dir: str, job_name: str, settings: SlurmSettings | None = 
         "  exec 9>lock",
         f"  flock -w {lock_wait} 9 || return 98",
         '  if [ -s job_id ]; then echo "@@adopted"; cat job_id; return 0; fi',
-        f"  out=$(_t {submit} 2>&1); rc=$?",
-        '  if [ $rc -ne 0 ]; then printf "%s\\n" "$out" >&2; '
-        'printf "@@sbatch_rc\\n%s\\n" "$rc"; return 99; fi',
-        '  jid=${out%%;*}',
+        # its notices (a site's job_submit plugin, warnings) go to stderr, apart from the id
+        f"  out=$(_t {submit} 2>&3); rc=$?",
+        '  if [ $rc -ne 0 ]; then printf "@@sbatch_rc\\n%s\\n" "$rc"; return 99; fi',
+        # --parsable: "<id>" or "<id>;<cluster>"; anything else is not an id
+        "  jid=$(printf '%s\\n' \"$out\" | sed -n 's/^\\([0-9][0-9]*\\)\\(;.*\\)\\{0,1\\}$/\\1/p'"
+        " | tail -n 1)",
+        '  if [ -z "$jid" ]; then printf "@@sbatch_noid\\n%s\\n" "$out"; return 96; fi',
         '  printf "%s\\n" "$jid" > job_id.tmp && mv job_id.tmp job_id',
         '  echo "@@submitted"; printf "%s\\n" "$jid"',
         "}",
+        "exec 3>&2",
         "submit; status=$?",
         "exec 9>&-",
         gc_script(s, job_dir),
@@ -441,6 +445,10 @@ def parse_submitted(rc: int, out: str, err: str, conn_id: str) -> tuple[str, boo
     sbatch_rc = section_rc(sec, "sbatch")
     if rc == 98:
         raise BackendUnreachable(f"{conn_id}: another submission of this job holds its lock")
+    if rc == 96:  # sbatch said yes but printed no id we can read: the job may well exist
+        said = " ".join(sec.get("sbatch_noid", []))[-300:]
+        raise BackendUnreachable(f"sbatch on {conn_id} printed no job id ({said!r}): the job "
+                                 "may exist all the same")
     if sbatch_rc is not None and no_answer(sbatch_rc, err):
         raise BackendUnreachable(f"sbatch on {conn_id} got no answer from slurmctld (the job "
                                  f"may exist all the same): {text}")
@@ -472,8 +480,8 @@ def check_cancelled(rc: int, out: str, err: str, handle: JobHandle) -> None:
     """:func:`cancel_script`'s result: nothing when the job is stopped or was gone already;
     BackendUnreachable when slurmctld did not answer (in time: it may act on it later)."""
     text = (out + err).strip()
-    if rc == 0 or "Invalid job id" in text:
-        return
+    if rc == 0 or ("Invalid job id" in text and handle.job_id.isdigit()):
+        return  # (an id that is not a number is ours that went wrong, not a job gone)
     if no_answer(rc, text):
         raise BackendUnreachable(f"scancel {handle.job_id} on {handle.connection} got no "
                                  f"answer from slurmctld: {text[-300:]}")
