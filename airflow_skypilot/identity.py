@@ -1,8 +1,9 @@
 """Who a job belongs to: its name, and which earlier jobs a new try may adopt.
 
 Every job of one task instance (one deployment, DAG, task, map index and run) carries one
-*prefix*; the rest of its name says under which clear of the run, which try and which attempt
-(failover or restart) it was submitted::
+*prefix*; the rest of its name says under which clear of the task instance (its ``max_tries``
+less its retries: Airflow moves it only when this task instance is cleared, not when another
+task of the run is), which try and which attempt (failover or restart) it was submitted::
 
     sky-<dag-task slug>-<digest of the task instance>-c<clear>-t<try>-a<attempt>
 
@@ -86,6 +87,17 @@ def parse_job_name(name: str) -> NameParts | None:
         return None
     return NameParts(match["prefix"], int(match["clear"]), int(match["try"]),
                      int(match["attempt"]))
+
+
+def clear_of(ti: Any, dag_run: Any, retries: int | None) -> int:
+    """Which clear of its task instance a try belongs to: ``max_tries`` less the task's
+    retries (Airflow moves ``max_tries`` only when this task instance is cleared; the run's
+    ``clear_number`` moves when any task of the run is, and a retry after clearing another
+    task must still adopt its job). The run's number where ``max_tries`` is not given."""
+    max_tries = getattr(ti, "max_tries", None)
+    if isinstance(max_tries, int) and not isinstance(max_tries, bool):
+        return max(0, max_tries - int(retries or 0))
+    return int(getattr(dag_run, "clear_number", 0) or 0)
 
 
 def attempt_number(try_number: int, attempt: int) -> int:

@@ -247,9 +247,8 @@ class SkyPilotOperator(BaseOperator):
         map_index = getattr(ti, "map_index", -1)
         key = identity.TaskKey(ti.dag_id, ti.task_id, ti.run_id,
                                -1 if map_index is None else int(map_index), deployment_id())
-        dag_run = context.get("dag_run")
         return RunState(prefix=key.prefix, task_env_id=key.skypilot_task_id,
-                        clear=int(getattr(dag_run, "clear_number", 0) or 0),
+                        clear=identity.clear_of(ti, context.get("dag_run"), self.retries),
                         try_number=int(ti.try_number or 1))
 
     def _hook(self) -> SkyPilotCapacityHook:
@@ -437,6 +436,10 @@ class SkyPilotOperator(BaseOperator):
         # them), so the event's copy wins.
         event = event or {}
         run = RunState.from_dict(event.get("state") or state)
+        if not run.prefix or not run.task_env_id:  # a state of an older release: its identity
+            fresh = self._new_run(context)  # from the task instance, as this release names it
+            run.prefix = run.prefix or fresh.prefix
+            run.task_env_id = run.task_env_id or fresh.task_env_id
         if event.get("status") == "swept":  # done: the job had succeeded, old copies swept
             return self._finish(context, run, run.attempts[-1], None)
         if event.get("status") == "reprobe":  # the wait for capacity is over: probe again

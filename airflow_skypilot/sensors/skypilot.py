@@ -82,7 +82,10 @@ class SkyPilotJobSensor(BaseSensorOperator):
         handle = self._handle()
         self.defer(trigger=SkyPilotJobTrigger(handle.to_dict(), poll_interval=self.poke_interval,
                                               unreachable_timeout=self._silence,
-                                              stream_logs=self.stream_logs),
+                                              stream_logs=self.stream_logs,
+                                              # it watches a job it does not own: clearing or
+                                              # marking the sensor leaves the job alone
+                                              cancel_on_kill=False),
                    method_name="execute_complete",
                    timeout=None if self.timeout is None else self.timeout)
 

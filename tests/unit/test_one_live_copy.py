@@ -332,3 +332,47 @@ def test_an_ended_copy_with_part_of_it_still_up_is_cancelled_before_it_counts_as
     after = FakeBackend.jobs[handle.job_id]["status"]
     assert (after.state, after.still_up) == (JobState.INFRA_FAILED, False)
     assert sweep.outcome == "infra_failed"
+
+
+def test_a_retry_after_another_task_of_the_run_was_cleared_adopts_its_job():
+    """Airflow moves the run's clear_number when any of its tasks is cleared; only this task
+    instance's clear (its max_tries) means "run it again"."""
+    def ctx(try_number, clear, max_tries):
+        context = _ctx(try_number, clear=clear)
+        context["ti"].max_tries = max_tries
+        return context
+
+    _defer(_op(retries=2), ctx(1, 0, 2))
+    FakeBackend.jobs["1"]["status"] = JobStatus(JobState.RUNNING, started_at=1.0)
+    # try 1's worker died; meanwhile another task of the run was cleared (clear_number 1)
+    deferred = _defer(_op(retries=2), ctx(2, 1, 2))
+    assert deferred.trigger.handle["job_id"] == "1" and len(FakeBackend.jobs) == 1
+    assert FakeBackend.jobs["1"]["status"].state == JobState.RUNNING
+    # this task cleared (max_tries = try_number + retries): its job is stopped, a new one runs
+    deferred = _defer(_op(retries=2), ctx(3, 2, 4))
+    assert deferred.trigger.handle["job_id"] == "2"
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+
+
+def test_a_state_of_an_older_release_keeps_the_tasks_identity_at_a_failover():
+    first = _defer(_op(), _ctx())
+    old = {k: v for k, v in first.trigger.state.items() if k not in ("prefix", "task_env_id")}
+    FakeBackend.jobs["1"]["status"] = JobStatus(JobState.PREEMPTED, reason="spot")
+    event = {"status": "done", "handle": first.trigger.handle, "log_tail": "", "log_offset": 0,
+             "job_status": FakeBackend.jobs["1"]["status"].to_dict(), "state": old}
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event, state=old)
+    new = info.value.trigger.handle
+    assert FakeBackend.jobs[new["job_id"]]["env"]["SKYPILOT_TASK_ID"] == \
+        FakeBackend.jobs["1"]["env"]["SKYPILOT_TASK_ID"] != ""
+    assert new["job_name"].startswith(FakeBackend.jobs["1"]["name"].rsplit("-c", 1)[0])
+
+
+def test_a_sensor_cleared_or_marked_leaves_the_job_it_watches_alone():
+    from airflow_skypilot.sensors import SkyPilotJobSensor
+
+    handle = _op(wait_for_completion=False).execute(_ctx())
+    with pytest.raises(TaskDeferred) as info:
+        SkyPilotJobSensor(task_id="wait", handle=handle).execute({})
+    asyncio.run(info.value.trigger.on_kill())  # the triggerer, as the user clears the sensor
+    assert FakeBackend.jobs["1"]["status"].state == JobState.PENDING
