@@ -36,7 +36,7 @@ from airflow_skypilot.backends.base import (
     Offer,
 )
 from airflow_skypilot.backends.registry import backend_class, backend_for_handle
-from airflow_skypilot.runstate import XCOM_WATCH, Look, RunState, add_look, watch_record
+from airflow_skypilot.runstate import XCOM_WATCH, Look, RunState, Sweep, add_look, watch_record
 
 LOG_TAIL_LINES = 40
 #: seconds between two writes of the watch XCom for looks that changed nothing
@@ -210,6 +210,34 @@ class _SweepsMixin:
             await self._asweep_once(keep)
             if self._pending(copies_only):
                 await asyncio.sleep(self.sweep_interval)
+
+    async def _atask_state(self) -> str | None:
+        """The deferred task instance's state now, from Airflow (None: cannot tell)."""
+        ti = getattr(self, "task_instance", None)
+        if ti is None:
+            return None
+        try:
+            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+            states = await asyncio.to_thread(
+                RuntimeTaskInstance.get_task_states, dag_id=ti.dag_id, map_index=ti.map_index,
+                task_ids=[ti.task_id], run_ids=[ti.run_id])
+        except Exception as exc:  # an older Airflow, no supervisor: cannot tell
+            self.log.info("Could not read the state of task %s: %s", ti.task_id, exc)
+            return None
+        key = ti.task_id if ti.map_index is None or ti.map_index < 0 \
+            else f"{ti.task_id}_{ti.map_index}"
+        state = (states.get(ti.run_id) or {}).get(key)
+        return str(getattr(state, "value", state)) if state is not None else None
+
+    async def _asweep_on_kill(self) -> None:
+        """The task was killed: one more try at its old copies (a move's waiting copy not
+        confirmed dead among them), since no later try of it may come to sweep them."""
+        if self._pending(copies_only=True):
+            await self._asweep_once()
+            for data in self._pending(copies_only=True):
+                self.log.error("Old copy NOT confirmed dead as the task was killed; stop it by "
+                               "hand: %s", Sweep.from_dict(data).describe())
 
 
 class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
@@ -422,26 +450,8 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         self.log.info("Task killed while deferred: cancelling %s job %s on %s",
                       handle.backend, handle.job_id, handle.connection)
         await asyncio.to_thread(backend.cancel, handle)
+        await self._asweep_on_kill()
 
-
-    async def _atask_state(self) -> str | None:
-        """The deferred task instance's state now, from Airflow (None: cannot tell)."""
-        ti = getattr(self, "task_instance", None)
-        if ti is None:
-            return None
-        try:
-            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
-
-            states = await asyncio.to_thread(
-                RuntimeTaskInstance.get_task_states, dag_id=ti.dag_id, map_index=ti.map_index,
-                task_ids=[ti.task_id], run_ids=[ti.run_id])
-        except Exception as exc:  # an older Airflow, no supervisor: cannot tell
-            self.log.info("Could not read the state of task %s: %s", ti.task_id, exc)
-            return None
-        key = ti.task_id if ti.map_index is None or ti.map_index < 0 \
-            else f"{ti.task_id}_{ti.map_index}"
-        state = (states.get(ti.run_id) or {}).get(key)
-        return str(getattr(state, "value", state)) if state is not None else None
 
 
 class SkyPilotWaitTrigger(_SweepsMixin, BaseTrigger):
@@ -469,6 +479,13 @@ class SkyPilotWaitTrigger(_SweepsMixin, BaseTrigger):
             if sweeper is not None:
                 sweeper.cancel()
         yield TriggerEvent({"status": "reprobe", "state": self.state})
+
+    async def on_kill(self) -> None:
+        """The task was killed while it waited (for capacity, or for a moved-away copy to be
+        confirmed dead): one more try at its old copies, unless it is still deferred (the
+        trigger moved to another triggerer)."""
+        if self._pending(copies_only=True) and await self._atask_state() != "deferred":
+            await self._asweep_on_kill()
 
 
 class SkyPilotSweepTrigger(_SweepsMixin, BaseTrigger):

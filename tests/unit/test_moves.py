@@ -317,3 +317,29 @@ def test_looks_that_overlap_a_probe_under_way_wait_for_it_instead_of_probing_aga
     decisions = asyncio.run(looks())
     assert calls == ["c1"]  # one probe for twelve looks (six before: one per pool thread)
     assert all(d.look.place == "c1/p" for d in decisions)
+
+
+def test_a_task_killed_while_its_move_waits_for_the_old_copy_stops_it_at_the_kill(monkeypatch):
+    """The move's cancel was not confirmed and the task waits; the user marks it failed: the
+    wait trigger's kill tries the old copy once more (no later try would sweep it)."""
+    from airflow_skypilot.triggers.skypilot import SkyPilotWaitTrigger
+
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    real_cancel = FakeBackend.cancel
+
+    def cancel(self, handle):
+        if self.conn_id == "c1":
+            FakeBackend.down.add("c1")
+        return real_cancel(self, handle)
+
+    monkeypatch.setattr(FakeBackend, "cancel", cancel)
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    waiting = info.value.trigger
+    assert isinstance(waiting, SkyPilotWaitTrigger) and _live_jobs() == ["1"]
+    FakeBackend.down.discard("c1")
+    monkeypatch.setattr(FakeBackend, "cancel", real_cancel)
+    asyncio.run(waiting.on_kill())  # no task instance to ask: killed, as the user asked
+    assert _live_jobs() == [] and FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
