@@ -204,17 +204,15 @@ def _live_jobs():
     return sorted(k for k, j in FakeBackend.jobs.items() if not j["status"].state.terminal)
 
 
-def test_a_move_whose_cancel_is_not_confirmed_submits_nothing_until_it_is(monkeypatch):
-    """The waiting copy was healthy: if its backend goes silent at the cancel, a new copy now
-    could start beside it. None is submitted until the old one is confirmed dead."""
-    from airflow_skypilot.triggers.skypilot import SkyPilotWaitTrigger
-
+def _a_move_whose_cancel_goes_unanswered(monkeypatch):
+    """A job waits on c1, c2 frees up, and c1's login node stops answering as the move's
+    cancel is sent: (the operator's deferral after it, the real cancel to put back)."""
     deferred = _waiting_on_c1()
     FakeBackend.offers["c2"] = [offer("c2", "q")]
     event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
     real_cancel = FakeBackend.cancel
 
-    def cancel(self, handle):  # c1's login node stops answering as the cancel is sent
+    def cancel(self, handle):
         if self.conn_id == "c1":
             FakeBackend.down.add("c1")
         return real_cancel(self, handle)
@@ -222,6 +220,15 @@ def test_a_move_whose_cancel_is_not_confirmed_submits_nothing_until_it_is(monkey
     monkeypatch.setattr(FakeBackend, "cancel", cancel)
     with pytest.raises(TaskDeferred) as info:
         _op().execute_complete(_ctx(), event)
+    return info, real_cancel
+
+
+def test_a_move_whose_cancel_is_not_confirmed_submits_nothing_until_it_is(monkeypatch):
+    """The waiting copy was healthy: if its backend goes silent at the cancel, a new copy now
+    could start beside it. None is submitted until the old one is confirmed dead."""
+    from airflow_skypilot.triggers.skypilot import SkyPilotWaitTrigger
+
+    info, real_cancel = _a_move_whose_cancel_goes_unanswered(monkeypatch)
     assert isinstance(info.value.trigger, SkyPilotWaitTrigger)
     assert list(FakeBackend.jobs) == ["1"] and _live_jobs() == ["1"]
     run = RunState.from_dict(info.value.trigger.state)
@@ -324,19 +331,7 @@ def test_a_task_killed_while_its_move_waits_for_the_old_copy_stops_it_at_the_kil
     wait trigger's kill tries the old copy once more (no later try would sweep it)."""
     from airflow_skypilot.triggers.skypilot import SkyPilotWaitTrigger
 
-    deferred = _waiting_on_c1()
-    FakeBackend.offers["c2"] = [offer("c2", "q")]
-    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
-    real_cancel = FakeBackend.cancel
-
-    def cancel(self, handle):
-        if self.conn_id == "c1":
-            FakeBackend.down.add("c1")
-        return real_cancel(self, handle)
-
-    monkeypatch.setattr(FakeBackend, "cancel", cancel)
-    with pytest.raises(TaskDeferred) as info:
-        _op().execute_complete(_ctx(), event)
+    info, real_cancel = _a_move_whose_cancel_goes_unanswered(monkeypatch)
     waiting = info.value.trigger
     assert isinstance(waiting, SkyPilotWaitTrigger) and _live_jobs() == ["1"]
     FakeBackend.down.discard("c1")

@@ -84,18 +84,9 @@ def handle_from_instances(conn_id: str, settings: AwsSettings, job_name: str, re
 
 def stored_handle(clients: AwsClients, settings: AwsSettings, job_name: str) -> JobHandle | None:
     """The handle submit stored in S3 (adopted), or None when there is none."""
-    s = settings
-    if not s.s3_bucket:
+    body = _job_object(clients, settings, job_name, HANDLE_OBJECT)
+    if body is None:
         return None
-    key = s.job_prefix(job_name) + HANDLE_OBJECT
-    try:
-        body = clients.client("s3", s.s3_region).get_object(Bucket=s.s3_bucket,
-                                                            Key=key)["Body"].read()
-    except Exception as exc:
-        code, _ = client_error(exc)
-        if code in ("NoSuchKey", "404", "NotFound"):
-            return None
-        raise clients.error(exc, f"reading s3://{s.s3_bucket}/{key}") from exc
     handle = JobHandle.from_dict(json.loads(body))
     handle.adopted = True
     return handle
@@ -120,19 +111,27 @@ def stored_job_names(clients: AwsClients, settings: AwsSettings, prefix: str) ->
 
 def launch_intent(clients: AwsClients, settings: AwsSettings, job_name: str) -> float | None:
     """When a launch of ``job_name`` was begun (its intent object), None when none was."""
+    body = _job_object(clients, settings, job_name, INTENT_OBJECT)
+    if body is None:
+        return None
+    try:
+        return float(json.loads(body)["at"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0  # unreadable: as old as can be
+
+
+def _job_object(clients: AwsClients, settings: AwsSettings, job_name: str,
+                name: str) -> bytes | None:
+    """An object of the job's S3 folder (None: there is none, or no bucket)."""
     s = settings
     if not s.s3_bucket:
         return None
-    key = s.job_prefix(job_name) + INTENT_OBJECT
+    key = s.job_prefix(job_name) + name
     try:
-        body = clients.client("s3", s.s3_region).get_object(Bucket=s.s3_bucket,
+        return clients.client("s3", s.s3_region).get_object(Bucket=s.s3_bucket,
                                                             Key=key)["Body"].read()
     except Exception as exc:
         code, _ = client_error(exc)
         if code in ("NoSuchKey", "404", "NotFound"):
             return None
         raise clients.error(exc, f"reading s3://{s.s3_bucket}/{key}") from exc
-    try:
-        return float(json.loads(body)["at"])
-    except (ValueError, KeyError, TypeError):
-        return 0.0  # unreadable: as old as can be
