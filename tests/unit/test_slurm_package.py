@@ -97,6 +97,14 @@ def test_many_logs_are_read_in_one_script_each_from_its_offset():
     got = logs.split_logs(out, [(handles[0], 0), (handles[1], 10)])
     assert got == {"1": ("héllo", 6), "2": ("", 10)}
     assert logs.split_log("@@log\n" + base64.b64encode(b"abc").decode(), 4) == ("abc", 7)
+    # a read cut inside a character: it comes whole with the next read, not as two "?"
+    e = "é€😀".encode()  # 2, 3 and 4 bytes
+    for cut in range(1, len(e)):
+        first = logs.split_log("@@log\n" + base64.b64encode(e[:cut]).decode(), 0)
+        rest = logs.split_log("@@log\n" + base64.b64encode(e[first[1]:]).decode(), first[1])
+        assert first[0] + rest[0] == "é€😀" and rest[1] == len(e), cut
+    assert logs.split_logs(f"@@log 1\n{base64.b64encode(e[:1]).decode()}\n",
+                           [(handles[0], 0)]) == {"1": ("", 0)}
 
 
 def test_memory_per_cpu_becomes_mem_per_cpu():

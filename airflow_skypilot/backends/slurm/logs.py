@@ -34,8 +34,19 @@ def split_log(out: str, offset: int) -> tuple[str, int]:
     head, _, body = out.partition("\n")
     if head.strip() != "@@log":
         return "", offset
-    data = base64.b64decode(body.strip() or b"")
+    data = _whole_characters(base64.b64decode(body.strip() or b""))
     return data.decode("utf-8", "replace"), offset + len(data)
+
+
+def _whole_characters(data: bytes) -> bytes:
+    """``data`` less a UTF-8 character cut at its end (read whole from there next time)."""
+    i = len(data) - 1
+    while i >= 0 and len(data) - i < 4 and (data[i] & 0xC0) == 0x80:
+        i -= 1
+    if i < 0 or data[i] < 0xC0:
+        return data
+    need = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
+    return data[:i] if len(data) - i < need else data
 
 
 def logs_script(requests: Sequence[tuple[JobHandle, int]],
@@ -55,7 +66,7 @@ def split_logs(out: str, requests: Sequence[tuple[JobHandle, int]]
         if line.startswith("@@log "):
             current = line[6:].strip()
         elif current is not None:
-            data = base64.b64decode(line.strip() or b"")
+            data = _whole_characters(base64.b64decode(line.strip() or b""))
             texts[current] = (data.decode("utf-8", "replace"), offsets[current] + len(data))
             current = None
     return {h.job_id: texts.get(h.job_id, ("", o)) for h, o in requests}
