@@ -504,12 +504,17 @@ class SkyPilotOperator(BaseOperator):
         """
         if run.pending_sweeps and handle is not None:
             self._placer.sweep_pending(run, keep=())
-            if run.pending_copies and self.deferrable:
+            # within what is left of execution_timeout, with a margin: the job succeeded, and
+            # the deferral timing out would fail the task
+            left = self._remaining(context)
+            wait = self._silence if left is None else min(
+                self._silence, left.total_seconds() - min(60.0, left.total_seconds() / 4))
+            if run.pending_copies and self.deferrable and wait > 0:
                 state = run.to_dict()
-                self.defer(trigger=SkyPilotSweepTrigger(self._silence, interval=max(
+                self.defer(trigger=SkyPilotSweepTrigger(wait, interval=max(
                     self.poll_interval, 5.0), state=state), method_name="execute_complete",
-                    kwargs={"state": state}, timeout=self._remaining(context))
-            deadline = time.time() + self._silence
+                    kwargs={"state": state}, timeout=left)
+            deadline = time.time() + max(0.0, wait)
             while run.pending_copies and time.time() < deadline:
                 time.sleep(max(self.poll_interval, 5.0))
                 self._placer.sweep_pending(run, keep=())

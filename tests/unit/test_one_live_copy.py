@@ -205,6 +205,14 @@ def test_success_waits_for_an_unconfirmed_old_copy_then_reports_it():
     result = _op().execute_complete(_ctx(), swept)
     assert result["state"] == "succeeded" and result["job_id"] == new["job_id"]
     assert result["old_copies"][0]["confirmed_dead"] is False
+    # close to execution_timeout the last sweep ends before the deferral would time out (a
+    # timed-out deferral fails the task whose job succeeded)
+    from datetime import timedelta
+
+    with pytest.raises(TaskDeferred) as near:
+        _op(unreachable_timeout=600, execution_timeout=timedelta(seconds=40)).execute_complete(
+            _ctx(), done)
+    assert near.value.trigger.timeout == 30.0 and near.value.timeout == timedelta(seconds=40)
 
 
 def test_a_submission_cut_short_tries_the_next_place_and_sweeps_the_maybe_job(monkeypatch):
