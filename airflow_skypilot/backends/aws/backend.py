@@ -338,17 +338,16 @@ class AwsBackend(Backend):
     def _terminate(self, handle: JobHandle, cancelled: bool) -> list[str]:
         """Terminate what EC2 shows is this job's (its name and connection tags); instance ids
         of the handle that are another's, or not shown, are refused and said so."""
-        ids, untagged, refused = launch.terminate(
+        ids, untagged, refused, unseen = launch.terminate(
             self._clients, region_of(handle), handle.job_name, self.conn_id,
             handle.extra.get("instance_ids", []), cancelled)
         if untagged:
             self.log.debug("Could not tag %s cancelled: %s", ids, untagged)
-        unseen = [r for r in refused if r.endswith("not shown by EC2 (yet)")]
         if unseen and time.time() - (handle.submitted_at or 0) < self.settings.launch_grace:
             # launched moments ago and not listed yet: nothing says they are not running
             raise BackendUnreachable(
                 f"{self.conn_id}: {handle.job_name} was launched moments ago and EC2 does not "
-                f"show {', '.join(r.split(':')[0] for r in unseen)} yet: not terminated")
+                f"show {', '.join(unseen)} yet: not terminated")
         if refused:
             self.log.warning("Did not terminate instances of the handle of %s on %s that EC2 "
                              "does not show as this job's: %s", handle.job_name, self.conn_id,

@@ -316,22 +316,26 @@ def _owned(inst: dict, job_name: str, conn_id: str) -> bool:
 
 
 def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
-              known_ids: list[str], cancelled: bool) -> tuple[list[str], str, list[str]]:
+              known_ids: list[str], cancelled: bool
+              ) -> tuple[list[str], str, list[str], list[str]]:
     """Terminate the job's instances that are not going already: those tagged with its name
     and connection, plus ``known_ids`` (the handle's, which came from XCom or a trigger's
     kwargs) that the name filter did not list yet, once EC2 shows they carry the same tags.
     Returns (the ids terminated, why they could not be tagged cancelled or "", what was
-    refused: ids whose tags are another job's or that EC2 does not show, with why).
+    refused: ids whose tags are another job's or that EC2 does not show, with why; the ids
+    EC2 does not show, among them).
     ``cancelled`` tags them first, so their status says "cancelled"."""
     found = describe_instances(clients, region, [{"Name": f"tag:{TAG_JOB}",
                                                   "Values": [job_name]}])
     listed = {i["InstanceId"] for i in found}
     refused: list[str] = []
     others = sorted(set(known_ids) - listed)
+    unseen: list[str] = []
     if others:  # the handle names them: check them by id before anything is done to them
         shown = describe_by_ids(clients, region, others)
         for iid in others:
             if iid not in shown:
+                unseen.append(iid)
                 refused.append(f"{iid}: not shown by EC2 (yet)")
             elif not _owned(shown[iid], job_name, conn_id):
                 refused.append(f"{iid}: its tags are not job {job_name}'s on {conn_id}")
@@ -343,7 +347,7 @@ def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
     refused += [f"{i['InstanceId']}: tagged {job_name} but of another connection"
                 for i in found if i["InstanceId"] in listed and not _owned(i, job_name, conn_id)]
     if not alive:
-        return [], "", refused
+        return [], "", refused, unseen
     ec2 = clients.client("ec2", region)
     untagged = ""
     if cancelled:
@@ -364,4 +368,4 @@ def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
             except Exception as one:
                 if not client_error(one)[0].startswith("InvalidInstanceID"):
                     raise clients.error(one, f"terminating {iid}") from one
-    return alive, untagged, refused
+    return alive, untagged, refused, unseen

@@ -179,12 +179,13 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
     gone = [i for i in instances if i.state in GONE and not markers.ended(i.rank)]
     if lost := reclaimed or ([] if cancelled else gone):
         first = lost[0]
-        what = f"spot instance reclaimed by EC2 ({first.reason_code})" if reclaimed else \
-            first.reason or first.reason_code or first.state
-        return status(lost_state, f"instance {first.instance_id} (rank {first.rank}) is "
-                                  f"{first.state} without an exit code of its own: {what}"
-                      if not reclaimed else f"instance {first.instance_id} (rank "
-                      f"{first.rank}): {what}", ended=first.transition_time)
+        which = f"instance {first.instance_id} (rank {first.rank})"
+        if reclaimed:
+            why = f"{which}: spot instance reclaimed by EC2 ({first.reason_code})"
+        else:
+            why = (f"{which} is {first.state} without an exit code of its own: "
+                   f"{first.reason or first.reason_code or first.state}")
+        return status(lost_state, why, ended=first.transition_time)
     failed = sorted((r, c) for r, c in markers.exit_codes.items() if c != 0)
     if failed:
         rank, code = failed[0]

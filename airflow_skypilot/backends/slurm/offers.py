@@ -89,9 +89,7 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
     """
     out = []
     discount = state.discount
-    own = next((r for r in state.reservations if r.name == settings.reservation), None) \
-        if settings.reservation else None
-    state = _for_connection(state, settings)
+    state, own = _for_connection(state, settings)
     for req in task.candidates:
         if not applies(req, settings):
             continue
@@ -291,20 +289,22 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     return offer
 
 
-def _for_connection(st: ClusterState, settings: SlurmSettings) -> ClusterState:
+def _for_connection(st: ClusterState, settings: SlurmSettings
+                    ) -> tuple[ClusterState, Reservation | None]:
     """``st`` as the jobs of a connection whose jobs run in a reservation (extra
-    ``reservation``) see it: its ``reservations`` become what keeps them off nodes (the other
-    reservations, every node outside theirs, and its own nodes until it begins; every node when
-    it is not listed), and once it is active its idle nodes, which Slurm shows RESERVED to
-    everyone, are usable for them. Without the extra, ``st`` as is."""
+    ``reservation``) see it, and that reservation (None: no extra, or not listed): its
+    ``reservations`` become what keeps them off nodes (the other reservations, every node
+    outside theirs, and its own nodes until it begins; every node when it is not listed), and
+    once it is active its idle nodes, which Slurm shows RESERVED to everyone, are usable for
+    them. Without the extra, ``st`` as is."""
     name = settings.reservation
     if not name:
-        return st
+        return st, None
     blocking = [r for r in st.reservations if r.name != name]
     own = next((r for r in st.reservations if r.name == name), None)
     if own is None:
         return replace(st, reservations=blocking + [Reservation(
-            f"{name} (not listed)", True, st.now, math.inf, tuple(st.nodes))])
+            f"{name} (not listed)", True, st.now, math.inf, tuple(st.nodes))]), None
     if outside := tuple(n for n in st.nodes if n not in own.nodes):
         blocking.append(Reservation(f"outside {name}", True, st.now, math.inf, outside))
     if own.start > st.now:
@@ -312,7 +312,7 @@ def _for_connection(st: ClusterState, settings: SlurmSettings) -> ClusterState:
                                     own.nodes))
     nodes = {n: replace(node, state=node.state.lower().replace("reserved", "idle"))
              if own.active and n in own.nodes else node for n, node in st.nodes.items()}
-    return replace(st, nodes=nodes, reservations=blocking)
+    return replace(st, nodes=nodes, reservations=blocking), own
 
 
 def _backfill_hole(st: ClusterState, nodes: list[NodeInfo], gres_type: str, req: ResourceRequest,

@@ -36,6 +36,8 @@ import statistics
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from airflow_skypilot.backends.slurm.shell import parse_int
+
 #: pending reasons of jobs that wait only for resources or priority: they hold what they plan
 RUNNABLE_REASONS = frozenset({"Resources", "Priority", "None", "", "(null)"})
 #: finished states that are not how a job's own run ends (the place failed under it)
@@ -152,7 +154,7 @@ def whole_gpus(per_job: str, per_task: str, tasks: str) -> dict[str, int]:
     """The GPUs a job asks per job (``--gpus``) and per task (``--gpus-per-task`` x its
     tasks), in all."""
     whole = tres_gpus(per_job)
-    count = _int(tasks, 1)
+    count = parse_int(tasks, 1)
     for gtype, n in tres_gpus(per_task).items():
         whole[gtype] = whole.get(gtype, 0) + n * max(1, count)
     return whole
@@ -245,16 +247,16 @@ def parse_pending(line: str) -> PendingJob | None:
         when: float | None = float(start) if start.isdigit() and int(start) > 0 else None
     except ValueError:
         when = None
-    nodes = max(1, _int(nodes_text, 1))
+    nodes = max(1, parse_int(nodes_text, 1))
     sched_nodes = expand_hostlist(sched)
     per_node, whole = tres_gpus(tres), whole_gpus(per_job, per_task, tasks)
     # NumNodes is the least it may take: a --gpus job planned on more nodes splits over them
     gpus, guessed = job_gpus(per_node, whole, max(nodes, len(sched_nodes)))
     return PendingJob(
         job_id=job_id, partitions=[p for p in parts_text.split(",") if p],
-        nodes=nodes, reason=reason, gpus=gpus, cpus=_int(cpus, 1),
+        nodes=nodes, reason=reason, gpus=gpus, cpus=parse_int(cpus, 1),
         mem_mb=node_memory_mb(alloc, mem, nodes), start=when,
-        sched_nodes=sched_nodes, user=user, priority=_int(prio, 0),
+        sched_nodes=sched_nodes, user=user, priority=parse_int(prio, 0),
         time_limit_s=duration_s(limit), gpus_guessed=guessed, gpus_whole=whole,
         gpus_node=per_node, array_more=max(0, array_tasks(array) - 1))
 
@@ -274,13 +276,6 @@ def array_tasks(text: str) -> int:
     if throttle.isdigit() and int(throttle) > 0:
         count = min(count, int(throttle))
     return max(1, count)
-
-
-def _int(text: str, default: int) -> int:
-    try:
-        return int(float(text))
-    except (TypeError, ValueError, OverflowError):  # OverflowError: "inf"
-        return default
 
 
 @dataclass(frozen=True)
@@ -432,7 +427,7 @@ def hold(rooms: dict[str, Room], partition_nodes: Iterable[str],
                 open_in.setdefault(part, []).append(n)
     unfit: set[tuple] = set()
     for job in _tasks(sorted(pending, key=lambda j: (-j.priority,
-                                                     _int(j.job_id.split("_")[0], 0)))):
+                                                     parse_int(j.job_id.split("_")[0], 0)))):
         if not job.runnable:
             continue
         if job.start is not None and job.start > now + limit:
