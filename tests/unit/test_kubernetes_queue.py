@@ -249,6 +249,44 @@ def test_the_tasks_pod_config_node_selector_narrows_the_nodes_counted():
     assert not none.fits and "pod_config nodeSelector" in none.reason
 
 
+def test_the_tasks_pod_config_tolerations_and_node_affinity_are_counted():
+    # n0 is tainted for one team (its pods tolerate it through the task's pod_config); n1 is
+    # another pool, full. Before, the taint hid n0 ("no fit" or queued where n0 starts it now),
+    # and a required node affinity was ignored (n1's room counted for a job kept off it)
+    n0, n1 = node("n0"), node("n1")
+    n0["spec"]["taints"] = [{"key": "team", "value": "vision", "effect": "NoSchedule"}]
+    n0["metadata"]["labels"]["pool"] = "vision"
+    n1["metadata"]["labels"]["pool"] = "general"
+    view = cluster_view([n0, n1], [pod("busy", 8, "n1", started=NOW - 60)], "default")
+    view.now = NOW
+
+    # tolerations in a pod_config are the connection's to allow (refused by default)
+    allowing = KubernetesSettings.from_extra("k", {"cluster_context": "ctx",
+                                                   "allow_privileged_pod_config": True})
+
+    def offer_with(spec):
+        task = load_task({"run": "x", "resources": {"accelerators": "A100:4"},
+                          "config": {"kubernetes": {"pod_config": {"spec": spec}}}})
+        return offers.offer("k", "kubernetes", allowing, task, task.candidates[0], view,
+                            unsupported="", bundle_error="")
+
+    tolerate = {"tolerations": [{"key": "team", "operator": "Equal", "value": "vision",
+                                 "effect": "NoSchedule"}]}
+    assert offer_with(tolerate).free_now
+    assert not offer_with({}).free_now  # n0 refuses the job's pods: only full n1 is left
+
+    def affinity(pool):
+        return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "pool", "operator": "In", "values": [pool]}]}]}}}}
+
+    general = offer_with(affinity("general"))
+    assert (general.free_now, general.nodes_total, general.gpus_free) == (False, 1, 0)
+    assert offer_with({**affinity("vision"), **tolerate}).free_now
+    none = offer_with(affinity("gone"))
+    assert not none.fits and "required node affinity" in none.reason
+
+
 def test_a_pods_requests_count_its_native_sidecars_beside_its_containers():
     from airflow_skypilot.backends.kubernetes.cluster import pod_requests
 

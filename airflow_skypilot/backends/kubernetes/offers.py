@@ -31,7 +31,14 @@ from airflow_skypilot.backends.kubernetes.cluster import (
     NodeView,
 )
 from airflow_skypilot.backends.kubernetes.names import GPU_RESOURCE
-from airflow_skypilot.backends.kubernetes.queue import PodInfo, Slot, estimate, take_pending
+from airflow_skypilot.backends.kubernetes.queue import (
+    PodInfo,
+    Slot,
+    estimate,
+    matches_term,
+    node_terms,
+    take_pending,
+)
 from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import fields
@@ -152,7 +159,15 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
         if not nodes:
             return no(f"no {'GPU ' if gpus else ''}nodes in {s.context} match the task's "
                       f"config.kubernetes.pod_config nodeSelector {task_selector}")
-    tolerations = s.tolerations + choice.tolerations
+    # and its required node affinity; its tolerations (appended to ours in the manifest) let
+    # its pods onto nodes tainted for them
+    terms = node_terms(_pod_config_spec(task))
+    if terms:
+        nodes = [n for n in nodes if any(matches_term(t, n.name, n.labels) for t in terms)]
+        if not nodes:
+            return no(f"no {'GPU ' if gpus else ''}nodes in {s.context} match the task's "
+                      "config.kubernetes.pod_config required node affinity")
+    tolerations = s.tolerations + choice.tolerations + _pod_config_tolerations(task)
     fit = fit_pool([pool_node(n, tolerations) for n in nodes], req, task.num_nodes, s.context)
     offer.nodes_total = fit.nodes_total
     offer.details.update({"node_selector": choice.node_selector,
@@ -207,7 +222,8 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
     need = {GPU_RESOURCE: float(gpus), "cpu": cpus, "memory": mem_gb * 2**30, "pods": 1.0}
     selector = {**task_selector, **s.node_selector, **choice.node_selector}
     job = [PodInfo(name=f"new[{i}]", namespace=s.namespace, node=None, requests=dict(need),
-                   created=view.now, selector=selector, tolerations=tolerations)
+                   created=view.now, selector=selector, tolerations=tolerations,
+                   node_terms=terms)
            for i in range(task.num_nodes)]
     running = [p for p in view.pods if p.node]
     est = estimate([sl for sl in slots if sl.name in mine], running, taken, job,
@@ -223,13 +239,25 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
     return offer
 
 
-def _pod_config_selector(task: Task) -> dict[str, str]:
-    """``config.kubernetes.pod_config.spec.nodeSelector`` ({} when none)."""
+def _pod_config_spec(task: Task) -> Mapping[str, Any]:
+    """``config.kubernetes.pod_config.spec`` ({} when none)."""
     pod_config = (task.config.get("kubernetes") or {}).get("pod_config") or {}
     spec = pod_config.get("spec") if isinstance(pod_config, Mapping) else None
-    selector = spec.get("nodeSelector") if isinstance(spec, Mapping) else None
+    return spec if isinstance(spec, Mapping) else {}
+
+
+def _pod_config_selector(task: Task) -> dict[str, str]:
+    """``config.kubernetes.pod_config.spec.nodeSelector`` ({} when none)."""
+    selector = _pod_config_spec(task).get("nodeSelector")
     return {str(k): str(v) for k, v in selector.items()} if isinstance(selector, Mapping) \
         else {}
+
+
+def _pod_config_tolerations(task: Task) -> list[dict[str, Any]]:
+    """``config.kubernetes.pod_config.spec.tolerations`` ([] when none)."""
+    tolerations = _pod_config_spec(task).get("tolerations")
+    return [dict(t) for t in tolerations if isinstance(t, Mapping)] \
+        if isinstance(tolerations, list) else []
 
 
 def _after(node: NodeView, slot: Slot, tolerations: list[dict[str, Any]]) -> PoolNode:

@@ -92,7 +92,7 @@ def node_terms(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [t for t in required.get("nodeSelectorTerms") or [] if isinstance(t, Mapping)]
 
 
-def _matches(term: Mapping[str, Any], name: str, labels: Mapping[str, str]) -> bool:
+def matches_term(term: Mapping[str, Any], name: str, labels: Mapping[str, str]) -> bool:
     """Does a node match one nodeSelectorTerm (its expressions and fields all hold)?"""
     for expr, value_of in [*((e, labels.get) for e in term.get("matchExpressions") or []),
                            *((e, {"metadata.name": name}.get)
@@ -217,7 +217,8 @@ def admits(slot: Slot, pod: PodInfo) -> bool:
         return False
     if any(slot.labels.get(k) != v for k, v in pod.selector.items()):
         return False
-    if pod.node_terms and not any(_matches(t, slot.name, slot.labels) for t in pod.node_terms):
+    if pod.node_terms and not any(matches_term(t, slot.name, slot.labels)
+                                  for t in pod.node_terms):
         return False
     return all(tolerates(pod.tolerations, t) for t in slot.taints
                if t.get("effect") in ("NoSchedule", "NoExecute"))
