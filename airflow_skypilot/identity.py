@@ -153,6 +153,9 @@ def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
         if parts is None or parts.prefix != prefix:
             continue  # not a name of ours (another task whose prefix is a prefix of ours)
         alive = status is not None and not status.state.terminal
+        # ended, but part of its allocation still runs (a lost rank's peer): stopped, never
+        # adopted
+        up = alive or (status is not None and status.still_up)
         succeeded = status is not None and status.state == JobState.SUCCEEDED
         if parts.clear != clear:
             why = f"submitted under clear {parts.clear} of the run (now {clear})"
@@ -162,14 +165,16 @@ def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
         elif alive or succeeded:
             candidates.append(((parts.try_number, parts.attempt), handle, status))
             continue
+        elif up:
+            why = "an earlier try's job that ended with part of its allocation still up"
         else:
             out.ignore.append((handle, "an earlier try's job that ended"))
             continue
-        (out.stop if alive else out.ignore).append((handle, why))
+        (out.stop if up else out.ignore).append((handle, why))
     candidates.sort(key=lambda c: c[0])
     if candidates:
         _, out.adopt, out.adopt_status = candidates.pop()
     for _, handle, status in candidates:
-        if not status.state.terminal:
+        if not status.state.terminal or status.still_up:
             out.stop.append((handle, "an older copy than the one adopted"))
     return out

@@ -479,8 +479,9 @@ class SkyPilotOperator(BaseOperator):
         ended = run.close(handle, status)
         self.log.info("Job %s on %s ended: %s%s", handle.job_id, handle.connection,
                       status.state.value, f" ({status.reason})" if status.reason else "")
-        if status.state.infra_failure:  # it may still run: stopped before anything else
-            why = f"{ended.state}: {ended.reason or 'its place failed'}"
+        if status.state.infra_failure or status.still_up:  # it may still run: stopped first
+            why = f"{ended.state}: {ended.reason or 'its place failed'}" + (
+                "; part of its allocation is still up" if status.still_up else "")
             self._placer.stop_copy(run, handle, why, attempt=ended)
         # the task (re-read on resume) is needed only to go on; a success needs nothing of it
         job_recovery = {} if status.state == JobState.SUCCEEDED else load().job_recovery

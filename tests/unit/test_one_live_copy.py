@@ -59,9 +59,9 @@ def _fake(monkeypatch):
 def _op(**kw):
     kw.setdefault("deferrable", True)
     kw.setdefault("confirm_timeout", 0.2)
-    return SkyPilotOperator(task_id="train", task={"resources": {"accelerators": "A100:1"},
-                                                   "run": "train"},
-                            connections=kw.pop("connections", ["c1", "c2"]), **kw)
+    kw.setdefault("task", {"resources": {"accelerators": "A100:1"}, "run": "train"})
+    return SkyPilotOperator(task_id="train", connections=kw.pop("connections", ["c1", "c2"]),
+                            **kw)
 
 
 def _defer(op, ctx):
@@ -340,6 +340,40 @@ def test_an_ended_copy_with_part_of_it_still_up_is_cancelled_before_it_counts_as
     after = FakeBackend.jobs[handle.job_id]["status"]
     assert (after.state, after.still_up) == (JobState.INFRA_FAILED, False)
     assert sweep.outcome == "infra_failed"
+
+
+def _still_up(job_id, state, exit_code=None):
+    FakeBackend.jobs[job_id]["status"] = JobStatus(state, exit_code=exit_code, started_at=10.0,
+                                                   ended_at=20.0, still_up=True)
+
+
+def test_a_failed_job_with_part_of_it_still_up_is_stopped_before_its_restart():
+    """Rank 0 of a 2-node job exited 1 while rank 1's machine still runs: the restart's copy
+    must not start beside it (only the best-effort clean-up stopped it before)."""
+    op = _op(task={"resources": {"accelerators": "A100:1",
+                                 "job_recovery": {"max_restarts_on_errors": 1}}, "run": "t"})
+    ctx = _ctx()
+    first = _defer(op, ctx)
+    handle = first.trigger.handle
+    _still_up(handle["job_id"], JobState.FAILED, exit_code=1)
+    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
+             "state": first.trigger.state,
+             "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict()}
+    with pytest.raises(TaskDeferred) as again:
+        op.execute_complete(ctx, event, first.kwargs["state"])
+    old = FakeBackend.jobs[handle["job_id"]]["status"]
+    assert (old.state, old.still_up) == (JobState.FAILED, False)  # its rest was stopped
+    assert again.value.trigger.handle["job_id"] != handle["job_id"]
+    assert [s["outcome"] for s in again.value.trigger.state["sweeps"]] == ["failed"]
+
+
+def test_a_new_try_stops_an_earlier_tries_ended_job_that_is_still_partly_up():
+    old = _defer(_op(), _ctx(try_number=1)).trigger.handle
+    _still_up(old["job_id"], JobState.PREEMPTED)
+    new = _defer(_op(), _ctx(try_number=2)).trigger.handle
+    assert new["job_id"] != old["job_id"] and not new["adopted"]
+    status = FakeBackend.jobs[old["job_id"]]["status"]
+    assert (status.state, status.still_up) == (JobState.PREEMPTED, False)
 
 
 def test_a_retry_after_another_task_of_the_run_was_cleared_adopts_its_job():
