@@ -113,6 +113,7 @@ def rank(
     blocked: Iterable[Blocked] = (),
     unreachable: dict[str, str] | None = None,
     prefer: str | None = None,
+    avoid: str | None = None,
     now: float | None = None,
 ) -> Placement:
     """Pick the best offer under ``policy`` and explain every other one.
@@ -120,7 +121,8 @@ def rank(
     ``blocked`` places are skipped while their block is active at ``now``; ``unreachable``
     maps connection -> error (shown as rows);
     ``prefer`` (a ``connection/location``) wins among offers that can start now: the FAILOVER
-    recovery strategy tries the same place first.
+    recovery strategy tries the same place first. ``avoid`` (a place, or ``conn/region/*``)
+    comes after every other viable offer: EAGER_NEXT_REGION tries elsewhere first.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown placement policy {policy!r}; expected one of {POLICIES}")
@@ -149,7 +151,9 @@ def rank(
     for conn, error in sorted((unreachable or {}).items()):
         rest.append(Row(verdict="unreachable", connection=conn, reason=f"unreachable: {error}"))
 
-    viable.sort(key=lambda o: _key(o, policy, ordered, prefer))
+    avoided = Blocked(avoid, "") if avoid else None
+    viable.sort(key=lambda o: (bool(avoided and avoided.covers(o)),
+                               *_key(o, policy, ordered, prefer)))
     chosen = viable[0] if viable else None
     ranked_rows = []
     for i, offer in enumerate(viable):
@@ -158,6 +162,11 @@ def rank(
         if offer is chosen:
             row.verdict = "chosen"
             row.reason = _why_chosen(offer, viable[1:], policy, ordered, prefer)
+            if avoided and avoided.covers(offer):
+                row.reason += "; tried last (job_recovery EAGER_NEXT_REGION): nothing else"
+        elif avoided and avoided.covers(offer):
+            row.verdict = "candidate" if offer.free_now else "queued"
+            row.reason = "tried last (job_recovery EAGER_NEXT_REGION: elsewhere first)"
         else:
             row.verdict = "candidate" if offer.free_now else "queued"
             row.reason = _why_lost(offer, chosen, policy, ordered)  # type: ignore[arg-type]

@@ -114,7 +114,7 @@ class Placer:
                               probe_began=began, own=run.prefix)
                 plan = placement.rank(offers, self.policy, ordered=task.ordered,
                                       blocked=run.blocked, unreachable=result.errors,
-                                      prefer=run.prefer)
+                                      prefer=run.prefer, avoid=run.avoid)
                 if plan.chosen is not None:
                     self.ledger.note(entries, run.prefix, plan.chosen)
             self.log.info("Placement (policy %s):\n%s\n%s", self.policy, plan.table(),
@@ -161,7 +161,7 @@ class Placer:
                                        until=until))
             run.attempt += 1
             return None
-        run.prefer = None
+        run.prefer = run.avoid = None
         run.record(handle)
         self.log.info("%s %s job %s on %s (%s) as %s", "Adopted" if handle.adopted else
                       "Submitted", handle.backend, handle.job_id, handle.connection,

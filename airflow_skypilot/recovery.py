@@ -4,15 +4,20 @@ Infrastructure failures (the allocation is gone: node failure, preemption, lost)
 again, up to the operator's ``max_failovers``, following ``job_recovery.strategy``:
 
 ``EAGER_NEXT_REGION`` (SkyPilot's default)
-    block the place that failed for the rest of this run and move elsewhere at once.
+    block the place that failed for the rest of this run and move elsewhere at once; its
+    whole region (an AWS region's other zones) is tried last, as SkyPilot tries the other
+    regions before the failed region's other zones.
 ``FAILOVER``
     try the same place first (if it can start the job now); block it only when it fails again.
 
 User-code failures (the allocation was fine, the program exited non-zero) are restarted only
-as ``job_recovery`` allows: an exit code listed in ``recover_on_exit_codes`` restarts without
-counting against ``max_restarts_on_errors`` (as in SkyPilot; here still bounded by
-``max_failovers`` so a job that always exits that way cannot loop forever); any other failure
-counts against ``max_restarts_on_errors`` (default 0: no restart).
+as ``job_recovery`` allows: an exit code of any rank listed in ``recover_on_exit_codes``
+restarts without counting against ``max_restarts_on_errors`` (as in SkyPilot; here still
+bounded by ``max_failovers`` so a job that always exits that way cannot loop forever); any
+other failure counts against ``max_restarts_on_errors`` (default 0: no restart). A restart
+goes where the strategy recovers to (SkyPilot's controller recovers a restarted job through
+it): ``FAILOVER`` the same place first, ``EAGER_NEXT_REGION`` elsewhere first (the place that
+failed is tried last, not blocked: the program, not the place, failed).
 
 The rule has one home: :func:`decide` answers what to do after an attempt ended (succeed, place
 again, or fail with a message), from the run's state alone; :func:`record` does the accounting
@@ -40,28 +45,45 @@ class Decision:
     block: Blocked | None = None
     prefer: str | None = None
     counts_as: str = ""  # "failover" | "restart" | "exit_code_restart"
+    avoid: str | None = None  # a place (or ``conn/region/*``) tried last
+
+
+def region_of(attempt: Attempt) -> str:
+    """The place pattern of ``attempt``'s region: ``conn/<region>/*`` for an AWS zone, else
+    its place (a Slurm partition or a Kubernetes namespace is its own region)."""
+    if attempt.backend == "aws" and "/" in attempt.location:
+        return f"{attempt.connection}/{attempt.location.split('/', 1)[0]}/*"
+    return attempt.place
 
 
 class EagerNextRegion:
     name = "EAGER_NEXT_REGION"
 
-    def on_infra_failure(self, place: str, what: str, history: Sequence[Attempt],
+    def on_infra_failure(self, ended: Attempt, what: str, history: Sequence[Attempt],
                          at: float) -> Decision:
-        return Decision(True, f"{what} at {place}: moving elsewhere (EAGER_NEXT_REGION)",
-                        block=Blocked(place, what, at), counts_as="failover")
+        return Decision(True, f"{what} at {ended.place}: moving elsewhere (EAGER_NEXT_REGION)",
+                        block=Blocked(ended.place, what, at), counts_as="failover",
+                        avoid=region_of(ended))
+
+    def on_restart(self, ended: Attempt) -> Decision:
+        return Decision(True, "elsewhere first (EAGER_NEXT_REGION)", avoid=region_of(ended))
 
 
 class Failover:
     name = "FAILOVER"
 
-    def on_infra_failure(self, place: str, what: str, history: Sequence[Attempt],
+    def on_infra_failure(self, ended: Attempt, what: str, history: Sequence[Attempt],
                          at: float) -> Decision:
+        place = ended.place
         failed_here = sum(1 for a in history if a.place == place and a.infra_failure)
         if failed_here <= 1:
             return Decision(True, f"{what} at {place}: trying the same place first (FAILOVER)",
                             prefer=place, counts_as="failover")
         return Decision(True, f"{what} at {place} again: moving elsewhere (FAILOVER)",
                         block=Blocked(place, what, at), counts_as="failover")
+
+    def on_restart(self, ended: Attempt) -> Decision:
+        return Decision(True, "the same place first (FAILOVER)", prefer=ended.place)
 
 
 STRATEGIES = {"EAGER_NEXT_REGION": EagerNextRegion, "FAILOVER": Failover}
@@ -71,20 +93,22 @@ def strategy_for(job_recovery: Mapping[str, Any]):
     return STRATEGIES[job_recovery.get("strategy") or "EAGER_NEXT_REGION"]()
 
 
-def on_user_failure(job_recovery: Mapping[str, Any], exit_code: int | None, restarts: int,
-                    code_restarts: int, max_code_restarts: int, place: str) -> Decision:
-    """Restart a job whose program failed, only as ``job_recovery`` allows."""
+def on_user_failure(job_recovery: Mapping[str, Any], exit_codes: Sequence[int], restarts: int,
+                    code_restarts: int, max_code_restarts: int) -> Decision:
+    """Restart a job whose program failed, only as ``job_recovery`` allows (``exit_codes``:
+    every failed rank's; any of them in ``recover_on_exit_codes`` counts)."""
     codes = list(job_recovery.get("recover_on_exit_codes") or [])
-    if exit_code is not None and exit_code in codes:
+    matched = next((c for c in exit_codes if c in codes), None)
+    if matched is not None:
         if code_restarts < max_code_restarts:
-            return Decision(True, f"exit code {exit_code} is in recover_on_exit_codes: "
-                                  "restarting", prefer=place, counts_as="exit_code_restart")
-        return Decision(False, f"exit code {exit_code} is in recover_on_exit_codes, but it "
+            return Decision(True, f"exit code {matched} is in recover_on_exit_codes: "
+                                  "restarting", counts_as="exit_code_restart")
+        return Decision(False, f"exit code {matched} is in recover_on_exit_codes, but it "
                                f"already restarted {code_restarts} times (max_failovers)")
     limit = int(job_recovery.get("max_restarts_on_errors") or 0)
     if restarts < limit:
         return Decision(True, f"restart {restarts + 1} of {limit} (max_restarts_on_errors)",
-                        prefer=place, counts_as="restart")
+                        counts_as="restart")
     if limit:
         return Decision(False, f"failed after {restarts} restart(s) (max_restarts_on_errors: "
                                f"{limit})")
@@ -115,6 +139,7 @@ class Verdict:
     prefer: str | None = None
     counts_as: str = ""
     cancel: bool = False
+    avoid: str | None = None
 
 
 def decide(run: RunState, ended: Attempt, job_recovery: Mapping[str, Any], max_failovers: int,
@@ -135,17 +160,19 @@ def decide(run: RunState, ended: Attempt, job_recovery: Mapping[str, Any], max_f
                 f"(max_failovers={max_failovers}). Last: {ended.reason}\n"
                 + run.attempts_text()), cancel=True)
         decision = strategy_for(job_recovery).on_infra_failure(
-            ended.place, ended.reason or ended.state, run.attempts, now)
+            ended, ended.reason or ended.state, run.attempts, now)
         return Verdict(AGAIN, decision.reason, block=decision.block, prefer=decision.prefer,
-                       counts_as="failover", cancel=True)
+                       counts_as="failover", cancel=True, avoid=decision.avoid)
     if ended.state == JobState.FAILED.value:
-        decision = on_user_failure(job_recovery, ended.exit_code, run.restarts,
-                                   run.code_restarts, max_failovers, ended.place)
+        codes = ended.exit_codes or ([] if ended.exit_code is None else [ended.exit_code])
+        decision = on_user_failure(job_recovery, codes, run.restarts, run.code_restarts,
+                                   max_failovers)
         if not decision.again:
             return Verdict(FAIL, f"{where} failed: {ended.reason}; {decision.reason}.\n"
                                  f"Last lines of its log:\n{tail}")
-        return Verdict(AGAIN, decision.reason, block=decision.block, prefer=decision.prefer,
-                       counts_as=decision.counts_as)
+        where_to = strategy_for(job_recovery).on_restart(ended)
+        return Verdict(AGAIN, f"{decision.reason}; {where_to.reason}", prefer=where_to.prefer,
+                       counts_as=decision.counts_as, avoid=where_to.avoid)
     # CANCELLED outside Airflow, or anything unexpected: do not fight the user
     return Verdict(FAIL, f"{where} ended {ended.state}"
                          f"{': ' + ended.reason if ended.reason else ''}; not placed again.\n"
@@ -154,8 +181,8 @@ def decide(run: RunState, ended: Attempt, job_recovery: Mapping[str, Any], max_f
 
 def record(run: RunState, verdict: Verdict, cooldown: float | None = None) -> None:
     """The accounting of a placement again: its counter, the blocked place (lapsing after
-    ``cooldown`` seconds; None: for the rest of the run), where to try first, and the next
-    attempt's number (its job name)."""
+    ``cooldown`` seconds; None: for the rest of the run), where to try first and last, and
+    the next attempt's number (its job name)."""
     if verdict.action != AGAIN:
         raise ValueError(f"only a verdict to place again is recorded, not {verdict.action!r}")
     counter = COUNTERS[verdict.counts_as]
@@ -166,4 +193,5 @@ def record(run: RunState, verdict: Verdict, cooldown: float | None = None) -> No
             block = replace(block, until=block.at + cooldown)
         run.blocked.append(block)
     run.prefer = verdict.prefer
+    run.avoid = verdict.avoid
     run.attempt += 1

@@ -144,6 +144,7 @@ class Attempt:
     state: str = "pending"  # a JobState value, or "moved" (a waiting copy moved elsewhere)
     reason: str = ""
     exit_code: int | None = None
+    exit_codes: list[int] = field(default_factory=list)  # every failed rank's, where known
     submitted_at: float | None = None
     started_at: float | None = None
     ended_at: float | None = None
@@ -176,6 +177,7 @@ class Attempt:
         self.state = status.state.value
         self.reason = status.reason
         self.exit_code = status.exit_code
+        self.exit_codes = list(status.exit_codes)
         self.started_at = status.started_at
         self.ended_at = status.ended_at or (time.time() if now is None else now)
         self.infra_failure = bool(status.state.infra_failure)
@@ -293,6 +295,7 @@ class RunState:
     restarts: int = 0  # restarts counted against max_restarts_on_errors
     code_restarts: int = 0  # restarts for recover_on_exit_codes
     prefer: str | None = None  # the place to try first on the next placement
+    avoid: str | None = None  # the place (or ``conn/region/*``) to try last on it
     log_offset: int = 0  # bytes of the current job's log already shown
     started_at: float = field(default_factory=time.time)
     waiting_since: float | None = None  # first time nothing could take the job

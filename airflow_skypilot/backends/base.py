@@ -63,6 +63,9 @@ class JobStatus:
     #: an ended job whose allocation is still (partly) up (AWS: a rank's instance still
     #: running beside a lost one): stopping it still takes a cancel
     still_up: bool = False
+    #: every failed rank's exit code, where the backend reads them all (``exit_code`` is the
+    #: one the reason names): SkyPilot restarts when any is in ``recover_on_exit_codes``
+    exit_codes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -1057,6 +1057,10 @@ def test_a_lost_allocation_decides_before_an_exit_code_it_caused():
     st = judge(2, False, [_inst(0, "running"), _inst(1, "terminated")],
                Markers(exit_codes={1: 3}), now=200.0)
     assert (st.state, st.exit_code) == (JobState.FAILED, 3)
+    # every failed rank's code, for recover_on_exit_codes (the reason names the lowest rank)
+    st = judge(2, False, [_inst(0, "terminated"), _inst(1, "terminated")],
+               Markers(exit_codes={0: 1, 1: 42}), now=200.0)
+    assert (st.exit_code, st.exit_codes) == (1, [1, 42])
     # a success is a success, notice or not
     st = judge(1, True, [inst(0, "terminated")], Markers(exit_codes={0: 0}, preempted={0: ""}),
                now=200.0)

@@ -562,6 +562,10 @@ def test_rank_failure_wins_over_the_ranks_the_controller_kills():
     st = _status(_job([{"type": "Failed", "reason": "PodFailurePolicy"}]), pods, num_nodes=2)
     assert (st.state, st.exit_code) == (JobState.FAILED, 3)
     assert "rank 1" in st.reason
+    # every failing rank's code, for recover_on_exit_codes (the killed one is not a cause)
+    assert st.exit_codes == [3]
+    pods = [_jpod(0, phase="Failed", state=_term(42)), _jpod(1, phase="Failed", state=_term(3))]
+    assert _status(_job(), pods, num_nodes=2).exit_codes == [3, 42]
 
 
 def test_disruptions_are_infrastructure_failures():

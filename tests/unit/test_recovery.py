@@ -84,7 +84,10 @@ def test_max_restarts_on_errors_counts_restarts():
     run = RunState(prefix="x")
     job_recovery = {"max_restarts_on_errors": 1}
     verdict = _decide(run, _ended(run, JobState.FAILED, exit_code=1), job_recovery)
-    assert verdict.action == AGAIN and verdict.prefer == "c1/p" and not verdict.cancel
+    # SkyPilot's default strategy recovers a restart elsewhere first; the place is not blocked
+    assert verdict.action == AGAIN and verdict.avoid == "c1/p" and not verdict.cancel
+    assert verdict.prefer is None and verdict.block is None
+    assert "restart 1 of 1" in verdict.message and "EAGER_NEXT_REGION" in verdict.message
     recovery.record(run, verdict)
     assert (run.restarts, run.failovers, run.attempt) == (1, 0, 1)
     verdict = _decide(run, _ended(run, JobState.FAILED, exit_code=1), job_recovery)
@@ -116,3 +119,54 @@ def test_only_a_verdict_to_place_again_is_recorded():
     run = RunState(prefix="x")
     with pytest.raises(ValueError):
         recovery.record(run, recovery.Verdict(FAIL, "no"))
+
+
+def test_a_restart_goes_where_the_strategy_recovers_to():
+    run = RunState(prefix="x")
+    failover = _decide(run, _ended(run, JobState.FAILED, exit_code=1),
+                       {"max_restarts_on_errors": 1, "strategy": "FAILOVER"})
+    assert (failover.prefer, failover.avoid) == ("c1/p", None)
+    assert "the same place first (FAILOVER)" in failover.message
+
+
+def test_any_ranks_exit_code_in_recover_on_exit_codes_restarts():
+    """SkyPilot restarts when any node's exit code is listed: rank 1 exited 42 (listed),
+    rank 0 then 1 (its peer gone); the status names rank 0's code."""
+    run = RunState(prefix="x")
+    handle = _handle(1)
+    run.record(handle)
+    ended = run.close(handle, JobStatus(JobState.FAILED, reason="exit code 1 on rank 0",
+                                        exit_code=1, exit_codes=[1, 42]), now=100.0)
+    verdict = _decide(run, ended, {"recover_on_exit_codes": [42]})
+    assert verdict.action == AGAIN and verdict.counts_as == "exit_code_restart"
+    assert "exit code 42 is in recover_on_exit_codes" in verdict.message
+    assert RunState.from_dict(run.to_dict()).attempts[0].exit_codes == [1, 42]
+
+
+def test_eager_next_region_tries_the_failed_aws_region_last():
+    """SkyPilot's order after a preemption in us-east-1a: another region first, and only then
+    the same region's other zones (the failed zone itself stays blocked)."""
+    from airflow_skypilot import placement
+    from tests.fakes import offer
+
+    run = RunState(prefix="x")
+    handle = JobHandle(backend="aws", connection="aws1", job_id="i-1", job_name="j-a0",
+                       location="us-east-1/us-east-1a", infra="aws/us-east-1/us-east-1a")
+    run.record(handle)
+    ended = run.close(handle, JobStatus(JobState.PREEMPTED, reason="spot reclaimed"),
+                      now=100.0)
+    verdict = _decide(run, ended)
+    assert verdict.block.place == "aws1/us-east-1/us-east-1a"
+    assert verdict.avoid == "aws1/us-east-1/*"
+    recovery.record(run, verdict)
+    zones = [offer("aws1", z) for z in ("us-east-1/us-east-1a", "us-east-1/us-east-1b",
+                                        "us-west-2/us-west-2a")]
+    zones[2].price_per_hour = 9.0  # dearer: the region, not the price, decides here
+    plan = placement.rank(zones, blocked=run.blocked, avoid=run.avoid, now=200.0)
+    assert plan.chosen.location == "us-west-2/us-west-2a"
+    assert [r.verdict for r in plan.rows] == ["chosen", "candidate", "blocked"]
+    assert "tried last" in plan.rows[1].reason
+    # nothing else: the same region's other zone after all (a soft preference, not a block)
+    plan = placement.rank(zones[:2], blocked=run.blocked, avoid=run.avoid, now=200.0)
+    assert plan.chosen.location == "us-east-1/us-east-1b"
+    assert "tried last" in plan.rows[0].reason

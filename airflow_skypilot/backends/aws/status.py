@@ -153,12 +153,13 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
     raw = ",".join(f"{i.rank}:{i.state}" for i in instances) or "(no instances)"
 
     def status(state: JobState, reason: str = "", code: int | None = None,
-               ended: float | None = None) -> JobStatus:
+               ended: float | None = None, codes: list[int] | None = None) -> JobStatus:
         """``ended``: when AWS recorded the end (else the job's newest object, else now)."""
         end = (ended or markers.last_write or now) if state.terminal else None
         up = state.terminal and any(i.state not in GONE for i in instances)
         return JobStatus(state, reason=reason, exit_code=code, started_at=started,
-                         ended_at=end, nodes=ips, raw_state=raw, still_up=up)
+                         ended_at=end, nodes=ips, raw_state=raw, still_up=up,
+                         exit_codes=list(codes or []))
 
     if markers.exit_codes and all(markers.exit_codes.get(r) == 0 for r in range(num_nodes)):
         ends = [markers.when(r, "exit_code") for r in range(num_nodes)]
@@ -191,7 +192,7 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
         rank, code = failed[0]
         where = f" on rank {rank}" if num_nodes > 1 else ""
         return status(JobState.FAILED, f"exit code {code}{where}", code,
-                      markers.when(rank, "exit_code"))
+                      markers.when(rank, "exit_code"), codes=[c for _, c in failed])
     if markers.errors:
         rank, text = sorted(markers.errors.items())[0]
         return status(JobState.INFRA_FAILED, f"node bootstrap failed on rank {rank}: {text}",

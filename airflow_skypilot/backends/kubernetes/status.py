@@ -181,10 +181,12 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     phases = ",".join(f"{r}:{latest[r].phase}" for r in sorted(latest))
 
     def out(state: JobState, reason: str = "", exit_code: int | None = None,
-            raw: str = "", ended: float | None = None) -> JobStatus:
+            raw: str = "", ended: float | None = None,
+            codes: list[int] | None = None) -> JobStatus:
         return JobStatus(state, reason=reason, exit_code=exit_code, started_at=started_at,
                          ended_at=(ended or ended_at or now) if state.terminal else None,
-                         nodes=nodes_used, raw_state=raw or phases or "no pods")
+                         nodes=nodes_used, raw_state=raw or phases or "no pods",
+                         exit_codes=list(codes or []))
 
     def infra(reason: str, preempted: bool = False, ended: float | None = None) -> JobStatus:
         state = JobState.PREEMPTED if preempted or spot else JobState.INFRA_FAILED
@@ -223,7 +225,8 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
         extra = " (out of memory: OOMKilled)" if first.term_reason == "OOMKilled" else ""
         where = f" on rank {first.rank}" if num_nodes > 1 else ""
         return out(JobState.FAILED, f"exit code {first.exit_code}{where}{extra}",
-                   first.exit_code, ended=first.finished)  # the first failure, not the kills
+                   first.exit_code, ended=first.finished,  # the first failure, not the kills
+                   codes=sorted({int(v.exit_code) for v in failed}))
     # 3. the Job's own verdict, which outlives its pods
     if failed_cond is not None:
         reason, message = failed_cond.get("reason", ""), failed_cond.get("message", "")
