@@ -1,6 +1,6 @@
 """Scheduling benchmark: a burst of GPU jobs over loaded clusters, placed by each strategy.
 
-``python benchmarks/scheduling.py [--quick] [--seeds 0,1,2] [--json FILE]``
+``python benchmarks/scheduling.py [--quick] [--seeds 0,1,2] [--wide N] [--json FILE]``
 
 A discrete-event simulator of two Slurm clusters (priority order with backfill planned over time
 limits, every pending job reserving its slot; real jobs end before their limits), a Kubernetes
@@ -214,6 +214,8 @@ class Scenario:
     # this long after the first starts (the start gate holds user code until then)
     race_width: int = 3
     race_gate_s: float = 15.0
+    #: the backends whose queues hold racing copies (a start gate is needed on each)
+    race_backends: tuple[str, ...] = ("slurm", "kubernetes")
 
 
 # --- the trace -----------------------------------------------------------------------------------
@@ -1180,14 +1182,15 @@ class Sim:
 
     def _race(self, job: Job, plan: placement.Placement) -> bool:
         """``fastest+race``: nothing can start the job now; queue a copy at each on-prem
-        place it fits (best ranked first, ``race_width`` at most); the first to start wins,
+        place it fits (``race_backends``; best ranked first, ``race_width`` at most); the
+        first to start wins,
         the others are cancelled, or stopped at their start gate if they started meanwhile."""
         if not self.strategy.startswith("fastest+race") or plan.chosen.free_now:
             return False
         seen: set[str] = set()
         racers = []
         for o in plan.ranked:
-            if o.backend != "aws" and o.place_key not in seen:
+            if o.backend in self.sc.race_backends and o.place_key not in seen:
                 seen.add(o.place_key)
                 racers.append(o)
         racers = racers[:self.sc.race_width]
@@ -1708,7 +1711,13 @@ def before_after_table(step7: dict[str, Summary], now: dict[str, Summary],
     return "\n".join(lines)
 
 
-def report(seeds: list[int], quick: bool, sc: Scenario = Scenario()) -> tuple[str, dict]:
+#: the strategies run again on many seeds (one seed's burst swings the ratios by +-0.15x)
+WIDE_STRATEGIES = ("fastest", "fastest+moves", "fastest+race", "fastest+race+moves",
+                   "one-cluster", "skypilot")
+
+
+def report(seeds: list[int], quick: bool, sc: Scenario = Scenario(),
+           wide_seeds: list[int] | None = None) -> tuple[str, dict]:
     t0 = time.perf_counter()
     out: list[str] = []
     raw: dict[str, Any] = {"seeds": seeds, "scenario": asdict(sc), "runs": {}}
@@ -1765,6 +1774,15 @@ def report(seeds: list[int], quick: bool, sc: Scenario = Scenario()) -> tuple[st
                    f"issue measured 45%); median real/estimated wait "
                    f"{fast.mean('est_ratio'):.2f}; {100 * fast.mean('false_free'):.0f}% of "
                    "on-prem \"free now\" offers were followed by a wait over 5 minutes there.")
+    wide: dict[str, Summary] = {}
+    if wide_seeds:
+        wide = run_many(WIDE_STRATEGIES, wide_seeds, Knobs(), sc)
+        wide["fastest+race+moves, Slurm queues only"] = Summary("fastest+race+moves", [
+            simulate("fastest+race+moves", seed, Knobs(), replace(sc, race_backends=("slurm",)))
+            for seed in wide_seeds])
+        out.append(f"\n### Across {len(wide_seeds)} seeds ({wide_seeds[0]}-{wide_seeds[-1]}), "
+                   "the code now\n")
+        out.append(strategy_table(wide))
     best_now = min(("fastest+moves", "fastest+race+moves", "fastest+race"),
                    key=lambda n: now[n].mean("mean_wait_min"))
     best_full = min(("fastest+moves", "fastest+race+moves", "fastest+race"),
@@ -1776,11 +1794,16 @@ def report(seeds: list[int], quick: bool, sc: Scenario = Scenario()) -> tuple[st
                        (f"{best_full}, every what-if (best)", full[best_full])):
         out.append(f"{name}:")
         out += verdict(runs, sky, one)
+    for name in ("fastest+moves", "fastest+race+moves"):
+        if name in wide:
+            out.append(f"{name}, the code now, {len(wide_seeds)} seeds:")
+            out += verdict(wide[name], wide["skypilot"], wide["one-cluster"])
     elapsed = time.perf_counter() - t0
     out.append(f"\n({len(seeds)} seeds, {elapsed:.0f} s)")
     for name, runs in (("now", now), ("step7", step7), ("every_what_if", full)):
         raw["runs"][name] = {k: [r.row() for r in v.results] for k, v in runs.items()}
     raw["runs"]["knobs"] = {label: [r.row() for r in s.results] for label, s in rows + sens}
+    raw["runs"]["wide"] = {k: [r.row() for r in v.results] for k, v in wide.items()}
     return "\n".join(out), raw
 
 
@@ -1807,11 +1830,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds, fewer knob rows")
     parser.add_argument("--seeds", help="comma-separated seeds (default 0-4; --quick 0,1)")
+    parser.add_argument("--wide", type=int, default=None,
+                        help="also run the main strategies on seeds 0..N-1 (default 40; "
+                             "--quick 0: none)")
     parser.add_argument("--json", help="write every run's numbers to this file")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else \
         [0, 1] if args.quick else [0, 1, 2, 3, 4]
-    text, raw = report(seeds, args.quick)
+    wide = args.wide if args.wide is not None else 0 if args.quick else 40
+    text, raw = report(seeds, args.quick, wide_seeds=list(range(wide)))
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))

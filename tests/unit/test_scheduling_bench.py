@@ -103,3 +103,16 @@ def test_the_simulated_aws_connection_decides_larger_instances_through_offers_fo
     assert scheduling.Knobs().aws_types == "exact"
     assert scheduling.STEP7.aws_types == "exact-first"  # Step 7 offered the larger instance
     assert scheduling.ALL_KNOBS.aws_types == scheduling.Knobs().aws_types  # not a what-if
+
+
+def test_racing_copies_go_only_to_the_backends_named():
+    from dataclasses import replace
+
+    def raced(sc):
+        sim = scheduling.Sim(sc, scheduling.Knobs(), "fastest+race", 0)
+        sim.run()
+        return {place.split("/")[0] for j in sim.jobs for place in j.raced}
+
+    assert raced(scheduling.Scenario()) == {"slurm_alpha", "slurm_beta", "k8s"}
+    assert raced(replace(scheduling.Scenario(), race_backends=("slurm",))) == {
+        "slurm_alpha", "slurm_beta"}
