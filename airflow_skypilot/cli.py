@@ -1,7 +1,8 @@
 """``airflow-skypilot``: validate a task YAML, show live GPU capacity, plan a placement.
 
 Exit codes: 0 ok; 2 the task is invalid (one ``FILE:LINE: field: problem`` line per problem on
-stderr) or the command line is wrong; 1 anything else (e.g. no connection could be read).
+stderr) or the command line is wrong; 1 anything else (e.g. no connection could be read, or
+``plan`` was given a misconfigured or undefined connection: one line each on stderr).
 """
 
 from __future__ import annotations
@@ -121,11 +122,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           unreachable=result.errors)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2, default=str))
-        return 0
-    print(plan.table())
-    print()
-    print(plan.summary)
-    return 0
+    else:
+        print(plan.table())
+        print()
+        print(plan.summary)
+    # the operator fails on these (fail_on_config_errors): a plan that hid them would promise
+    # a placement the task never gets
+    for conn_id, error in result.config_errors.items():
+        print(f"airflow-skypilot: error: misconfigured connection {conn_id} (the operator "
+              f"fails on it): {error}", file=sys.stderr)
+    return 1 if result.config_errors else 0
 
 
 def cmd_backends(args: argparse.Namespace) -> int:

@@ -54,6 +54,8 @@ svg.chart .used { fill: var(--info); fill-opacity: .75; }
 svg.chart .free { fill: var(--ok); fill-opacity: .8; }
 svg.chart .quota { fill: var(--ok); fill-opacity: .35; stroke: var(--ok); stroke-dasharray: 3 2; }
 svg.chart .pending { fill: var(--warn); }
+svg.chart .unknown { fill: var(--muted); fill-opacity: .2; stroke: var(--muted);
+                     stroke-dasharray: 3 2; }
 svg.chart a text { fill: var(--accent); }
 .legend { display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 12px; color: var(--muted);
           margin: 4px 0 6px; }
@@ -259,11 +261,15 @@ def capacity(bars: Sequence[Mapping[str, Any]], width: int = 1000,
             rows.append(Markup('<text x="4" y="{y}" font-weight="600">{c}</text>').format(
                 y=y + 10, c=last_conn))
             y += step
-        total, free = b.get("total"), b.get("free") or 0
+        total, free = b.get("total"), b.get("free")
         pending = b.get("pending") or 0
-        title = (f"{b.get('connection')} {b.get('label')}: "
-                 + (f"{free} of {total} free, {total - free} in use" if total is not None
-                    else f"{free} startable now (quota)")
+        if free is None:  # not known (e.g. pods may not be listed): never drawn as 0 free
+            what = f"{total} GPUs, free unknown" if total is not None else "startable unknown"
+        elif total is not None:
+            what = f"{free} of {total} free, {total - free} in use"
+        else:
+            what = f"{free} startable now (quota)"
+        title = (f"{b.get('connection')} {b.get('label')}: " + what
                  + (f", {pending} job(s) pending" if pending else ""))
         rows.append(Markup('<g class="place" data-connection="{c}"><title>{t}</title>'
                            '<text x="16" y="{ty}">{label}</text>').format(
@@ -274,7 +280,13 @@ def capacity(bars: Sequence[Mapping[str, Any]], width: int = 1000,
         def w(n: float, scale_max: float = scale_max) -> float:
             return (x1 - x0) * n / scale_max
 
-        if total is not None:
+        if free is None:
+            # the whole size (if known) without a used/free split
+            rows.append(Markup('<rect class="unknown" x="{x}" y="{y}" width="{w}" height="{h}"'
+                               '/>').format(x=x0, y=y, w=_f(w(total or 0)), h=bar_h))
+            end = x0 + w(total or 0)
+            text = f"{total} GPUs, free unknown" if total is not None else "startable unknown"
+        elif total is not None:
             used = max(total - free, 0)
             rows.append(Markup('<rect class="used" x="{x}" y="{y}" width="{w}" height="{h}"/>'
                                ).format(x=x0, y=y, w=_f(w(used)), h=bar_h))

@@ -232,21 +232,28 @@ async def capacity_page(request: Request, user: UserDep,
 
 def capacity_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The capacity rows per connection, the zones of one region with the same numbers in one
-    row (``zones.group``), each with its member rows."""
+    row (``zones.group``), each with its member rows. A group's ``total`` counts each GPU once
+    (a Slurm node in two partitions is in two rows); ``free`` counts the GPUs whose free count
+    is known, ``unknown`` the GPUs whose is not (Kubernetes when pods may not be listed)."""
     groups: list[dict[str, Any]] = []
     for row in rows:
         if not groups or groups[-1]["connection"] != row.get("connection"):
             groups.append({"connection": row.get("connection"), "raw": [], "free": 0,
-                           "total": 0, "errors": 0, "quota": False})
+                           "total": 0, "unknown": 0, "errors": 0, "quota": False,
+                           "counted": {}})
         group = groups[-1]
         group["raw"].append(row)
         if row.get("accelerator") and row.get("total") is not None:
-            group["free"] += int(row.get("free") or 0)
-            group["total"] += int(row.get("total") or 0)
+            # keyed by node where the row names its nodes: the union, not the sum, of rows
+            group["counted"].update(_counted_gpus(row, len(group["raw"])))
         group["quota"] |= bool(row.get("accelerator") and row.get("total") is None
                                and not row.get("error"))
         group["errors"] += 1 if row.get("error") else 0
     for group in groups:
+        counted = group.pop("counted").values()
+        group["total"] = sum(total for total, _ in counted)
+        group["free"] = sum(free for _, free in counted if free is not None)
+        group["unknown"] = sum(total for total, free in counted if free is None)
         rows = [{**g.first, "location": g.location, "members": g.rows, "zones": g.zones,
                  "grouped": g.grouped}
                 for g in zones.group(group.pop("raw"), zones.capacity_key)]
@@ -257,32 +264,50 @@ def capacity_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return groups
 
 
+def _counted_gpus(row: dict[str, Any], index: int) -> dict[tuple, tuple[int, int | None]]:
+    """A counted row's GPUs as ``{key: (total, free or None)}``: per node when the row names
+    them (``details.gpus_by_node``, Slurm), else the row as one entry of its own."""
+    by_node = (row.get("details") or {}).get("gpus_by_node")
+    if by_node:
+        kind = (row.get("details") or {}).get("gres") or row.get("accelerator")
+        return {("node", name, kind): (int(n.get("total") or 0),
+                                       None if n.get("free") is None else int(n["free"]))
+                for name, n in by_node.items()}
+    free = row.get("free")
+    return {("row", index): (int(row.get("total") or 0), None if free is None else int(free))}
+
+
 def capacity_bars(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One bar per place and accelerator where GPUs are counted (Slurm partitions, Kubernetes
     namespaces); per accelerator where a quota bounds them (an AWS region's quota is shared by
-    its zones: the largest zone's number per region, summed over the regions)."""
+    its zones: the largest zone's number per region, summed over the regions). ``free`` is
+    None where it is not known: the bar must not read as "none free"."""
     bars: list[dict[str, Any]] = []
     for group in groups:
-        quota: dict[str, dict[str, int]] = {}
+        quota: dict[str, dict[str, int | None]] = {}
         for row in group["rows"]:
             acc = row.get("accelerator")
             if not acc or row.get("error"):
                 continue
             if row.get("total") is not None:
+                free = row.get("free")
                 bars.append({"connection": group["connection"],
                              "label": f"{row.get('location') or '-'} · {acc}",
-                             "total": int(row["total"]), "free": int(row.get("free") or 0),
+                             "total": int(row["total"]),
+                             "free": None if free is None else int(free),
                              "pending": int(row.get("pending") or 0)})
                 continue
             for member in row["members"]:
                 region = (zones.split(member.get("location") or "") or (member.get("location"),
                                                                        ""))[0]
                 per = quota.setdefault(acc, {})
-                per[region] = max(per.get(region, 0), int(member.get("free") or 0))
+                known = [v for v in (per.get(region), member.get("free")) if v is not None]
+                per[region] = max(int(v) for v in known) if known else None
         for acc, regions in sorted(quota.items()):
+            known = [v for v in regions.values() if v is not None]
             bars.append({"connection": group["connection"],
                          "label": f"{acc} · {len(regions)} region(s)", "total": None,
-                         "free": sum(regions.values()), "pending": 0})
+                         "free": sum(known) if known else None, "pending": 0})
     return bars
 
 

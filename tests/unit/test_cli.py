@@ -115,3 +115,37 @@ def test_backends_lists_each_backend_with_what_it_cannot_run(capsys):
     assert main(["backends"]) == 0
     text = capsys.readouterr().out
     assert "slurm cannot run:" in text and "spot: Slurm has no spot capacity" in text
+
+
+def _plan_with(monkeypatch, offers):
+    """``plan`` over FakeBackend connections; an id without offers is not defined, as a typo
+    in ``--conn`` would be."""
+    from airflow_skypilot import cli
+    from airflow_skypilot.exceptions import ConfigurationError
+    from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+    from tests.fakes import FakeBackend
+
+    def backend(conn_id):
+        if conn_id not in offers:
+            raise ConfigurationError(f"connection {conn_id!r} is not defined")
+        return FakeBackend(conn_id)
+
+    monkeypatch.setattr(FakeBackend, "offers", offers)  # restored after the test
+    monkeypatch.setattr(cli, "_hook", lambda args: SkyPilotCapacityHook(
+        args.conn, timeout=args.timeout, backend_factory=backend))
+
+
+def test_plan_with_an_undefined_connection_names_it_on_stderr_and_exits_1(
+        tmp_path, capsys, monkeypatch):
+    from tests.fakes import offer
+
+    _plan_with(monkeypatch, {"c1": [offer("c1", "p")]})
+    path = _write(tmp_path, "resources:\n  accelerators: A100:1\nrun: x\n")
+    assert main(["plan", path, "--conn", "c1", "--conn", "c1_typo", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["chosen"]["connection"] == "c1"  # the plan is still shown
+    assert err.splitlines() == [
+        "airflow-skypilot: error: misconfigured connection c1_typo (the operator fails on "
+        "it): ConfigurationError: connection 'c1_typo' is not defined"]
+    assert main(["plan", path, "--conn", "c1"]) == 0
+    assert capsys.readouterr().err == ""

@@ -72,3 +72,20 @@ def test_a_mapped_instances_job_page_links_its_sweep():
     assert "sweep of 3:" in html
     assert '<b class="idx">[1]</b>' in html  # this one
     assert 'href="/j/0"' in html and 'href="/j/2"' in html and 'href="/j/1"' not in html
+
+
+def test_a_job_page_shows_looks_recorded_before_they_had_a_best_price():
+    """Run states written before looks recorded ``best_price_per_hour``."""
+    ti = _job("train")
+    old_look = {"first_at": 1000.0, "last_at": 1000.0, "count": 1, "place": "slurm_alpha/batch",
+                "est_start": 1600.0, "best": "k8s/default", "best_start": 1060.0,
+                "outcome": "stayed", "why": "no clear margin"}
+    handle = {"backend": "slurm", "connection": "slurm_alpha", "location": "batch",
+              "job_id": "7"}
+    job = {"task_instance": ti, "handle": handle, "handle_extra": {}, "placement": None,
+           "result": None, "attempts": [], "attempts_source": "none", "sweep": [],
+           "looks": [old_look], "looks_total": 1, "waiting": None}
+    html = _render("job.html", title="t", page="job", job=job, ti=ti, json_url="/api")
+    row = re.search(r'<table class="looks">.*?</table>', html, re.S).group(0)
+    assert "k8s/default" in row and "in 1m00s" in row and "no clear margin" in row
+    assert "$" not in row  # no price to show, and none made up

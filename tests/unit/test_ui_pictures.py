@@ -64,6 +64,80 @@ def test_capacity_bars_per_place_and_per_quota():
     assert "24 startable" in svg
 
 
+def _capacity_html(groups):
+    from airflow_skypilot.plugins.formatting import TEMPLATES
+
+    return TEMPLATES.get_template("skypilot/capacity.html").render(
+        prefix="/skypilot", ui_base="", nonce="n", page="capacity", title="t", user_name="",
+        conns=[g["connection"] for g in groups], explicit=True, query="", groups=groups,
+        chart=charts.capacity(routes.capacity_bars(groups)),
+        data={"probed_at": 0, "seconds": 1.0, "ttl": 10, "timeout": 5, "rows": []})
+
+
+def test_a_slurm_node_in_two_partitions_counts_once_in_the_connections_total():
+    from airflow_skypilot.backends.slurm.cluster import ClusterState, NodeInfo, PartitionInfo
+    from airflow_skypilot.backends.slurm.offers import capacity_rows
+    from airflow_skypilot.backends.slurm.settings import SlurmSettings
+
+    # the sandbox's slurm_alpha: batch = a1, a2; short = a2; 4 A100 each, 2 busy on a2
+    nodes = {name: NodeInfo(name, parts, "mixed", 8, 0, 16000, 0, {"a100": 4}, {"a100": used})
+             for name, parts, used in (("a1", ["batch"], 0), ("a2", ["batch", "short"], 2))}
+    state = ClusterState(nodes=nodes, partitions={p: PartitionInfo(p) for p in ("batch",
+                                                                              "short")}, now=0)
+    rows = [r.to_json() for r in capacity_rows(
+        state, SlurmSettings.from_extra("slurm_alpha", {"cluster": "alpha"}), "slurm_alpha")]
+    assert [(r["location"], r["free"], r["total"]) for r in rows] == [("batch", 6, 8),
+                                                                     ("short", 2, 4)]
+    [group] = routes.capacity_groups(rows)
+    assert "6 of 8 GPUs free" in _capacity_html([group])
+    assert (group["free"], group["total"], group["unknown"]) == (6, 8, 0)
+    # each partition keeps its own bar: what a job sent there can get
+    assert [(b["label"], b["free"], b["total"]) for b in routes.capacity_bars([group])] == [
+        ("batch · A100", 6, 8), ("short · A100", 2, 4)]
+
+
+def test_rows_without_the_node_names_still_add_up():
+    groups = routes.capacity_groups([
+        {"connection": "k", "location": "ns", "accelerator": a, "total": 8, "free": 3}
+        for a in ("A100", "H100")])
+    assert (groups[0]["free"], groups[0]["total"]) == (6, 16)
+
+
+def test_a_free_count_that_is_not_known_is_shown_as_unknown_not_as_zero():
+    note = {"free": "unknown", "note": "pods cannot be listed (403)"}
+    groups = routes.capacity_groups([
+        {"connection": "k8s", "location": "k8s/default", "accelerator": "A100", "total": 8,
+         "free": None, "pending": None, "price_per_hour": 0, "details": note},
+        {"connection": "mixed", "location": "a", "accelerator": "A100", "total": 8,
+         "free": 3, "pending": None, "price_per_hour": 0},
+        {"connection": "mixed", "location": "b", "accelerator": "H100", "total": 4,
+         "free": None, "pending": None, "price_per_hour": 0, "details": note}])
+    html = _capacity_html(groups)
+    assert "8 GPUs, free unknown" in html
+    assert "3 of 8 GPUs free; 4 more, free unknown" in html
+    assert "0 of 8 GPUs free" not in html and "of 12 GPUs free" not in html
+    assert [(g["free"], g["total"], g["unknown"]) for g in groups] == [(0, 8, 8), (3, 12, 4)]
+    assert html.count("? / ") == 2  # in the table too
+    bars = routes.capacity_bars(groups)
+    assert [(b["label"], b["free"], b["total"]) for b in bars] == [
+        ("k8s/default · A100", None, 8), ("a · A100", 3, 8), ("b · H100", None, 4)]
+    svg = str(charts.capacity(bars))
+    # drawn whole, without a used/free split, and labelled unknown
+    assert svg.count('class="unknown"') == 2 and svg.count('class="used"') == 1
+    assert "8 GPUs, free unknown" in svg and "0/8 free" not in svg and "3/8 free" in svg
+
+
+def test_a_quota_that_is_not_known_is_not_drawn_as_none_startable():
+    groups = routes.capacity_groups([
+        {"connection": "aws", "location": f"us-east-1/us-east-1{z}", "accelerator": "A100",
+         "total": None, "free": None} for z in "ab"])
+    bars = routes.capacity_bars(groups)
+    assert bars == [{"connection": "aws", "label": "A100 · 1 region(s)", "total": None,
+                     "free": None, "pending": 0}]
+    svg = str(charts.capacity(bars))
+    assert "startable unknown" in svg and "0 startable" not in svg
+
+
 def test_placement_groups_keep_each_zone():
     rows = [{"verdict": "chosen", "connection": "k", "location": "ns", "rank": 1,
              "reason": "free now"}]

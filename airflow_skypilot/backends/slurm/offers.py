@@ -336,7 +336,9 @@ def _backfill_hole(st: ClusterState, nodes: list[NodeInfo], gres_type: str, req:
 def capacity_rows(state: ClusterState, settings: SlurmSettings,
                   conn_id: str) -> list[CapacityRow]:
     """``show-gpus``: a row per (partition, GPU type); a partition without GPUs gets one row
-    with its CPUs in ``details``."""
+    with its CPUs in ``details``. A node may be in several partitions, so each GPU row names
+    its nodes with their counts (``details["gpus_by_node"]``): a connection's total counts
+    each node once."""
     rows = []
     allowed = settings.partitions
     for part in sorted(state.partitions):
@@ -361,5 +363,8 @@ def capacity_rows(state: ClusterState, settings: SlurmSettings,
                 free=sum(n.gpus_free(t) for n in with_t if n.usable),
                 pending=info.pending, price_per_hour=settings.price_per_gpu_hour,
                 details={"gres": t, "nodes": len(with_t),
-                         "nodes_down": sum(not n.usable for n in with_t)}))
+                         "nodes_down": sum(not n.usable for n in with_t),
+                         "gpus_by_node": {n.name: {"total": n.gpus[t],
+                                                   "free": n.gpus_free(t) if n.usable else 0}
+                                          for n in with_t}}))
     return rows
