@@ -48,6 +48,7 @@ from airflow_skypilot.runstate import (
 from airflow_skypilot.settings import default_connections, default_deferrable, deployment_id
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.spec.secrets import secret_values
+from airflow_skypilot.spec.task import names_a_file
 from airflow_skypilot.triggers.skypilot import (
     DEFAULT_UNREACHABLE_TIMEOUT,
     SkyPilotJobTrigger,
@@ -184,7 +185,7 @@ class SkyPilotOperator(BaseOperator):
     def _task_source(self) -> Any:
         """The rendered ``task``: a relative YAML path made absolute (from the DAG's folder)."""
         spec: Any = os.fspath(self.task) if isinstance(self.task, os.PathLike) else self.task
-        if isinstance(spec, str) and "\n" not in spec and spec.endswith((".yaml", ".yml")):
+        if isinstance(spec, str) and names_a_file(spec):  # one line of YAML is not a path
             if not os.path.isabs(spec):
                 dag = getattr(self, "dag", None)
                 base = os.path.dirname(getattr(dag, "fileloc", "") or "") or os.getcwd()

@@ -86,6 +86,12 @@ def parse_memory(value: Any) -> str:
     return out + suffix
 
 
+def memory_number(text: str) -> float:
+    """The number of :func:`parse_memory`'s text, whatever it ends in: ``"0x"`` -> 0.0 (zero
+    memory per CPU is zero memory, which SkyPilot allows on Slurm only)."""
+    return float(text.rstrip("+x"))
+
+
 def split_at_least(text: str | None) -> tuple[float | None, bool]:
     """``"8+"`` -> (8.0, True); ``"8"`` -> (8.0, False); None or ``"3x"`` -> (None, False)."""
     if text is None or text.endswith("x"):

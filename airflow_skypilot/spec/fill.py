@@ -5,13 +5,17 @@ inline secrets into ``file_mounts`` (keys and values: paths, bucket names and st
 ``workdir``, ``volumes`` and ``service`` before it reads them: a storage's ``store: $STORE``
 is checked with STORE's value, a service's readiness probe with its filled-in path. We fill
 the same fields with the same rule (``$NAME`` or ``${NAME}``; a name without a value stays as
-written) and check storages and the service afterwards.
+written) and check storages, the service and local paths (workdir, file_mounts sources)
+afterwards. What these checks say may quote a filled-in value, so secrets are taken out of it
+(:func:`redacted`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from airflow_skypilot.spec import service
@@ -74,6 +78,69 @@ def service_problems(spec: TaskSpec, src: Source, env: Mapping[str, str],
     if filled is not None and unfilled and set(env_refs(filled)) & unfilled:
         return []
     return [src.problem(path, why) for path, why in service.problems(filled, spec.pool)]
+
+
+def local_path_problems(spec: TaskSpec, src: Source, base_dir: str | None,
+                        env: Mapping[str, str], unfilled: set[str]) -> list[Problem]:
+    """A local workdir must be a directory and local file_mounts sources must exist (SkyPilot
+    checks these before launching, once envs are filled in: ``workdir: $CODE`` is checked
+    with CODE's value). Relative paths are relative to the YAML file's folder. A path that
+    still names an env in ``unfilled`` (no value) is not checked: that env is the problem,
+    reported on its own."""
+    out = []
+    root = base_dir or os.getcwd()
+
+    def local(path: str) -> str:
+        path = os.path.expanduser(path)
+        return path if os.path.isabs(path) else os.path.join(root, path)
+
+    def filled(raw: str) -> tuple[str | None, str]:
+        """(the path as SkyPilot reads it, or None when an env has no value; how to name it)"""
+        path = substitute(raw, env)
+        if unfilled and set(env_refs(path)) & unfilled:
+            return None, ""
+        return path, repr(raw) if path == raw else f"{raw!r} (once envs are filled in: {path!r})"
+
+    if isinstance(spec.workdir, str):
+        path, named = filled(spec.workdir)
+        if path is not None and not os.path.isdir(local(path)):
+            out.append(src.problem(("workdir",), f"{named} is not a directory "
+                                                 f"(relative paths start at {root})"))
+    for dst, source in (spec.file_mounts or {}).items():
+        if not isinstance(source, str):
+            continue
+        path, named = filled(source)
+        # one ending in '/' is refused on its own (model.py, slash_problems)
+        if path is None or path.endswith("/") or "://" in path:
+            continue
+        if not os.path.exists(local(path)):
+            out.append(src.problem(("file_mounts", dst), (
+                f"source {named} does not exist (relative paths start at {root})")))
+    return out
+
+
+def slash_problems(spec: TaskSpec, src: Source, env: Mapping[str, str]) -> list[Problem]:
+    """file_mounts sources that end in '/' once envs are filled in (``$DIR`` with DIR=/a/):
+    SkyPilot's launch refuses them (Task._validate_path), as it does one written so, which
+    model.py refuses."""
+    out = []
+    for dst, source in (spec.file_mounts or {}).items():
+        if isinstance(source, str) and (path := substitute(source, env)).endswith("/"):
+            out.append(src.problem(("file_mounts", dst), (
+                f"source {source!r} (once envs are filled in: {path!r}) must not end with a "
+                "slash")))
+    return out
+
+
+def redacted(problems: list[Problem], values: list[str]) -> list[Problem]:
+    """``problems`` with each of ``values`` (secrets) replaced by ``***`` in their messages:
+    a message about a filled-in path or storage must not show a secret filled into it."""
+    # as written, and as repr() quotes it (a backslash or a quote is escaped there)
+    forms = {form for v in values for form in (v, repr(v)[1:-1]) if form}
+    if not forms:
+        return problems
+    pattern = re.compile("|".join(re.escape(v) for v in sorted(forms, key=len, reverse=True)))
+    return [replace(p, message=pattern.sub("***", p.message)) for p in problems]
 
 
 def _brief(value: Any) -> str:

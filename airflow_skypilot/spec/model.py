@@ -143,7 +143,7 @@ class ResourceFields(_Strict):
             raise PydanticCustomError(
                 "skypilot", "give either 'infra' or the older 'cloud'/'region'/'zone', not both")
         cloud = (self.infra or self.cloud or "").split("/")[0].lower()
-        if self.memory is not None and f.split_at_least(self.memory)[0] == 0 and cloud != "slurm":
+        if self.memory is not None and f.memory_number(self.memory) == 0 and cloud != "slurm":
             raise PydanticCustomError("skypilot", "memory must be positive (0 is allowed only "
                                                   "on Slurm, where it means 'do not ask')")
         if self.accelerators is not None:
@@ -157,6 +157,17 @@ class ResourceFields(_Strict):
 
 class ResourceOverride(ResourceFields):
     """One entry of ``any_of``/``ordered``: overrides the base fields; one accelerator only."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_null(cls, v: Any, info: ValidationInfo) -> Any:
+        # SkyPilot's schema refuses null here (only ports and image_id may be null): an entry
+        # cannot unset what the base sets
+        if v is None and info.field_name not in ("ports", "image_id"):
+            raise PydanticCustomError(
+                "skypilot", "must not be null in an 'any_of'/'ordered' entry (it cannot unset "
+                            "the base's value; leave the field out)")
+        return v
 
 
 class ResourcesSpec(ResourceFields):
@@ -349,7 +360,7 @@ class TaskSpec(_Strict):
             if not isinstance(key, str) or not _ENV_NAME.match(key):
                 raise PydanticCustomError(
                     "skypilot", f"{key!r} is not a valid environment variable name")
-            out[key] = _env_value(key, value)
+            out[key] = _env_value(value)
         return out
 
     @field_validator("secrets", mode="before")
@@ -368,20 +379,22 @@ class TaskSpec(_Strict):
                 if not _ENV_NAME.match(name):
                     raise PydanticCustomError(
                         "skypilot", f"secret {name!r} is not a valid environment variable name")
-                out[name] = _env_value(name, val)
+                out[name] = _env_value(val)
             return out
         if isinstance(v, list):
             out = {}
             for item in v:
                 if not isinstance(item, str) or not item.startswith(SECRET_REF):
+                    # not quoted: it may be a secret's value written in the wrong place
                     raise PydanticCustomError(
-                        "skypilot", f"list items must be references like 'secrets:HF_TOKEN'; "
-                                    f"got {item!r}")
+                        "skypilot", "list items must be references like 'secrets:HF_TOKEN'; "
+                                    f"got a {type(item).__name__} that is not one")
                 out[secret_ref_name(item)] = None
             return out
-        if v is not None:
+        if v is not None:  # the value is not quoted: it may be a secret
             raise PydanticCustomError(
-                "skypilot", f"must be a mapping of names to values or a list of names; got {v!r}")
+                "skypilot", "must be a mapping of names to values or a list of names; got a "
+                            f"{type(v).__name__}")
         return v
 
     @field_validator("file_mounts", mode="before")
@@ -400,6 +413,12 @@ class TaskSpec(_Strict):
                     raise PydanticCustomError(
                         "skypilot",
                         f"{dst}: source must be a path/URL or a storage mapping; got {src!r}")
+                # SkyPilot's _validate_path refuses it at launch, cloud URLs ('s3://b/') and
+                # '/' included; a source that ends in '/' only once envs are filled in is
+                # checked then (fill.local_path_problems)
+                if isinstance(src, str) and src.endswith("/"):
+                    raise PydanticCustomError(
+                        "skypilot", f"{dst}: source {src!r} must not end with a slash")
         return v
 
 
@@ -417,14 +436,10 @@ def secret_ref_name(key: str) -> str:
     return key
 
 
-def _env_value(key: str, value: Any) -> str | None:
-    """SkyPilot keeps envs as ``str(value)``: ``8`` -> ``"8"``, ``true`` -> ``"True"``."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, (bool, int, float)):
-        return str(value)
-    raise PydanticCustomError(
-        "skypilot", f"value of {key!r} must be a string, number or boolean; got {value!r}")
+def _env_value(value: Any) -> str | None:
+    """SkyPilot keeps envs and secrets as ``str(value)``: ``8`` -> ``"8"``, ``true`` ->
+    ``"True"``, ``[1]`` -> ``"[1]"``; null is a value still to be supplied."""
+    return None if value is None else str(value)
 
 
 def storage_problem(spec: dict[str, Any]) -> str | None:

@@ -167,7 +167,11 @@ def _check_name(name: str, where: str | int | None, given: str) -> None:
 
 def task_options(raw: Any) -> list[Option]:
     """``config.slurm.sbatch_options``: a mapping ``{option: value | true}`` (SkyPilot's form;
-    keys without dashes) or a list of arguments. Raises OptionError."""
+    keys without dashes) or a list of arguments. Raises OptionError.
+
+    As SkyPilot's ``_build_custom_sbatch_directives``: ``_`` in a key is ``-`` (``mail_type``
+    is ``--mail-type``, so ``job_name`` is as owned as ``job-name``), and a ``false`` or
+    ``null`` value emits nothing (``exclusive: false``)."""
     if raw is None:
         return []
     if isinstance(raw, Mapping):
@@ -175,17 +179,20 @@ def task_options(raw: Any) -> list[Option]:
         for key, value in raw.items():
             given = str(key)
             _check_text(given, given, "sbatch option")
-            name = given.lstrip("-")
-            _check_name(name, given, given)
-            if value is True:
-                out.append(Option(name, None, given, f"--{name}"))
+            written = given.lstrip("-")
+            _check_name(written, given, given)
+            if value is None or value is False:
                 continue
-            if value is None or value is False or isinstance(value, (dict, list)):
-                raise OptionError(f"the value of {given!r} must be a string or a number, or "
-                                  f"true for a flag; got {value!r}", given)
+            name = written.replace("_", "-")
+            if value is True:
+                out.append(Option(name, None, given, f"--{written}"))
+                continue
+            if isinstance(value, (dict, list)):
+                raise OptionError(f"the value of {given!r} must be a string or a number, true "
+                                  f"for a flag, or false/null for none; got {value!r}", given)
             text = str(value)
             _check_text(text, given, f"the value of {given!r},")
-            out.append(Option(name, text, given, f"--{name}={text}"))
+            out.append(Option(name, text, given, f"--{written}={text}"))
         return out
     if isinstance(raw, list):
         return parse_tokens(raw)

@@ -12,13 +12,21 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ValidationError
 
 from airflow_skypilot.spec import accelerators as acc
 from airflow_skypilot.spec import checks, instance_types
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
-from airflow_skypilot.spec.fill import service_problems, storage_problems, substitute
+from airflow_skypilot.spec.fill import (
+    local_path_problems,
+    redacted,
+    service_problems,
+    slash_problems,
+    storage_problems,
+    substitute,
+)
 from airflow_skypilot.spec.model import (
     ResourceFields,
     ResourceOverride,
@@ -244,12 +252,24 @@ def load_task(
     return _build(src, envs or {}, secrets or {}, base_dir, require_secrets)
 
 
+def names_a_file(text: str) -> bool:
+    """Whether the one-line string ``text`` is a YAML path rather than YAML text: it ends in
+    .yaml/.yml and is not itself a YAML mapping (``run: python t.py --config c.yaml`` is a
+    task, not a file name)."""
+    if "\n" in text or not text.endswith((".yaml", ".yml")):
+        return False
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return True
+    return not isinstance(parsed, dict)
+
+
 def read_task_text(task: str | os.PathLike[str]) -> tuple[str, str]:
-    """(text, file name). A string that names an existing file, or ends in .yaml/.yml, is a
-    path; anything else is YAML text."""
+    """(text, file name). A string that names an existing file, or ends in .yaml/.yml and is
+    not a YAML mapping (:func:`names_a_file`), is a path; anything else is YAML text."""
     text = os.fspath(task)
-    looks_like_path = "\n" not in text and (
-        text.endswith((".yaml", ".yml")) or os.path.isfile(text))
+    looks_like_path = names_a_file(text) or ("\n" not in text and os.path.isfile(text))
     if not looks_like_path:
         return text, "<inline>"
     try:
@@ -318,15 +338,19 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         secrets[str(key)] = _override_value(value)
     if require_secrets:
         problems.extend(_missing(src, "secrets", secrets))
-    local_paths = _local_paths(spec, src, base_dir)
-    problems.extend(local_paths)
     # SkyPilot fills envs (and inline secrets) into file_mounts, workdir, volumes and service
     # before it reads them: a storage's `store: $STORE` is checked with STORE's value
     substitutions = {**{k: v for k, v in envs.items() if v is not None},
                      **{k: v for k, v in secrets.items() if v is not None}}
     unfilled = {k for k, v in envs.items() if v is None}
-    problems.extend(storage_problems(spec, src, substitutions, unfilled))
-    problems.extend(service_problems(spec, src, substitutions, unfilled))
+    # these checks read filled-in values, so their messages may quote a secret's value
+    hide = [v for v in secrets.values() if v]
+    local_paths = redacted(local_path_problems(spec, src, base_dir, substitutions, unfilled),
+                           hide)
+    problems.extend(local_paths)
+    problems.extend(redacted(slash_problems(spec, src, substitutions), hide))
+    problems.extend(redacted(storage_problems(spec, src, substitutions, unfilled), hide))
+    problems.extend(redacted(service_problems(spec, src, substitutions, unfilled), hide))
 
     candidates, ordered = [], False
     try:
@@ -365,28 +389,6 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         base_dir=base_dir,
         warnings=warnings,
     )
-
-
-def _local_paths(spec: TaskSpec, src: Source, base_dir: str | None) -> list[Problem]:
-    """A local workdir must be a directory and local file_mounts sources must exist (SkyPilot
-    checks these before launching). Relative paths are relative to the YAML file's folder."""
-    out = []
-    root = base_dir or os.getcwd()
-
-    def local(path: str) -> str:
-        path = os.path.expanduser(path)
-        return path if os.path.isabs(path) else os.path.join(root, path)
-
-    if isinstance(spec.workdir, str) and "$" not in spec.workdir:
-        if not os.path.isdir(local(spec.workdir)):
-            out.append(src.problem(("workdir",), f"{spec.workdir!r} is not a directory "
-                                                 f"(relative paths start at {root})"))
-    for dst, source in (spec.file_mounts or {}).items():
-        if isinstance(source, str) and "://" not in source and "$" not in source:
-            if not os.path.exists(local(source)):
-                out.append(src.problem(("file_mounts", dst), (
-                    f"source {source!r} does not exist (relative paths start at {root})")))
-    return out
 
 
 def _missing(src: Source, section: str, values: Mapping[str, Any]) -> list[Problem]:

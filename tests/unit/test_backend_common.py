@@ -92,6 +92,21 @@ def test_each_task_form_needs_its_feature(yaml, feature):
     assert reason.endswith(": not here") and reason.split(":")[0]
 
 
+def test_a_mount_reason_names_the_destination_and_scheme_never_a_secret_in_the_url():
+    task = load_task("secrets: {HF_TOKEN: hf_s3cr3t}\nfile_mounts:\n"
+                     "  /models: https://user:${HF_TOKEN}@host/m\n  /data: s3://b/${HF_TOKEN}\n"
+                     "run: echo")
+    assert task.file_mounts["/models"] == "https://user:hf_s3cr3t@host/m", "the job gets it"
+    needs = required(task, task.candidates[0])
+    assert needs[Feature.OTHER_BUCKET_MOUNTS] == "file_mounts /models (https://...)"
+    assert needs[Feature.S3_MOUNTS] == "file_mounts /data (s3://...)"
+    reason = unsupported_reason({Feature.OTHER_BUCKET_MOUNTS: "no"}, task, task.candidates[0])
+    assert reason == "file_mounts /models (https://...): no"
+    masked = load_task("secrets: {T: s3cr3t}\nfile_mounts: {/m/$T: gs://b}\nrun: echo")
+    assert required(masked, masked.candidates[0]) == {
+        Feature.OTHER_BUCKET_MOUNTS: "file_mounts /m/*** (gs://...)"}
+
+
 def test_a_plain_task_needs_nothing_special():
     task = load_task("resources: {accelerators: A100:2, cpus: 4+}\nrun: echo")
     assert required(task, task.candidates[0]) == {}

@@ -30,9 +30,6 @@ DIFFERENCES: dict[str, tuple[bool, str]] = {
     "top_name_only.yaml": (True, "a name-only task is a task, not a pipeline header"),
     # SkyPilot crashes (AttributeError/AssertionError) instead of answering; we answer.
     "env_empty_block.yaml": (True, "an empty 'envs:' means no envs (SkyPilot crashes)"),
-    # SkyPilot str()s any env value, even a mapping or a list; that is never what was meant.
-    "env_dict_value.yaml": (False, "an env value that is a mapping is refused"),
-    "env_list_value.yaml": (False, "an env value that is a list is refused"),
     # Secret names become environment variables; SkyPilot does not check them.
     "sec_invalid_key_name.yaml": (False, "a secret must be a valid environment variable name"),
     # Kubernetes label syntax is checked by the Kubernetes backend when it builds the Job.

@@ -218,7 +218,8 @@ def test_returned_secrets_are_masked_before_anything_can_show_them(monkeypatch, 
 def test_secrets_of_an_invalid_return_are_masked_too(monkeypatch):
     masked = []
     monkeypatch.setattr("airflow_skypilot.operators.skypilot.mask_secret", masked.append)
-    op = _decorated(lambda: {"secrets": {"TOKEN": ["s3cr3t-in-a-list"]}, "run": "x"})
+    op = _decorated(lambda: {"secrets": {"TOKEN": ["s3cr3t-in-a-list"]}, "run": "x",
+                             "resources": {"cpus": "lots"}})
     with pytest.raises(AirflowFailException):
         op.execute({"ti": TI()})
     assert "s3cr3t-in-a-list" in masked

@@ -8,6 +8,7 @@ The backends' side (a connection's pins, its extras, pod_config) is in test_hard
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -180,6 +181,9 @@ def test_control_characters_in_sbatch_options_are_refused(options, expected):
     ({"job-name": "x"}, "job-name"), (["-o", "/tmp/x"], "output"), ({"chdir": "/"}, "chdir"),
     ({"array": "0-99"}, "array"), (["-M", "other"], "clusters"), ({"requeue": True}, "requeue"),
     ({"wrap": "id"}, "wrap"), ({"uid": 0}, "uid"),
+    # SkyPilot turns '_' into '-': job_name is --job-name
+    ({"job_name": "x"}, "job-name"), ({"cpus_per_task": 4}, "cpus-per-task"),
+    ({"--ntasks_per_node": 1}, "ntasks-per-node"),
 ])
 def test_sbatch_options_the_backend_owns_are_refused(options, owned):
     problems = _problems(_sbatch(options))
@@ -194,10 +198,26 @@ def test_other_sbatch_options_load_and_malformed_ones_do_not():
                               "comment": "two words", "mail-user": "me@x.org"}))
     assert task.config["slurm"]["sbatch_options"]["time"] == "1:00:00"
     load_task(_sbatch(["--exclusive", "-t", "10", "--nodelist=n[1-2]", "-x", "n3"]))
-    assert "must be a string or a number, or true for a flag" in _problems(
-        _sbatch({"exclusive": False}))[0]
+    assert "must be a string or a number, true for a flag" in _problems(
+        _sbatch({"exclusive": ["a"]}))[0]
     assert "'nodes' is not an option" in _problems(_sbatch(["nodes"]))[0]
     assert "unknown sbatch option -z" in _problems(_sbatch(["-z"]))[0]
+
+
+def test_sbatch_option_keys_with_underscores_become_dashed_options_as_in_skypilot():
+    from airflow_skypilot.backends.slurm.settings import task_sbatch_options
+
+    task = load_task(_sbatch({"mail_type": "END", "mail-user": "me@x.org"}))
+    assert task_sbatch_options(task) == ["--mail-type=END", "--mail-user=me@x.org"]
+
+
+def test_sbatch_options_that_are_false_or_null_load_and_emit_nothing_as_in_skypilot():
+    from airflow_skypilot.backends.slurm.settings import task_sbatch_options
+
+    task = load_task(_sbatch({"exclusive": False, "comment": None, "time": "10"}))
+    assert task_sbatch_options(task) == ["--time=10"]
+    # an owned option that is off sets nothing, so nothing is refused (SkyPilot drops it too)
+    assert task_sbatch_options(load_task(_sbatch({"job-name": None, "requeue": False}))) == []
 
 
 # --- the CLI says the same, exit 2 ------------------------------------------------------------
@@ -277,3 +297,17 @@ def test_the_operator_refuses_a_non_utf8_file(tmp_path):
     with pytest.raises(AirflowFailException, match="not UTF-8 text: byte 5 is 0xff"):
         op.execute({"ti": TI()})
     assert FakeBackend.jobs == {}
+
+
+def test_the_operator_takes_one_line_of_yaml_ending_in_yaml_as_the_task_not_a_path():
+    text = "run: python train.py --config configs/exp.yaml"
+    op = SkyPilotOperator(task_id="t", task=text, connections=["c1"])
+    assert op._task_source() == text
+    assert op.load().run == "python train.py --config configs/exp.yaml"
+    # a relative YAML path is still made absolute from the DAG's folder
+    from airflow.sdk import DAG
+
+    with DAG("d", schedule=None) as dag:
+        path_op = SkyPilotOperator(task_id="t2", task="tasks/train.yaml", connections=["c1"])
+    folder = os.path.dirname(dag.fileloc)
+    assert path_op._task_source() == os.path.join(folder, "tasks/train.yaml")

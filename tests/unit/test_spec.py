@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -355,11 +356,62 @@ def test_env_overrides_replace_and_add():
     assert task.envs == {"A": "1", "B": "2", "C": "3"}
 
 
-def test_envs_fill_file_mounts_and_workdir():
+def test_envs_fill_file_mounts_and_workdir(tmp_path):
     task = _load("workdir: ${SRC}\nfile_mounts:\n  /data/${NAME}: s3://b/x\nenvs:\n  NAME: d1\n",
-                 envs={"SRC": "/code"})
-    assert task.workdir == "/code"
+                 envs={"SRC": str(tmp_path)})
+    assert task.workdir == str(tmp_path)
     assert "/data/d1" in task.file_mounts
+
+
+def test_local_paths_from_envs_are_checked_once_the_envs_are_filled_in(tmp_path):
+    (tmp_path / "d.txt").write_text("x")
+    text = "envs:\n  CODE: /no/such/code\n  DATA: /no/such/data\nworkdir: $CODE\n" \
+           "file_mounts:\n  /d: ${DATA}/d.txt\n"
+    assert _errors(text)[:2] == [
+        "t.yaml:4: workdir: '$CODE' (once envs are filled in: '/no/such/code') is not a "
+        f"directory (relative paths start at {os.getcwd()})",
+        "t.yaml:6: file_mounts./d: source '${DATA}/d.txt' (once envs are filled in: "
+        f"'/no/such/data/d.txt') does not exist (relative paths start at {os.getcwd()})"]
+    task = _load(text, envs={"CODE": str(tmp_path), "DATA": str(tmp_path)})
+    assert task.workdir == str(tmp_path) and task.file_mounts["/d"] == f"{tmp_path}/d.txt"
+    # an env without a value is the one problem, not the path made of it
+    assert _errors("envs:\n  CODE: null\nworkdir: $CODE\n") == [
+        "t.yaml:2: envs.CODE: has no value: supply it as an override (--env CODE=VALUE, or "
+        "the operator's envs={'CODE': ...})"]
+    # a name that is no env stays as written, and SkyPilot checks that path as written
+    assert "workdir: '$NOT_AN_ENV' is not a directory" in _errors("workdir: $NOT_AN_ENV\n")[0]
+
+
+def test_a_secret_filled_into_a_path_or_a_storage_is_never_in_a_message():
+    secrets = {"TOKEN": "s3cr3t'v"}
+    errors = _errors("file_mounts:\n  /d: /no/such/$TOKEN\n  /s:\n    name: b\n"
+                     "    store: ${TOKEN}\nworkdir: /nope/${TOKEN}\n", secrets=secrets)
+    assert len(errors) == 3, errors
+    assert not any("s3cr3t" in e for e in errors), errors
+    assert errors[0].startswith("t.yaml:2: file_mounts./d: source '/no/such/$TOKEN' (once envs "
+                                "are filled in: \"/no/such/***\") does not exist"), errors
+    assert errors[1].startswith("t.yaml:3: file_mounts./s: unknown store \"***\""), errors
+    assert errors[2].startswith("t.yaml:6: workdir: '/nope/${TOKEN}' (once envs are filled "
+                                "in: \"/nope/***\") is not a directory"), errors
+    # the secrets field's own errors do not quote what may be a secret's value either
+    for text in ("secrets: hunter2\n", "secrets: [hunter2]\n"):
+        assert not any("hunter2" in e for e in _errors(text))
+
+
+def test_env_and_secret_values_are_kept_as_skypilot_str_s_them():
+    task = _load("envs:\n  A: [1]\n  B: {x: 1}\n  C: 1.0\n  D: true\n  E: 8\n"
+                 "secrets:\n  S: [1, 2]\n  T: 3\n")
+    assert task.envs == {"A": "[1]", "B": "{'x': 1}", "C": "1.0", "D": "True", "E": "8"}
+    assert dict(task.secrets) == {"S": "[1, 2]", "T": "3"}
+
+
+def test_one_line_of_yaml_ending_in_yaml_is_a_task_not_a_file_name():
+    task = load_task("run: python train.py --config configs/exp.yaml")
+    assert task.run == "python train.py --config configs/exp.yaml" and task.source == "<inline>"
+    assert load_task("{run: a.yml}").run == "a.yml"
+    # a path is still a path, and a missing one says so
+    with pytest.raises(TaskValidationError, match="no/such.yaml: cannot read task file"):
+        load_task("no/such.yaml")
 
 
 STORE_YAML = """
@@ -600,12 +652,11 @@ ERRORS = [
     ("resources:\n  gpus: A100\n  accelerators: A100\n", "cannot give both 'gpus' and "
                                                          "'accelerators'"),
     ("envs:\n  1BAD: x\n", "t.yaml:1: envs: '1BAD' is not a valid environment variable name"),
-    ("envs:\n  A: [1]\n", "t.yaml:1: envs: value of 'A' must be a string, number or boolean"),
     ("envs: [A]\n", "t.yaml:1: envs: input should be a valid dictionary"),
     ("envs:\n  A: null\n", "t.yaml:2: envs.A: has no value: supply it as an override (--env "
                            "A=VALUE"),
     ("secrets: [T]\n", "t.yaml:1: secrets: list items must be references like "
-                        "'secrets:HF_TOKEN'; got 'T'"),
+                        "'secrets:HF_TOKEN'; got a str that is not one"),
     ("secrets:\n  secrets:T: x\n", "a secret reference must have a null value"),
     ("secrets:\n  my-token: x\n", "secret 'my-token' is not a valid environment variable"),
     ("", "t.yaml: the task is empty: add at least a 'run:' (or 'setup:') field"),
@@ -626,6 +677,18 @@ ERRORS = [
     ("file_mounts:\n  /data: ./nope.txt\n", "t.yaml:2: file_mounts./data: source './nope.txt'"
                                              " does not exist"),
     ("file_mounts:\n  /data/: s3://b\n", "mount path '/data/' must not end with a slash"),
+    # SkyPilot's launch refuses a source ending in '/' too, a bucket's or '/' included
+    ("file_mounts:\n  /d: s3://b/\n", "t.yaml:1: file_mounts: /d: source 's3://b/' must not "
+                                        "end with a slash"),
+    ("file_mounts:\n  /d: /\n", "t.yaml:1: file_mounts: /d: source '/' must not end with a "
+                                  "slash"),
+    ("file_mounts:\n  /d: $DIR\nenvs:\n  DIR: /tmp/\n", "t.yaml:2: file_mounts./d: source "
+     "'$DIR' (once envs are filled in: '/tmp/') must not end with a slash"),
+    ("resources:\n  memory: '0x'\n", "t.yaml:1: resources: memory must be positive"),
+    ("resources:\n  cpus: 4\n  any_of:\n    - cpus: null\n", "t.yaml:4: "
+     "resources.any_of[0].cpus: must not be null in an 'any_of'/'ordered' entry"),
+    ("resources:\n  ordered:\n    - infra: null\n", "t.yaml:3: resources.ordered[0].infra: "
+     "must not be null"),
     ("file_mounts:\n  /d:\n    mode: SYNC\n", "t.yaml:2: file_mounts./d: unknown mode 'SYNC'; "
                                              "expected one of MOUNT, COPY, MOUNT_CACHED"),
     ("file_mounts:\n  /d:\n    store: nfs\n", "t.yaml:2: file_mounts./d: unknown store 'nfs'"),

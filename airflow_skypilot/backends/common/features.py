@@ -46,17 +46,30 @@ def required(task: Task, req: ResourceRequest) -> dict[Feature, str]:
         out[Feature.FRACTIONAL_GPUS] = f"{req.accelerator}:{req.accelerator_count}"
     if isinstance(task.workdir, dict):
         out[Feature.GIT_WORKDIR] = "workdir from git"
+    # The reason reaches the placement table (XCom, the UI): a mount's source may carry a
+    # secret filled in from the task (https://user:${TOKEN}@host/...), so only its scheme is
+    # named, and a secret filled into a path is masked.
     for dst, src in task.file_mounts.items():
+        where = f"file_mounts {_masked(dst, task)}"
         if not isinstance(src, str):
-            out.setdefault(Feature.STORAGE_MOUNTS, f"file_mounts {dst}")
+            out.setdefault(Feature.STORAGE_MOUNTS, where)
         elif src.startswith("s3://"):
-            out.setdefault(Feature.S3_MOUNTS, f"file_mounts {dst}: {src}")
+            out.setdefault(Feature.S3_MOUNTS, f"{where} (s3://...)")
         elif "://" in src:
-            out.setdefault(Feature.OTHER_BUCKET_MOUNTS, f"file_mounts {dst}: {src}")
+            scheme = src.split("://", 1)[0]
+            out.setdefault(Feature.OTHER_BUCKET_MOUNTS, f"{where} ({_masked(scheme, task)}://...)")
     for path, volume in task.volumes.items():
-        out.setdefault(Feature.VOLUMES, f"volumes {path}")
+        out.setdefault(Feature.VOLUMES, f"volumes {_masked(path, task)}")
         if not isinstance(volume, str):
-            out.setdefault(Feature.INLINE_VOLUMES, f"volumes {path}")
+            out.setdefault(Feature.INLINE_VOLUMES, f"volumes {_masked(path, task)}")
+    return out
+
+
+def _masked(text: object, task: Task) -> str:
+    """``text`` with every secret value of ``task`` replaced by ``***``."""
+    out = str(text)
+    for value in sorted((v for v in task.secrets.values() if v), key=len, reverse=True):
+        out = out.replace(value, "***")
     return out
 
 
