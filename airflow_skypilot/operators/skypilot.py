@@ -35,6 +35,7 @@ from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.ledger import PlacementLedger, ledger_path
 from airflow_skypilot.links import SkyPilotJobLink
+from airflow_skypilot.operators import _args as args
 from airflow_skypilot.placer import Placer
 from airflow_skypilot.runstate import (
     XCOM_HANDLE,
@@ -72,7 +73,7 @@ class _Move(Exception):
         self.to, self.reason = to, reason
 
 
-class SkyPilotOperator(BaseOperator):
+class SkyPilotOperator(args.TaskNotRenderedInside, BaseOperator):
     """Run a SkyPilot task YAML on the connected Slurm, Kubernetes or AWS capacity.
 
     :param task: a YAML file path (relative paths start at the DAG file's folder), YAML text,
@@ -154,9 +155,7 @@ class SkyPilotOperator(BaseOperator):
         self.block_cooldown = block_cooldown
         self.max_moves = max_moves
         self._handle: JobHandle | None = None
-        # A literal policy can be checked now, at DAG parse time; a Jinja one after rendering.
-        if isinstance(policy, str) and "{{" not in policy and policy not in placement.POLICIES:
-            raise ValueError(f"policy must be one of {placement.POLICIES}, got {policy!r}")
+        args.check(vars(self))  # literal values now, at DAG parse time; Jinja ones in load()
 
     # --- settings ----------------------------------------------------------------------------
     def _conn_ids(self) -> list[str]:
@@ -196,7 +195,7 @@ class SkyPilotOperator(BaseOperator):
         """Register every secret value with Airflow's masker: the ``secrets`` overrides and
         the YAML's own ``secrets``, or ``values`` when given (the loaded task's)."""
         found = list(values) if values is not None else \
-            secret_values(self._task_source(), self.secrets)
+            secret_values(self._task_source(), args.as_mapping(self.secrets))
         for value in found:
             # no name: given one, the masker only masks values of names that look secret
             mask_secret(value)
@@ -222,8 +221,8 @@ class SkyPilotOperator(BaseOperator):
             raise AirflowFailException(
                 f"policy must be one of {placement.POLICIES}, got {self.policy!r}")
         spec = self._task_source()
-        envs = {} if self.envs is None else self.envs
-        secrets = {} if self.secrets is None else self.secrets
+        envs = {} if self.envs is None else args.as_mapping(self.envs)
+        secrets = {} if self.secrets is None else args.as_mapping(self.secrets)
         for name, value in (("envs", envs), ("secrets", secrets)):
             if not isinstance(value, Mapping):
                 raise AirflowFailException(f"{name} must be a mapping after templating; got "
@@ -253,7 +252,8 @@ class SkyPilotOperator(BaseOperator):
                         try_number=int(ti.try_number or 1))
 
     def _hook(self) -> SkyPilotCapacityHook:
-        timeout = self.probe_timeout or conf.getfloat("skypilot", "probe_timeout", fallback=60.0)
+        timeout = conf.getfloat("skypilot", "probe_timeout", fallback=60.0) \
+            if self.probe_timeout is None else float(self.probe_timeout)
         if not hasattr(self, "_capacity_hook"):
             self._capacity_hook = SkyPilotCapacityHook(self._conn_ids(), timeout=timeout)
         return self._capacity_hook

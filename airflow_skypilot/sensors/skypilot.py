@@ -7,17 +7,17 @@ its reason (the sensor did not submit the job, so it does not place it again).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.configuration import conf
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.registry import backend_for_handle
+from airflow_skypilot.operators._args import as_mapping, check
 from airflow_skypilot.operators.skypilot import default_deferrable
 from airflow_skypilot.runstate import Attempt
 from airflow_skypilot.triggers.skypilot import (
@@ -52,6 +52,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
         super().__init__(**kwargs)
         self.handle = handle
         self.deferrable = default_deferrable() if deferrable is None else deferrable
+        check({"unreachable_timeout": unreachable_timeout})
         self.stream_logs = stream_logs
         self.unreachable_timeout = unreachable_timeout
         self._silent_since: float | None = None
@@ -64,14 +65,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
                              fallback=DEFAULT_UNREACHABLE_TIMEOUT)
 
     def _handle(self) -> JobHandle:
-        data = self.handle
-        if isinstance(data, str):
-            try:
-                data = json.loads(data)
-            except json.JSONDecodeError:
-                import ast
-
-                data = ast.literal_eval(data)  # a dict rendered by Jinja as Python text
+        data = as_mapping(self.handle)  # a dict rendered by Jinja as JSON or Python text
         if not isinstance(data, Mapping) or "job_id" not in data:
             raise AirflowException(f"handle must be a SkyPilot job handle; got {self.handle!r}")
         return JobHandle.from_dict(data)
@@ -138,6 +132,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
                     "location": attempt.location, "job_id": attempt.job_id,
                     "started_at": attempt.started_at, "ended_at": attempt.ended_at}
         kind = "infrastructure failure" if status.state.infra_failure else status.state.value
-        raise AirflowException(f"job {handle.job_id} on {handle.connection} ended: {kind}"
+        # final: poking again cannot help (and soft_fail skips it alike, poked or deferred)
+        raise AirflowFailException(f"job {handle.job_id} on {handle.connection} ended: {kind}"
                                f"{': ' + status.reason if status.reason else ''}\n"
                                f"Last lines of its log:\n{tail}")

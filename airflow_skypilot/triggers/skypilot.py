@@ -72,15 +72,18 @@ class _Sub:
     queue: asyncio.Queue
     stream_logs: bool
     offset: int
+    interval: float = 0.0
 
 
 class SharedPoller:
     """Polls one connection for every job subscribed to it, once per interval: one status
-    request for all jobs, and one log request for all jobs whose output is streamed."""
+    request for all jobs, and one log request for all jobs whose output is streamed. The
+    interval is the shortest of the jobs watched now (a job with a short one that ended no
+    longer sets the pace of the others)."""
 
     def __init__(self, backend: Backend, interval: float):
         self.backend = backend
-        self.interval = interval
+        self.interval = self._default = interval
         self._subs: list[_Sub] = []
         self._task: asyncio.Task | None = None
         self._prepared = False
@@ -91,14 +94,15 @@ class SharedPoller:
     def subscribe(self, handle: JobHandle, interval: float, stream_logs: bool = True,
                   offset: int = 0) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
-        self._subs.append(_Sub(handle, queue, stream_logs, offset))
-        self.interval = min(self.interval, interval)
+        self._subs.append(_Sub(handle, queue, stream_logs, offset, interval))
+        self.interval = min(s.interval for s in self._subs)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._arun_loop())
         return queue
 
     def unsubscribe(self, queue: asyncio.Queue) -> None:
         self._subs = [s for s in self._subs if s.queue is not queue]
+        self.interval = min((s.interval for s in self._subs), default=self._default)
         if not self._subs and self._task is not None:
             self._task.cancel()
             self._task = None

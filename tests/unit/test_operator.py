@@ -385,10 +385,10 @@ def test_non_deferrable_waits_for_capacity_in_a_loop_not_by_recursion(monkeypatc
     monkeypatch.setattr(module, "time", SimpleNamespace(time=real_time.time,
                                                         sleep=sleeps.append))
     ti = TI()
-    result = _op(deferrable=False, reprobe_interval=0, poll_interval=0).execute({"ti": ti})
+    result = _op(deferrable=False, reprobe_interval=0.01, poll_interval=0.01).execute({"ti": ti})
     assert result["state"] == "succeeded" and result["connection"] == "c1"
     assert len(result["attempts"]) == 1 and len(FakeBackend.jobs) == 1
-    assert sleeps.count(0) == rounds  # one wait per empty round, in the worker
+    assert sleeps.count(0.01) == rounds  # one wait per empty round, in the worker
     assert ti.xcom[XCOM_HANDLE]["job_id"] == result["job_id"]
 
 
@@ -410,7 +410,7 @@ def test_non_deferrable_fails_over_in_the_worker(monkeypatch):
     monkeypatch.setattr(FakeBackend, "astatus", astatus)
     monkeypatch.setattr(module, "time", SimpleNamespace(time=__import__("time").time,
                                                         sleep=lambda s: None))
-    result = _op(deferrable=False, poll_interval=0).execute({"ti": TI()})
+    result = _op(deferrable=False, poll_interval=0.01).execute({"ti": TI()})
     assert [(a["connection"], a["state"], a["confirmed_dead"]) for a in result["attempts"]] \
         == [("c1", "infra_failed", True), ("c2", "succeeded", None)]
     name = FakeBackend.jobs["1"]["name"]
@@ -488,3 +488,39 @@ def test_state_survives_airflows_own_serialization_of_the_deferral():
     with pytest.raises(TaskDeferred) as info:
         _op().execute_complete({"ti": ti}, through_airflow(event), **next_kwargs)
     assert info.value.trigger.handle["connection"] == "c2"
+
+
+@pytest.mark.parametrize("arg, value", [("poll_interval", -1), ("poll_interval", 0),
+                                        ("probe_timeout", 0), ("reprobe_interval", -5),
+                                        ("max_failovers", -1), ("max_moves", -1),
+                                        ("confirm_timeout", -0.5), ("unreachable_timeout", -1),
+                                        ("policy", "quickest"), ("poll_interval", "soon")])
+def test_an_argument_out_of_range_fails_when_the_dag_is_parsed_naming_it(arg, value):
+    with pytest.raises(ValueError, match=arg):
+        _op(**{arg: value})
+
+
+def test_templated_arguments_are_checked_after_rendering_not_at_parse_time():
+    op = _op(poll_interval="{{ params.every }}", policy="{{ params.policy }}")
+    assert op.poll_interval == "{{ params.every }}"
+
+
+def test_a_task_given_as_a_dict_is_not_rendered_inside_but_inline_yaml_text_is():
+    from airflow.sdk.definitions.context import Context
+
+    go = "docker ps --format '{{.Names}}'; kubectl get pods -o go-template='{{range .items}}'"
+    op = SkyPilotOperator(task_id="t", task={"run": go}, connections=["c1"],
+                          envs={"DAY": "{{ ds }}"})
+    op.render_template_fields(Context(ds="2026-12-01"))  # raised TemplateSyntaxError before
+    assert op.task == {"run": go} and op.envs == {"DAY": "2026-12-01"}
+    text = SkyPilotOperator(task_id="u", task="run: echo {{ ds }}", connections=["c1"])
+    text.render_template_fields(Context(ds="2026-12-01"))
+    assert text.task == "run: echo 2026-12-01"
+
+
+@pytest.mark.parametrize("rendered", ['{"A": "1", "T": "s3cr3t"}', "{'A': '1', 'T': 's3cr3t'}"])
+def test_envs_and_secrets_rendered_as_text_are_read_back(rendered):
+    op = _op(envs=rendered, secrets=rendered.replace("A", "B").replace('"1"', '"2"')
+             .replace("'1'", "'2'"))
+    task = op.load()
+    assert task.envs["A"] == "1" and task.secrets["T"] == "s3cr3t"

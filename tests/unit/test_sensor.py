@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from airflow.sdk.exceptions import AirflowException, TaskDeferred
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
 from airflow_skypilot.backends import registry
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
@@ -121,7 +121,9 @@ def test_poke_mode_returns_the_result_as_the_deferred_sensor_does(handle):
 
 def test_poke_mode_user_failure_raises_with_the_log_tail(handle):
     _end(JobState.FAILED, reason="exit code 3", exit_code=3)
-    with pytest.raises(AirflowException) as info:
+    # final (poking again cannot help): Airflow's poke loop then honours soft_fail as the
+    # deferred sensor does (it skipped there and failed here before)
+    with pytest.raises(AirflowFailException) as info:
         _sensor(handle.to_dict(), deferrable=False).poke({})
     message = str(info.value)
     assert "ended: failed: exit code 3" in message and message.endswith("Traceback: boom")

@@ -232,3 +232,22 @@ def test_a_run_state_travels_as_its_dict():
         kwargs = trigger.serialize()[1]
         assert kwargs["state"] == run.to_dict()
         assert RunState.from_dict(json.loads(json.dumps(kwargs["state"]))) == run
+
+
+async def test_a_short_interval_that_ended_no_longer_sets_the_pollers_pace():
+    fast, slow = _job("1"), _job("2")
+    quick = asyncio.create_task(_first_event(SkyPilotJobTrigger(fast.to_dict(),
+                                                                poll_interval=0.05)))
+    await asyncio.sleep(0.1)
+    poller = trig.pollers_in_this_loop()[("fake", "c1")]
+    assert poller.interval == 0.05
+    FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
+    await asyncio.wait_for(quick, 5)
+    waiting = asyncio.create_task(_first_event(SkyPilotJobTrigger(slow.to_dict(),
+                                                                  poll_interval=60)))
+    await asyncio.sleep(0.3)
+    assert poller.interval == 60  # was 0.05 for as long as the triggerer lived
+    polls = poller.status_polls
+    await asyncio.sleep(0.3)
+    assert poller.status_polls == polls
+    waiting.cancel()
