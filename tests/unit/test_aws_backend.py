@@ -1070,3 +1070,31 @@ def test_a_lost_allocation_decides_before_an_exit_code_it_caused():
     st = judge(2, False, [tagged, _inst(1, "terminated")], Markers(exit_codes={1: 3}),
                now=200.0)
     assert st.state == JobState.FAILED
+
+
+def test_a_relative_file_mount_lands_under_the_home_as_on_slurm_and_kubernetes(tmp_path):
+    """It landed in the job's dir (~/.airflow-skypilot/<job>/data), run's cwd being the
+    workdir: neither where the other backends put it nor where the task looks."""
+    import subprocess
+
+    from airflow_skypilot.backends.aws.userdata import mounts_script
+    from airflow_skypilot.spec import load_task
+
+    (tmp_path / "f.txt").write_text("x")
+    task = load_task({"run": "x", "file_mounts": {"data/f.txt": str(tmp_path / "f.txt"),
+                                                  "/abs/g": str(tmp_path / "f.txt")}})
+    script, local = mounts_script(task)
+    assert '"$HOME"/data/f.txt' in script and " /abs/g" in script
+    home, job = tmp_path / "home", tmp_path / "job"
+    home.mkdir()
+    job.mkdir()
+    # run it with the payload laid out as the bootstrap unpacks it, /abs/g left out
+    for _, name in local:
+        (job / name).parent.mkdir(parents=True, exist_ok=True)
+        (job / name).write_text((tmp_path / "f.txt").read_text())
+    only_home = "\n".join(line for line in script.splitlines() if "/abs/g" not in line)
+    done = subprocess.run(["bash", "-c", only_home], env={"HOME": str(home),
+                          "JOB_DIR": str(job), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert (home / "data" / "f.txt").read_text() == "x"

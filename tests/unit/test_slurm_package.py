@@ -246,3 +246,39 @@ def test_sbatch_notices_on_stderr_never_become_the_job_id(tmp_path):
                        location="batch", infra="slurm/alpha/batch")
     with pytest.raises(BackendError):
         submit.check_cancelled(1, "scancel: error: Invalid job id specified", "", handle)
+
+
+def test_the_steps_ask_srun_for_the_cpus_the_job_asked_sbatch_for(tmp_path):
+    """Since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: on a cluster that
+    binds tasks to CPUs the setup and run steps had one CPU. The job script runs in bash with
+    stand-in srun and scontrol that note what srun got."""
+    import os
+    import subprocess
+
+    task, got = _offers({"accelerators": "A100:2", "cpus": 3})
+    script = submit.render(task, got["batch"], SETTINGS, "sky-x", {}, str(tmp_path))
+    assert "#SBATCH --cpus-per-task=3" in script["job.sbatch"][0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "${SRUN_CPUS_PER_TASK:-unset}" >> '
+                                  f'{tmp_path}/srun.cpus\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho n1\n")
+    for stub in ("srun", "scontrol"):
+        (bin_dir / stub).chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script["job.sbatch"][0])
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_CPUS_PER_TASK": "3",
+           "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "7"}
+    done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "srun.cpus").read_text().split() == ["3", "3"]  # setup, run
+
+
+def test_a_relative_remote_work_dir_is_under_the_home():
+    """The job script changes into the job dir and names it again: relative, every
+    submission failed (sbatch: chdir ... No such file)."""
+    got = SlurmSettings.from_extra("c", {"remote_work_dir": "scratch/airflow"})
+    assert got.remote_work_dir == "~/scratch/airflow"
+    assert SlurmSettings.from_extra("c", {"remote_work_dir": "/scratch/a"}).remote_work_dir \
+        == "/scratch/a"
+    assert submit.remote_job_dir(got, "sky-x", "/home/u") == "/home/u/scratch/airflow/jobs/sky-x"

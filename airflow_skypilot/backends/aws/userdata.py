@@ -91,6 +91,8 @@ def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
         target = dst
         if target == "~" or target.startswith("~/"):
             target_word = '"$HOME"' + (shlex.quote(target[1:]) if len(target) > 1 else "")
+        elif not target.startswith("/"):  # under the home, as on Slurm (SFTP) and Kubernetes
+            target_word = '"$HOME"/' + shlex.quote(target)
         else:
             target_word = shlex.quote(target)
         if isinstance(src, str) and src.startswith("s3://"):

@@ -94,7 +94,8 @@ class SlurmSettings:
             reservation=reservation,
             sbatch_options=[str(o) for o in options],
             time_limit=str(extra["time_limit"]) if extra.get("time_limit") else None,
-            remote_work_dir=str(extra.get("remote_work_dir") or "~/.airflow-skypilot"),
+            remote_work_dir=_under_home(str(extra.get("remote_work_dir") or
+                                            "~/.airflow-skypilot")),
             price_per_gpu_hour=float(extra.get("price_per_gpu_hour") or 0.0),
             price_per_node_hour=float(extra.get("price_per_node_hour") or 0.0),
             command_timeout=_seconds(conn_id, extra, "command_timeout", 60.0),
@@ -249,3 +250,9 @@ def task_constraints(task: Task) -> list[str]:
     except sbatch.OptionError:
         return []
     return [o.given for o in options if sbatch.canonical(o.name) not in _NEUTRAL]
+
+
+def _under_home(path: str) -> str:
+    """A relative ``remote_work_dir`` is under the home (where SFTP puts it); the job script
+    changes into the job dir before it names the dir again, so it must not stay relative."""
+    return path if path.startswith(("/", "~")) else f"~/{path}"
