@@ -1,11 +1,12 @@
-# Two commands on a fresh Debian machine (root, or a user with sudo):
+# Two commands on a fresh Debian machine, as root (the sandbox starts slurmd, munge and sshd):
 #   make demo   - installs everything, starts the local sandbox, runs the example pipeline with
 #                 a node failure under the training job, prints the placements and the result
 #   make test   - installs everything, runs ruff and the whole test suite against the sandbox
 # Both set themselves up (Debian packages, venv, pip) and stop the sandbox they started.
 
 SHELL := /bin/bash
-PYTHON ?= python3
+# Debian's own Python where there is one (python3-venv is installed for it); else python3
+PYTHON ?= $(shell [ -x /usr/bin/python3 ] && echo /usr/bin/python3 || echo python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml .ci/constraints.txt | sha1sum | cut -c1-12)
@@ -31,7 +32,9 @@ help:
 	@echo "make sandbox-down    stop it"
 
 system-deps:
-	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(DEBS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || \
+	    missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q && \

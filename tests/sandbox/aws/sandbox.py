@@ -22,6 +22,9 @@ from typing import Any
 from . import config
 from .procs import instance_pids
 
+#: the AWS CLI the instances' user-data calls, pinned as the suite's other packages are
+AWSCLI = "awscli==1.46.3"
+
 UP_TIMEOUT = 90.0
 DOWN_TIMEOUT = 20.0
 
@@ -67,7 +70,7 @@ def ensure_awscli(state_dir: Path) -> Path:
                     "install",
                     "-q",
                     "--disable-pip-version-check",
-                    "awscli",
+                    AWSCLI,
                 ],
                 check=True,
                 timeout=600,
