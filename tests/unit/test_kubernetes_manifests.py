@@ -874,3 +874,76 @@ def test_an_eks_context_with_a_slash_is_matched_whole_by_infra():
                            ("k8s/arn:aws:eks:us-east-1:123456789012:cluster", False)):
         task = load_task({"run": "x", "resources": {"infra": infra}})
         assert k_offers.applies(task.candidates[0], settings) is applies, infra
+
+
+def test_an_ended_job_whose_pods_still_run_is_still_up():
+    """Its user code may still run: a sweep must not take it for dead (it did, and the next
+    copy started beside it)."""
+    # our cancel: the pod is deleted but runs out its grace period
+    st = _status(_cancelled(_job()), [_jpod(deleting=True)])
+    assert (st.state, st.still_up) == (JobState.CANCELLED, True)
+    assert not _status(_cancelled(_job()), []).still_up  # gone: dead
+    # multi-node: one rank preempted or failed, the other still running
+    evicted = _jpod(1, phase="Failed", state=_term(137), conds=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}])
+    st = _status(_job(), [_jpod(0), evicted], num_nodes=2)
+    assert (st.state, st.still_up) == (JobState.PREEMPTED, True)
+    st = _status(_job(), [_jpod(0), _jpod(1, phase="Failed", state=_term(3))], num_nodes=2)
+    assert (st.state, st.still_up) == (JobState.FAILED, True)
+    done = _jpod(0, phase="Failed", state=_term(143))
+    assert not _status(_job(), [done, _jpod(1, phase="Failed", state=_term(3))],
+                       num_nodes=2).still_up
+    # pods that may not be listed: the Job's own count of active pods says
+    job = _cancelled(_job())
+    job["status"]["active"] = 1
+    assert _status(job, None).still_up
+    assert not _status(_job([{"type": "Complete"}]), [_jpod(phase="Succeeded",
+                                                             state=_term(0))]).still_up
+
+
+def test_pods_left_by_a_deleted_job_are_still_up_and_cancelled():
+    """kubectl delete job --cascade=orphan (or a deletion not collected yet): the pods run on
+    without their Job; it read LOST and dead, and cancel deleted nothing."""
+    from airflow_skypilot.backends.kubernetes import submit
+
+    orphan = _jpod()
+    st = _status(None, [orphan], namespace="ns")
+    assert (st.state, st.still_up) == (JobState.LOST, True) and "still run" in st.reason
+    assert not _status(None, [], namespace="ns").still_up
+    kube = _FakeKube(None, [orphan])
+    submit.cancel(kube, "ns", "j")
+    assert ("delete_namespaced_pod", "j-0-x") in kube.calls
+
+
+def test_a_submission_failed_half_way_is_could_not_ask_unless_the_job_is_deleted(monkeypatch):
+    """The start's answer lost (it may have landed), or the Job not deleted after: the placer
+    must sweep the job by name (a BackendUnreachable), not take the place as refusing it."""
+    from airflow_skypilot.backends.kubernetes import KubernetesBackend, KubernetesSettings
+    from airflow_skypilot.backends.kubernetes import backend as kb
+    from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
+
+    b = KubernetesBackend("k", settings=KubernetesSettings(context="ctx", namespace="ns"))
+    monkeypatch.setattr(b, "dependents", lambda *a, **k: [])
+    deletes: list[str] = []
+
+    def run(start_error, delete_error=None):
+        def start(*a, **k):
+            raise start_error
+
+        def delete_all(client, name, ns):
+            deletes.append(name)
+            if delete_error:
+                raise delete_error
+            return ["job"]
+
+        monkeypatch.setattr(kb.submit, "start", start)
+        monkeypatch.setattr(kb.submit, "delete_all", delete_all)
+        with pytest.raises((BackendUnreachable, SubmissionError)) as info:
+            b._finish({}, None, None, "j", {}, None)
+        return info.value
+
+    assert isinstance(run(BackendUnreachable("read timed out")), BackendUnreachable)
+    got = run(kb.BackendError("422 invalid"), BackendUnreachable("timed out"))
+    assert isinstance(got, BackendUnreachable) and "could not be deleted" in str(got)
+    refused = run(kb.BackendError("422 invalid"))
+    assert type(refused) is SubmissionError and deletes == ["j", "j", "j"]

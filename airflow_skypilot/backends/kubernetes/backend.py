@@ -47,7 +47,7 @@ from airflow_skypilot.backends.kubernetes import (
 from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient, import_clients
 from airflow_skypilot.backends.kubernetes.names import GPU_RESOURCE
 from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
-from airflow_skypilot.exceptions import BackendError, SubmissionError
+from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
 #: how long the pods seen by a poll stand in for a pod list of a log read
@@ -187,10 +187,17 @@ class KubernetesBackend(Backend):
                              job_name, exc)
             try:
                 submit.delete_all(self.client, job_name, ns)
+                deleted = True
             except BackendError:
-                pass
-            raise SubmissionError(f"creating the files of Job {job_name} in "
-                                  f"{self.settings.location} failed: {exc}") from exc
+                deleted = False
+            what = (f"creating the files of Job {job_name} in {self.settings.location} failed: "
+                    f"{exc}")
+            if isinstance(exc, BackendUnreachable) or not deleted:
+                # the start may have landed (its answer lost), or the Job may still be there:
+                # "could not ask" is not "not there" (the placer sweeps the job by its name)
+                raise BackendUnreachable(what + ("" if deleted else "; the Job could not be "
+                                                 "deleted")) from exc
+            raise SubmissionError(what) from exc
 
     def _namespace(self, handle: JobHandle) -> str:
         return handle.extra.get("namespace") or self.settings.namespace

@@ -148,14 +148,22 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     -> infrastructure; the allocation was fine and the program exited non-zero -> user).
 
     ``pods`` None: they may not be listed; the Job's own status and conditions decide.
+    An ended job whose pods still run (a rank beside a failed or preempted one; pods within
+    their grace period after a cancel; pods the Job's deletion left behind) is ``still_up``:
+    its user code may still run, so it is not dead until they end.
     """
     now = time.time() if now is None else now
     pods_known = pods is not None
     pods = pods or []
+    running = [p for p in pods if (p.get("status") or {}).get("phase") not in TERMINAL]
     if job is None:
         return JobStatus(JobState.LOST, reason=f"the Job no longer exists in namespace "
-                                               f"{namespace or '?'}", raw_state="(gone)")
+                                               f"{namespace or '?'}" + (
+                                                   f"; {len(running)} of its pods still run"
+                                                   if running else ""),
+                         raw_state="(gone)", still_up=bool(running))
     meta, status = job.get("metadata") or {}, job.get("status") or {}
+    up = bool(running) if pods_known else bool(status.get("active") or status.get("terminating"))
     views = sorted((PodView.parse(p) for p in pods), key=lambda v: (v.rank, v.created))
     latest: dict[int, PodView] = {}
     for v in views:
@@ -186,7 +194,7 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
         return JobStatus(state, reason=reason, exit_code=exit_code, started_at=started_at,
                          ended_at=(ended or ended_at or now) if state.terminal else None,
                          nodes=nodes_used, raw_state=raw or phases or "no pods",
-                         exit_codes=list(codes or []))
+                         exit_codes=list(codes or []), still_up=state.terminal and up)
 
     def infra(reason: str, preempted: bool = False, ended: float | None = None) -> JobStatus:
         state = JobState.PREEMPTED if preempted or spot else JobState.INFRA_FAILED

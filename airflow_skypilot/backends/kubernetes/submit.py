@@ -208,15 +208,15 @@ def cancel(client: KubeClient, namespace: str, job_name: str,
     done: list[str] = []
     job = get_job(client, namespace, job_name)
     pods: list[Mapping[str, Any]] | None = None
-    if job is not None:
-        try:
-            found = client.call(core.list_namespaced_pod, namespace,
-                                label_selector=f"{LABEL_JOB}={job_name}")
-            pods = pods_of(job_name, found.get("items") or [], job["metadata"].get("uid"))
-        except KubeApiError as exc:
-            if exc.status != 403:
-                raise
-            done.append("pods may not be listed: the Job controller deletes them")
+    try:  # the Job gone (deleted with its pods orphaned, or not yet collected): pods by label
+        found = client.call(core.list_namespaced_pod, namespace,
+                            label_selector=f"{LABEL_JOB}={job_name}")
+        pods = pods_of(job_name, found.get("items") or [],
+                       job["metadata"].get("uid") if job is not None else None)
+    except KubeApiError as exc:
+        if exc.status != 403:
+            raise
+        done.append("pods may not be listed: the Job controller deletes them")
     if job is not None and not (has_verdict(job) or is_cancelled(job)
                                 or _ended_on_its_own(pods)):
         ann = (job.get("metadata") or {}).get("annotations")
@@ -233,8 +233,8 @@ def cancel(client: KubeClient, namespace: str, job_name: str,
         except KubeApiError as exc:
             if isinstance(exc, BackendUnreachable):  # not an answer: nothing is known
                 raise
-            if exc.status == 404:  # gone meanwhile: only its dependents may be left
-                job, pods = None, None
+            if exc.status == 404:  # gone meanwhile: its pods and dependents may be left
+                job = None
             else:  # may not be patched: stop it the only other way (it then reads LOST)
                 return [f"could not mark it ({exc})",
                         "deleted " + (", ".join(delete_all(client, job_name, namespace))
