@@ -122,7 +122,8 @@ def rank(
     maps connection -> error (shown as rows);
     ``prefer`` (a ``connection/location``) wins among offers that can start now: the FAILOVER
     recovery strategy tries the same place first. ``avoid`` (a place, or ``conn/region/*``)
-    comes after every other viable offer: EAGER_NEXT_REGION tries elsewhere first.
+    comes after every other viable offer while one of those can start the job now:
+    EAGER_NEXT_REGION tries elsewhere first, and falls back to it rather than queue elsewhere.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown placement policy {policy!r}; expected one of {POLICIES}")
@@ -151,7 +152,11 @@ def rank(
     for conn, error in sorted((unreachable or {}).items()):
         rest.append(Row(verdict="unreachable", connection=conn, reason=f"unreachable: {error}"))
 
+    # ``avoid`` goes last only while another place can start the job now (SkyPilot's EAGER
+    # falls back to the failed region when elsewhere cannot launch: no queue elsewhere wins)
     avoided = Blocked(avoid, "") if avoid else None
+    if avoided and not any(o.free_now and not avoided.covers(o) for o in viable):
+        avoided = None
     viable.sort(key=lambda o: (bool(avoided and avoided.covers(o)),
                                *_key(o, policy, ordered, prefer)))
     chosen = viable[0] if viable else None
@@ -162,8 +167,6 @@ def rank(
         if offer is chosen:
             row.verdict = "chosen"
             row.reason = _why_chosen(offer, viable[1:], policy, ordered, prefer)
-            if avoided and avoided.covers(offer):
-                row.reason += "; tried last (job_recovery EAGER_NEXT_REGION): nothing else"
         elif avoided and avoided.covers(offer):
             row.verdict = "candidate" if offer.free_now else "queued"
             row.reason = "tried last (job_recovery EAGER_NEXT_REGION: elsewhere first)"

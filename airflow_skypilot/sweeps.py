@@ -86,8 +86,9 @@ def stop_copy(run: RunState, handle: JobHandle, why: str, *, confirm_timeout: fl
     if sweep.done_at is not None:
         log.info("Old copy confirmed dead: %s", sweep.describe())
     else:
-        log.error("Old copy NOT confirmed dead (%s); it is cancelled as soon as %s answers: %s",
-                  error or "still running", handle.connection, sweep.describe())
+        log.error("Old copy NOT confirmed dead (%s); it is cancelled again until %s confirms "
+                  "it: %s", error or "it, or part of it, still runs or stops",
+                  handle.connection, sweep.describe())
     return sweep
 
 

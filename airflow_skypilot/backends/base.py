@@ -47,6 +47,10 @@ class JobState(str, Enum):
         return self in (JobState.PREEMPTED, JobState.INFRA_FAILED, JobState.LOST)
 
 
+#: ``raw_state`` of a LOST concluded from silence (no backend said the job ended)
+SILENCE = "(no answer)"
+
+
 @dataclass
 class JobStatus:
     """One observation of a job."""

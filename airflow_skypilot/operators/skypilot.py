@@ -253,7 +253,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, BaseOperator):
 
     def _hook(self) -> SkyPilotCapacityHook:
         timeout = conf.getfloat("skypilot", "probe_timeout", fallback=60.0) \
-            if self.probe_timeout is None else float(self.probe_timeout)
+            if self.probe_timeout in (None, 0) else float(self.probe_timeout)
         if not hasattr(self, "_capacity_hook"):
             self._capacity_hook = SkyPilotCapacityHook(self._conn_ids(), timeout=timeout)
         return self._capacity_hook

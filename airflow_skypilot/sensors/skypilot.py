@@ -15,7 +15,7 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+from airflow_skypilot.backends.base import SILENCE, JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.operators._args import as_mapping, check
 from airflow_skypilot.operators.skypilot import default_deferrable
@@ -132,7 +132,9 @@ class SkyPilotJobSensor(BaseSensorOperator):
                     "location": attempt.location, "job_id": attempt.job_id,
                     "started_at": attempt.started_at, "ended_at": attempt.ended_at}
         kind = "infrastructure failure" if status.state.infra_failure else status.state.value
-        # final: poking again cannot help (and soft_fail skips it alike, poked or deferred)
-        raise AirflowFailException(f"job {handle.job_id} on {handle.connection} ended: {kind}"
+        # an end the backend reported is final (poking again cannot help; soft_fail skips it
+        # alike, poked or deferred); a silence taken for lost is not: a retry may find the job
+        final = AirflowException if status.raw_state == SILENCE else AirflowFailException
+        raise final(f"job {handle.job_id} on {handle.connection} ended: {kind}"
                                f"{': ' + status.reason if status.reason else ''}\n"
                                f"Last lines of its log:\n{tail}")

@@ -345,8 +345,7 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
     unfilled = {k for k, v in envs.items() if v is None}
     # these checks read filled-in values, so their messages may quote a secret's value
     hide = [v for v in secrets.values() if v]
-    local_paths = redacted(local_path_problems(spec, src, base_dir, substitutions, unfilled),
-                           hide)
+    local_paths = redacted(_local_paths(spec, src, base_dir, substitutions, unfilled), hide)
     problems.extend(local_paths)
     problems.extend(redacted(slash_problems(spec, src, substitutions), hide))
     problems.extend(redacted(storage_problems(spec, src, substitutions, unfilled), hide))
@@ -593,3 +592,9 @@ def request_from_json(data: Mapping[str, Any]) -> ResourceRequest:
 
 
 __all__ = ["ResourceRequest", "Task", "load_task", "request_from_json", "asdict"]
+
+
+def _local_paths(spec: Any, src: Source, base_dir: str | None, env: Mapping[str, str],
+                 unfilled: set[str]) -> list[Problem]:
+    """The local-path check under this module's name (the conformance checker turns it off)."""
+    return local_path_problems(spec, src, base_dir, env, unfilled)

@@ -947,3 +947,13 @@ def test_a_submission_failed_half_way_is_could_not_ask_unless_the_job_is_deleted
     assert isinstance(got, BackendUnreachable) and "could not be deleted" in str(got)
     refused = run(kb.BackendError("422 invalid"))
     assert type(refused) is SubmissionError and deletes == ["j", "j", "j"]
+
+
+def test_a_pod_whose_node_object_is_gone_is_gone_but_not_one_on_a_notready_node():
+    """PodGC deletes pods of a deleted Node; a NotReady node may be a partition, its pod may
+    still run its code (not confirmed ended: the sweep keeps trying and says so)."""
+    nodes = {"n1": NodeView.parse(_node("n1", ready=False, since=_ts(3600)))}
+    st = _status(_cancelled(_job()), [_jpod(node="n1", deleting=True)], nodes=nodes)
+    assert st.still_up
+    st = _status(_cancelled(_job()), [_jpod(node="gone", deleting=True)], nodes=nodes)
+    assert not st.still_up

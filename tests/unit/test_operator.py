@@ -491,13 +491,17 @@ def test_state_survives_airflows_own_serialization_of_the_deferral():
 
 
 @pytest.mark.parametrize("arg, value", [("poll_interval", -1), ("poll_interval", 0),
-                                        ("probe_timeout", 0), ("reprobe_interval", -5),
+                                        ("probe_timeout", -1), ("reprobe_interval", -5),
                                         ("max_failovers", -1), ("max_moves", -1),
                                         ("confirm_timeout", -0.5), ("unreachable_timeout", -1),
                                         ("policy", "quickest"), ("poll_interval", "soon")])
 def test_an_argument_out_of_range_fails_when_the_dag_is_parsed_naming_it(arg, value):
     with pytest.raises(ValueError, match=arg):
         _op(**{arg: value})
+
+
+def test_probe_timeout_0_is_the_configured_default_as_before():
+    assert _op(probe_timeout=0)._hook().timeout == 60.0
 
 
 def test_templated_arguments_are_checked_after_rendering_not_at_parse_time():

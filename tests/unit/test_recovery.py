@@ -169,4 +169,8 @@ def test_eager_next_region_tries_the_failed_aws_region_last():
     # nothing else: the same region's other zone after all (a soft preference, not a block)
     plan = placement.rank(zones[:2], blocked=run.blocked, avoid=run.avoid, now=200.0)
     assert plan.chosen.location == "us-east-1/us-east-1b"
-    assert "tried last" in plan.rows[0].reason
+    # nor does a queue elsewhere win over it: SkyPilot falls back rather than wait elsewhere
+    queued = offer("aws1", "us-west-2/us-west-2a", gpus_free=0, nodes_free=0, est_in=36000)
+    plan = placement.rank([zones[1], queued], blocked=run.blocked, avoid=run.avoid, now=200.0)
+    assert plan.chosen.location == "us-east-1/us-east-1b"
+    assert "tried last" not in plan.rows[0].reason

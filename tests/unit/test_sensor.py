@@ -160,3 +160,16 @@ def test_poke_mode_an_answer_ends_the_silence(handle, monkeypatch):
     FakeBackend.down = {"c1"}
     clock[0] += 20
     assert sensor.poke({}) is False  # silent since the answer: 0 s, not 40 s
+
+
+def test_a_silence_taken_for_lost_is_retryable_an_end_the_backend_reported_is_not(handle):
+    """The job may still run: a retry of the sensor finds it again once its backend answers
+    (AirflowFailException skipped every retry)."""
+    from airflow_skypilot.backends.base import SILENCE
+
+    silent = JobStatus(JobState.LOST, reason="no answer about the job", raw_state=SILENCE)
+    with pytest.raises(AirflowException) as info:
+        _sensor(handle.to_dict())._finish(handle, silent, "")
+    assert not isinstance(info.value, AirflowFailException)
+    with pytest.raises(AirflowFailException):
+        _sensor(handle.to_dict())._finish(handle, JobStatus(JobState.LOST, reason="gone"), "")

@@ -282,3 +282,11 @@ def test_a_relative_remote_work_dir_is_under_the_home():
     assert SlurmSettings.from_extra("c", {"remote_work_dir": "/scratch/a"}).remote_work_dir \
         == "/scratch/a"
     assert submit.remote_job_dir(got, "sky-x", "/home/u") == "/home/u/scratch/airflow/jobs/sky-x"
+    assert SlurmSettings.from_extra("c", {"remote_work_dir": "$HOME/x"}).remote_work_dir == "~/x"
+    import pytest
+
+    from airflow_skypilot.exceptions import ConfigurationError
+
+    for bad in ("~bob/x", "/scratch/$USER"):  # quoted, never expanded: a literal dir
+        with pytest.raises(ConfigurationError, match="remote_work_dir"):
+            SlurmSettings.from_extra("c", {"remote_work_dir": bad})

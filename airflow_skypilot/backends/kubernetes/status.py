@@ -155,7 +155,11 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     now = time.time() if now is None else now
     pods_known = pods is not None
     pods = pods or []
-    running = [p for p in pods if (p.get("status") or {}).get("phase") not in TERMINAL]
+    # a pod whose Node object is gone is gone with it (PodGC deletes it); one on a NotReady
+    # node may still run its code (a partition): not confirmed ended
+    running = [p for p in pods if (p.get("status") or {}).get("phase") not in TERMINAL
+               and not (nodes is not None and (p.get("spec") or {}).get("nodeName")
+                        and (p.get("spec") or {}).get("nodeName") not in nodes)]
     if job is None:
         return JobStatus(JobState.LOST, reason=f"the Job no longer exists in namespace "
                                                f"{namespace or '?'}" + (

@@ -254,5 +254,13 @@ def task_constraints(task: Task) -> list[str]:
 
 def _under_home(path: str) -> str:
     """A relative ``remote_work_dir`` is under the home (where SFTP puts it); the job script
-    changes into the job dir before it names the dir again, so it must not stay relative."""
+    changes into the job dir before it names the dir again, so it must not stay relative.
+    ``$HOME/x`` is ``~/x``; another user's home (``~bob``) or other variables are refused:
+    the path is quoted, never expanded by a shell."""
+    for home in ("$HOME", "${HOME}"):
+        if path == home or path.startswith(home + "/"):
+            path = "~" + path[len(home):]
+    if path.startswith("~") and not (path == "~" or path.startswith("~/")) or "$" in path:
+        raise ConfigurationError(f"remote_work_dir {path!r}: give an absolute path or one "
+                                 "under ~/ (no other user's ~ and no variables)")
     return path if path.startswith(("/", "~")) else f"~/{path}"
