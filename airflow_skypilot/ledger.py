@@ -56,8 +56,12 @@ def ledger_path() -> str:
     from airflow.sdk.configuration import conf
 
     home = os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow")
-    return conf.get("skypilot", "placement_ledger",
+    path = conf.get("skypilot", "placement_ledger",
                     fallback=os.path.join(home, "skypilot", "placements.json")) or ""
+    # the default names $AIRFLOW_HOME, which Airflow leaves as written when the variable is
+    # not set (its home is then ~/airflow): a directory named "$AIRFLOW_HOME" in the cwd
+    path = path.replace("${AIRFLOW_HOME}", home).replace("$AIRFLOW_HOME", home)
+    return os.path.expanduser(path)
 
 
 def _gpus(offer: Offer) -> int:

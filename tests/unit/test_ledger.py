@@ -193,3 +193,17 @@ def test_a_sweep_placing_at_once_spreads_over_the_free_places():
 def test_without_the_ledger_the_same_sweep_herds(monkeypatch):
     monkeypatch.setenv("AIRFLOW__SKYPILOT__PLACEMENT_LEDGER", "")
     assert _sweep_of(8) == {"c1": 8}
+
+
+def test_the_default_ledger_is_under_airflows_home_when_airflow_home_is_not_set(monkeypatch,
+                                                                                 tmp_path):
+    """Airflow leaves "$AIRFLOW_HOME" as written when the variable is unset (its home is then
+    ~/airflow): the ledger was a directory named "$AIRFLOW_HOME" in the worker's cwd."""
+    from airflow_skypilot.ledger import ledger_path
+
+    monkeypatch.delenv("AIRFLOW__SKYPILOT__PLACEMENT_LEDGER")  # the suite's own: the default
+    monkeypatch.delenv("AIRFLOW_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ledger_path() == str(tmp_path / "airflow" / "skypilot" / "placements.json")
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "af"))
+    assert ledger_path() == str(tmp_path / "af" / "skypilot" / "placements.json")
