@@ -147,7 +147,8 @@ def _history(n, ran_s):
 
 def test_a_full_cluster_is_estimated_from_running_pods_ages():
     nodes = [node("n0"), node("n1")]
-    pods = [pod("a", 8, "n0", started=NOW - 1800), pod("b", 8, "n1", started=NOW - 600)]
+    pods = [pod("a-p", 8, "n0", started=NOW - 1800, ours=True),
+            pod("b-p", 8, "n1", started=NOW - 600, ours=True)]
     # our finished pods ran 1 h or 2 h: "a" (30 min old) ends at the median of those over
     # 30 min (1.5 h), i.e. in 1 h; "b" also at +1.5 h from its start: in 1h20m
     runs = _history(3, 3600) + _history(3, 7200)
@@ -157,11 +158,17 @@ def test_a_full_cluster_is_estimated_from_running_pods_ages():
                                        "finished pods of ours")
     assert got.notes == [f"est. {got.details['estimate']}"]
     assert run_times(runs) == [3600.0] * 3 + [7200.0] * 3
+    # other users' pods: our runs say nothing of theirs (they were read as ours; in the
+    # scheduling benchmark that put jobs in queues that did not move): unknown
+    others = [pod("a", 8, "n0", started=NOW - 1800), pod("b", 8, "n1", started=NOW - 600)]
+    got = offer_for(A100, nodes, others, own_pods=runs)
+    assert got.est_start is None and got.details["estimate"] == "unknown"
 
 
 def test_a_pending_pod_ahead_binds_first_as_room_frees():
     nodes = [node("n0")]
-    pods = [pod("a", 8, "n0", started=NOW - 600), pod("waiting", 8, created=NOW - 300)]
+    pods = [pod("a-p", 8, "n0", started=NOW - 600, ours=True),
+            pod("waiting", 8, created=NOW - 300)]
     got = offer_for(A100, nodes, pods, own_pods=_history(5, 3600))
     # "a" ends in 50 min and "waiting" takes the node for a typical run (1 h) first
     assert got.est_start == NOW - 600 + 3600 + 3600

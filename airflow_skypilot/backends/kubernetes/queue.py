@@ -10,11 +10,14 @@ lists:
   selectors and tolerations let them. What they take is not free for a new job
   (``details["reserved_by_pending"]``).
 - **When room frees up** (:func:`estimate`): each running pod on the candidate's nodes ends at
-  its ``activeDeadlineSeconds`` at the latest, else at the median run time of our finished
-  pods that ran at least as long as it has (its age); the pending work ahead binds as room
-  frees, then the new job. Pods older than every finished run, and clusters without enough
-  finished runs of ours, have no end that can be said: where that leaves the job without a
-  start, the estimate is "unknown" (``est_start`` None, ranked after every known start).
+  its ``activeDeadlineSeconds`` at the latest; a pod of ours, else, at the median run time of
+  our finished pods that ran at least as long as it has (its age). Other users' pods without
+  a deadline, ours older than every finished run, and ours on clusters without enough
+  finished runs have no end that can be said (our runs say nothing of other users' work: in
+  the scheduling benchmark, reading them so put jobs in queues that did not move). The
+  pending work ahead binds as room frees, then the new job; where the job's start depends on
+  an end that cannot be said, the estimate is "unknown" (``est_start`` None, ranked after
+  every known start).
 """
 
 from __future__ import annotations
@@ -321,7 +324,7 @@ def estimate(slots: Sequence[Slot], running: Iterable[PodInfo], taken: Taken,
         if pod.deadline_s is not None:
             end = started + pod.deadline_s
             deadlines += 1
-        if enough:
+        if enough and pod.ours:  # our history speaks for our pods, not for other users'
             typical = median_above(runs, now - started)
             if typical is not None:
                 end = min(end, started + typical)
