@@ -155,7 +155,7 @@ def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
         alive = status is not None and not status.state.terminal
         # ended, but part of its allocation still runs (a lost rank's peer): stopped, never
         # adopted
-        up = alive or (status is not None and status.still_up)
+        up = status is not None and status.up
         succeeded = status is not None and status.state == JobState.SUCCEEDED
         if parts.clear != clear:
             why = f"submitted under clear {parts.clear} of the run (now {clear})"
@@ -175,6 +175,6 @@ def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
     if candidates:
         _, out.adopt, out.adopt_status = candidates.pop()
     for _, handle, status in candidates:
-        if not status.state.terminal or status.still_up:
+        if status.up:
             out.stop.append((handle, "an older copy than the one adopted"))
     return out

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from airflow_skypilot.backends.base import Backend, JobHandle, JobStatus
+from airflow_skypilot.backends.base import Backend, JobHandle
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.runstate import Attempt, RunState, Sweep
 
@@ -24,23 +24,18 @@ def _settle(backend: Backend, handles: list[JobHandle]) -> tuple[list[JobHandle]
     if not handles:
         return [], []
     statuses = backend.status(handles)
-    alive = [h for h in handles if h.job_id in statuses and _alive(statuses[h.job_id])]
+    alive = [h for h in handles if h.job_id in statuses and statuses[h.job_id].up]
     ended = [statuses[h.job_id].state.value for h in handles
-             if h.job_id in statuses and not _alive(statuses[h.job_id])]
+             if h.job_id in statuses and not statuses[h.job_id].up]
     if not alive:
         return [], ended
     for handle in alive:
         backend.cancel(handle)
     again = backend.status(alive)
-    still = [h for h in alive if h.job_id in again and _alive(again[h.job_id])]
+    still = [h for h in alive if h.job_id in again and again[h.job_id].up]
     ended += [again[h.job_id].state.value for h in alive
               if h not in still and h.job_id in again]
     return still, ended
-
-
-def _alive(status: JobStatus) -> bool:
-    """Anything of it still up: not ended, or ended with part of its allocation running."""
-    return not status.state.terminal or status.still_up
 
 
 def step(sweep: Sweep, backend: Backend, keep: Iterable[str] = (),

@@ -65,11 +65,17 @@ class JobStatus:
     #: a pending job's own estimated start (epoch seconds), where the backend knows it
     est_start: float | None = None
     #: an ended job whose allocation is still (partly) up (AWS: a rank's instance still
-    #: running beside a lost one): stopping it still takes a cancel
+    #: running beside a lost one; Kubernetes: a pod that has not ended): stopping it still
+    #: takes a cancel
     still_up: bool = False
     #: every failed rank's exit code, where the backend reads them all (``exit_code`` is the
     #: one the reason names): SkyPilot restarts when any is in ``recover_on_exit_codes``
     exit_codes: list[int] = field(default_factory=list)
+
+    @property
+    def up(self) -> bool:
+        """Anything of it still up: not ended, or ended with part of its allocation running."""
+        return not self.state.terminal or self.still_up
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

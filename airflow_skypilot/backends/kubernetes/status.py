@@ -154,12 +154,11 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     """
     now = time.time() if now is None else now
     pods_known = pods is not None
-    pods = pods or []
+    views = sorted((PodView.parse(p) for p in pods or []), key=lambda v: (v.rank, v.created))
     # a pod whose Node object is gone is gone with it (PodGC deletes it); one on a NotReady
     # node may still run its code (a partition): not confirmed ended
-    running = [p for p in pods if (p.get("status") or {}).get("phase") not in TERMINAL
-               and not (nodes is not None and (p.get("spec") or {}).get("nodeName")
-                        and (p.get("spec") or {}).get("nodeName") not in nodes)]
+    running = [v for v in views if v.phase not in TERMINAL
+               and not (nodes is not None and v.node and v.node not in nodes)]
     if job is None:
         return JobStatus(JobState.LOST, reason=f"the Job no longer exists in namespace "
                                                f"{namespace or '?'}" + (
@@ -168,7 +167,6 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
                          raw_state="(gone)", still_up=bool(running))
     meta, status = job.get("metadata") or {}, job.get("status") or {}
     up = bool(running) if pods_known else bool(status.get("active") or status.get("terminating"))
-    views = sorted((PodView.parse(p) for p in pods), key=lambda v: (v.rank, v.created))
     latest: dict[int, PodView] = {}
     for v in views:
         latest[v.rank] = v
