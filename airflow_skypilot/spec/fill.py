@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -132,15 +132,27 @@ def slash_problems(spec: TaskSpec, src: Source, env: Mapping[str, str]) -> list[
     return out
 
 
-def redacted(problems: list[Problem], values: list[str]) -> list[Problem]:
-    """``problems`` with each of ``values`` (secrets) replaced by ``***`` in their messages:
-    a message about a filled-in path or storage must not show a secret filled into it."""
-    # as written, and as repr() quotes it (a backslash or a quote is escaped there)
-    forms = {form for v in values for form in (v, repr(v)[1:-1]) if form}
-    if not forms:
+def masked(text: str, values: Iterable[str]) -> str:
+    """``text`` with each of ``values`` (secrets) replaced by ``***``: as written, and as
+    repr() quotes it (a backslash or a quote is escaped there)."""
+    pattern = _secrets_pattern(values)
+    return pattern.sub("***", text) if pattern else text
+
+
+def redacted(problems: list[Problem], values: Iterable[str]) -> list[Problem]:
+    """``problems`` with :func:`masked` messages: a message about a filled-in path or storage
+    must not show a secret filled into it."""
+    pattern = _secrets_pattern(values)
+    if pattern is None:
         return problems
-    pattern = re.compile("|".join(re.escape(v) for v in sorted(forms, key=len, reverse=True)))
     return [replace(p, message=pattern.sub("***", p.message)) for p in problems]
+
+
+def _secrets_pattern(values: Iterable[str]) -> re.Pattern[str] | None:
+    forms = {form for v in values if v for form in (v, repr(v)[1:-1]) if form}
+    if not forms:
+        return None
+    return re.compile("|".join(re.escape(v) for v in sorted(forms, key=len, reverse=True)))
 
 
 def _brief(value: Any) -> str:

@@ -345,11 +345,10 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
     unfilled = {k for k, v in envs.items() if v is None}
     # these checks read filled-in values, so their messages may quote a secret's value
     hide = [v for v in secrets.values() if v]
-    local_paths = redacted(_local_paths(spec, src, base_dir, substitutions, unfilled), hide)
-    problems.extend(local_paths)
-    problems.extend(redacted(slash_problems(spec, src, substitutions), hide))
-    problems.extend(redacted(storage_problems(spec, src, substitutions, unfilled), hide))
-    problems.extend(redacted(service_problems(spec, src, substitutions, unfilled), hide))
+    local_paths = _local_paths(spec, src, base_dir, substitutions, unfilled)
+    problems.extend(redacted([*local_paths, *slash_problems(spec, src, substitutions),
+                              *storage_problems(spec, src, substitutions, unfilled),
+                              *service_problems(spec, src, substitutions, unfilled)], hide))
 
     candidates, ordered = [], False
     try:

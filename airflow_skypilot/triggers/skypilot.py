@@ -96,14 +96,18 @@ class SharedPoller:
                   offset: int = 0) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self._subs.append(_Sub(handle, queue, stream_logs, offset, interval))
-        self.interval = min(s.interval for s in self._subs)
+        self._pace()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._arun_loop())
         return queue
 
+    def _pace(self) -> None:
+        """The interval: the shortest of the jobs watched now."""
+        self.interval = min((s.interval for s in self._subs), default=self._default)
+
     def unsubscribe(self, queue: asyncio.Queue) -> None:
         self._subs = [s for s in self._subs if s.queue is not queue]
-        self.interval = min((s.interval for s in self._subs), default=self._default)
+        self._pace()
         if not self._subs and self._task is not None:
             self._task.cancel()
             self._task = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import Enum
 
+from airflow_skypilot.spec.fill import masked
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
 
@@ -67,10 +68,7 @@ def required(task: Task, req: ResourceRequest) -> dict[Feature, str]:
 
 def _masked(text: object, task: Task) -> str:
     """``text`` with every secret value of ``task`` replaced by ``***``."""
-    out = str(text)
-    for value in sorted((v for v in task.secrets.values() if v), key=len, reverse=True):
-        out = out.replace(value, "***")
-    return out
+    return masked(str(text), task.secrets.values())
 
 
 def unsupported_reason(unsupported: Mapping[Feature, str], task: Task,
