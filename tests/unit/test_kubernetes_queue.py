@@ -216,8 +216,9 @@ def test_where_nothing_can_be_said_the_start_is_an_explicit_unknown():
     assert got.fits and not got.free_now and got.est_start is None
     assert got.details["estimate"] == "unknown"
     assert got.details["estimate_why"] == ("2 finished run(s) of ours on record, 5 needed; 1 "
-                                           "running pod(s) older than any run of ours and "
-                                           "without a deadline")
+                                           "running pod(s) without a deadline whose end our "
+                                           "runs cannot tell (another user's, or older than "
+                                           "any of ours)")
     assert got.notes == [f"start unknown: {got.details['estimate_why']}"]
     # older than every run of ours: no end can be said for it
     old = offer_for(A100, [node("n0")], [pod("a", 8, "n0", started=NOW - 9000)],

@@ -360,8 +360,8 @@ def estimate(slots: Sequence[Slot], running: Iterable[PodInfo], taken: Taken,
             if not enough:
                 why.append(f"{len(runs)} finished run(s) of ours on record, {MIN_RUNS} needed")
             if unknown:
-                why.append(f"{unknown} running pod(s) older than any run of ours and "
-                           "without a deadline")
+                why.append(f"{unknown} running pod(s) without a deadline whose end our runs "
+                           "cannot tell (another user's, or older than any of ours)")
             return Estimate(None, "; ".join(why) or "no running pod here would free room")
         t, _, node, need = heapq.heappop(ends)
         _take(by_name[node], need, +1.0)
