@@ -21,7 +21,6 @@ import json
 import os
 import re
 import tarfile
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -332,7 +331,8 @@ class KubernetesTarget(Target):
         config = yaml.safe_load(Path(conn["extra"]["kube_config_path"]).read_text())
         for cluster in config["clusters"]:
             cluster["cluster"]["server"] = f"http://127.0.0.1:{port}"
-        path = Path(tempfile.mkdtemp(prefix="ct-kubeconfig-")) / "kubeconfig"
+        # beside the sandbox's own kubeconfig: gone with the sandbox (a temp dir was left behind)
+        path = self.box.kubeconfig.with_name(f"kubeconfig-at-port-{port}")
         path.write_text(yaml.safe_dump(config))
         return {**conn, "extra": {**conn["extra"], "kube_config_path": str(path)}}
 

@@ -12,8 +12,10 @@ on any cluster).
 
 Our own cancel is read from the Job: :func:`~airflow_skypilot.backends.kubernetes.submit.cancel`
 marks it (:data:`~airflow_skypilot.backends.kubernetes.names.ANN_CANCELLED`) and keeps it until
-cleanup, so it reads CANCELLED, not LOST. A Job absent from a list that succeeded is LOST (the
-backend no longer knows it: deleted behind our back, or its TTL ran out before we looked).
+cleanup, so it reads CANCELLED, not LOST. A Job someone else deletes reads CANCELLED while a
+poll still sees it being deleted (as another user's ``scancel`` reads on Slurm); once it is
+absent from a list that succeeded it is LOST: the backend can no longer tell a deletion from
+its TTL running out before we looked, or its namespace lost.
 Terminal states carry the time the job ended as the cluster recorded it (completion, a pod's
 end, the Failed condition, the cancel mark), so every poll reports the same ``ended_at``.
 """
