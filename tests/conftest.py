@@ -24,6 +24,20 @@ os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(REPO / "dags"))
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A skipped test is not a passed one: a run that skipped any fails (``make test``, CI).
+    ``SKYPILOT_TESTS_ALLOW_SKIPS=1`` lets a run by hand skip what its machine lacks."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = (reporter.stats.get("skipped") or []) if reporter is not None else []
+    if skipped and exitstatus == 0 and os.environ.get("SKYPILOT_TESTS_ALLOW_SKIPS") != "1":
+        where = sorted({report.nodeid for report in skipped})
+        if reporter is not None:
+            reporter.write_line(f"{len(skipped)} test(s) skipped, which counts as a failure "
+                                f"(SKYPILOT_TESTS_ALLOW_SKIPS=1 to allow): "
+                                + ", ".join(where[:10]), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(autouse=True)
 def _own_placement_ledger(tmp_path_factory, monkeypatch):
     """Each test its own ledger of placements made moments ago (ledger.py): one test's
