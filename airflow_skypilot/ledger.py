@@ -21,9 +21,12 @@ or of any that mount it; an empty value turns it off):
    Kubernetes) settles the case time cannot: begun before a submission, it read the queue
    after it; an entry whose job it named is in its counts already.
 4. Entries lapse ``TTL`` seconds after they were written (a worker that died mid-placement).
+   Times are the writers' clocks: an entry stamped in a reader's future counts from the
+   reader's now; a writer whose clock runs behind has its entries lapse early (the workers
+   sharing a file should keep their clocks in step, as NTP does).
 
-A ledger that cannot be read or written is logged and ignored: it only ever makes a place
-look fuller, so without it placement is what it was.
+A ledger that cannot be read or written, or an entry that cannot be read, is logged and
+ignored: it only ever makes a place look fuller, so without it placement is what it was.
 """
 
 from __future__ import annotations
@@ -127,39 +130,64 @@ class PlacementLedger:
     @contextlib.contextmanager
     def deciding(self) -> Iterator[list[dict[str, Any]]]:
         """Hold the lock while the caller ranks; yields the live entries (a list the caller
-        appends its own entry to, written back on exit)."""
+        appends its own entry to, written back on exit). A file that cannot be opened, locked,
+        read or written is logged and placement goes on without it: the ledger must never
+        fail a placement, nor a submission already made (its stamp comes after it)."""
         if self.path is None:
             yield []
             return
+        fh = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fh = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600), "rb+")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            text = fh.read().decode("utf-8", errors="replace")
         except OSError as exc:
+            if fh is not None:
+                fh.close()
             log.warning("Placement ledger %s unusable, placing without it: %s", self.path, exc)
             yield []
             return
-        with os.fdopen(fd, "r+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            text = fh.read()
+        with fh:
             entries = self._live(text)
             yield entries
             if json.dumps(entries) != text:  # ours added or stamped, or some lapsed
-                self._write(fh, entries)
+                try:
+                    self._write(fh, entries)
+                except OSError as exc:
+                    log.warning("Placement ledger %s could not be written: %s", self.path, exc)
 
     def _live(self, text: str) -> list[dict[str, Any]]:
+        """The entries of ``text`` that have not lapsed; malformed ones are dropped one by one.
+        An entry stamped in our future (a writer whose clock runs ahead) counts from now."""
         try:
             raw = json.loads(text) if text.strip() else []
         except ValueError:
-            log.warning("Placement ledger %s is not JSON; starting it afresh", self.path)
+            raw = None
+        if not isinstance(raw, list):
+            log.warning("Placement ledger %s is not a JSON list; starting it afresh", self.path)
             return []
         now = time.time()
-        return [e for e in raw if isinstance(e, dict) and now - float(e.get("at", 0)) < self.ttl]
+        live = []
+        for entry in raw:
+            try:
+                at = float(entry["at"])
+                if entry.get("submitted") is not None:
+                    float(entry["submitted"])
+                int(entry.get("gpus") or 0), int(entry.get("nodes") or 1)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+            if at > now:
+                entry["at"] = at = now
+            if now - at < self.ttl:
+                live.append(entry)
+        return live
 
     @staticmethod
     def _write(fh, entries: list[dict[str, Any]]) -> None:
         fh.seek(0)
         fh.truncate()
-        fh.write(json.dumps(entries))
+        fh.write(json.dumps(entries).encode())
         fh.flush()
 
     def note(self, entries: list[dict[str, Any]], copy: str, offer: Offer) -> None:

@@ -137,6 +137,44 @@ def test_an_unusable_ledger_places_as_without_one(tmp_path):
         assert entries == []
 
 
+def test_a_damaged_ledger_is_read_entry_by_entry_and_never_fails_a_placement(tmp_path):
+    path = tmp_path / "l.json"
+    good = _entry("c1/p", copy="good")
+    for damaged in (b'[{"copy": "x"\xff\xfe', b"5", b'{"copy": "x"}'):
+        path.write_bytes(damaged)  # a torn write, a bad block, a hand edit
+        with PlacementLedger(str(path)).deciding() as entries:
+            assert entries == []
+    path.write_text(json.dumps([{"copy": "x", "place": "c1/p", "at": None}, "junk",
+                                {**good, "gpus": "two"}, {**good, "submitted": "soon"}, good]))
+    with PlacementLedger(str(path)).deciding() as entries:
+        assert [e["copy"] for e in entries] == ["good"]
+
+
+def test_a_ledger_that_cannot_be_written_does_not_fail_the_stamp_after_a_submission(
+        tmp_path, monkeypatch, caplog):
+    # the job is submitted: a full disk must not fail the task (its job would run unwatched)
+    ledger = PlacementLedger(str(tmp_path / "l.json"))
+    with ledger.deciding() as entries:
+        ledger.note(entries, "a", offer("c1", "p"))
+
+    def full(fh, entries):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PlacementLedger, "_write", staticmethod(full))
+    ledger.submitted("a", True, "sky-a-c0-t1-a0")
+    assert "could not be written" in caplog.text
+
+
+def test_an_entry_from_a_clock_running_ahead_lapses_by_ours(tmp_path):
+    path = tmp_path / "l.json"
+    path.write_text(json.dumps([_entry("c1/p", at=time.time() + 600)]))
+    ledger = PlacementLedger(str(path), ttl=60)
+    with ledger.deciding() as entries:
+        assert len(entries) == 1 and entries[0]["at"] <= time.time()
+    stored = json.loads(path.read_text())[0]["at"]
+    assert stored <= time.time()  # written back as now: it lapses 60 s from now, not 660
+
+
 @pytest.fixture
 def _two_free_places(monkeypatch):
     registry.register_backend(FakeBackend)
