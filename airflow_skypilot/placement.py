@@ -419,11 +419,13 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
     return Reconsideration(moved, best, why)
 
 
-def as_promised(to: Offer, offers: list[Offer]) -> Offer | None:
+def as_promised(to: Offer, offers: list[Offer], *, max_price: float | None = None
+                ) -> Offer | None:
     """``to`` (a move's target, as a look chose it) among ``offers`` (its connection probed
     again, the ledger's holds taken): the fresh offer if it still takes the job as promised,
     else None. Free now stays free now; a queue may be at most 20% and a minute later; the
-    price (a spot price moves) at most 5% more, and within the request's ``max_hourly_cost``."""
+    price (a spot price moves) at most 5% more, within the request's ``max_hourly_cost`` and
+    within ``max_price`` (under "cheapest": the price of the place the job would leave)."""
     fresh = next((o for o in offers if o.place_key == to.place_key
                   and o.request.index == to.request.index and o.fits), None)
     promised = to.wait_seconds or 0.0
@@ -433,6 +435,7 @@ def as_promised(to: Offer, offers: list[Offer]) -> Offer | None:
         return None
     cap = fresh.request.max_hourly_cost
     if fresh.price_per_hour > to.price_per_hour * 1.05 + 1e-9 or (
-            cap is not None and fresh.price_per_hour > cap):
+            cap is not None and fresh.price_per_hour > cap) or (
+            max_price is not None and fresh.price_per_hour > max_price + 1e-9):
         return None
     return fresh

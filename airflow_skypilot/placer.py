@@ -98,8 +98,8 @@ class Placer:
         None when nothing can take the job now (places blocked, unreachable or over budget),
         or while a copy moved away from is not yet confirmed dead (no second live copy).
         """
-        if waiting := self._unconfirmed_move(run):
-            run.last_plan = f"the copy moved away from is not confirmed dead yet: {waiting}"
+        if waiting := self._unconfirmed_copy(run):
+            run.last_plan = f"an earlier copy is not confirmed dead yet: {waiting}"
             return None
         began = time.time()
         result = self.hook.probe(task)
@@ -132,6 +132,9 @@ class Placer:
             self.ledger.submitted(run.prefix, handle is not None, handle and handle.job_name)
             if handle is not None:
                 return handle
+            if waiting := self._unconfirmed_copy(run):
+                run.last_plan = f"an earlier copy is not confirmed dead yet: {waiting}"
+                return None
         raise AirflowException(f"no place accepted the job after {MAX_SUBMISSIONS} submissions")
 
     def submit_at(self, task: Task, run: RunState, offer: Offer) -> JobHandle | None:
@@ -152,15 +155,9 @@ class Placer:
                                        until=until))
             return None
         except Exception as exc:  # cut short: the job may exist all the same
-            self.log.warning("Submission of %s to %s cut short, trying the next place; if the "
-                             "job was created it is stopped as soon as %s answers: %s",
-                             run.job_name, offer.place_key, offer.connection, exc)
-            run.sweeps.append(Sweep(connection=offer.connection, job_name=run.job_name,
-                                    reason=f"submission cut short: {exc}"))
-            run.blocked.append(Blocked(offer.place_key, f"submission cut short: {exc}",
-                                       until=until))
-            run.attempt += 1
-            return None
+            handle = self._after_cut_short(run, offer, exc, until)
+            if handle is None:
+                return None
         run.prefer = run.avoid = None
         run.record(handle)
         self.log.info("%s %s job %s on %s (%s) as %s", "Adopted" if handle.adopted else
@@ -168,8 +165,37 @@ class Placer:
                       handle.location, handle.job_name)
         return handle
 
-    def _unconfirmed_move(self, run: RunState) -> str:
-        """One more try at the sweeps of copies a move left unconfirmed; what still is."""
+    def _after_cut_short(self, run: RunState, offer: Offer, exc: Exception,
+                         until: float) -> JobHandle | None:
+        """A submission cut short (no answer, a timeout) may have made the job: it is asked
+        for before any copy goes elsewhere. Found: adopted. Answered "none": the next place
+        (a sweep by name stays, in case it shows up late). Not answered: no copy is submitted
+        anywhere until it does (``Sweep.before_next``), as after an unconfirmed move."""
+        try:
+            found = self.hook.backend(offer.connection).find(run.job_name)
+            asked = None
+        except Exception as ask:
+            found, asked = None, ask
+        if found is not None:
+            self.log.warning("Submission of %s to %s was cut short (%s), but the job exists: "
+                             "adopted", run.job_name, offer.place_key, exc)
+            found.adopted = True
+            return found
+        self.log.warning("Submission of %s to %s cut short: %s; %s", run.job_name,
+                         offer.place_key, exc, "no such job was made: trying the next place"
+                         if asked is None else f"{offer.connection} cannot say whether the job "
+                         f"was made ({asked}): no copy goes elsewhere until it answers")
+        run.sweeps.append(Sweep(connection=offer.connection, job_name=run.job_name,
+                                reason=f"submission cut short: {exc}",
+                                before_next=asked is not None))
+        run.blocked.append(Blocked(offer.place_key, f"submission cut short: {exc}",
+                                   until=until))
+        run.attempt += 1
+        return None
+
+    def _unconfirmed_copy(self, run: RunState) -> str:
+        """One more try at the sweeps of copies that must be confirmed dead before the next
+        (a move's waiting copy, a submission cut short unanswered); what still is not."""
         pending = [w for w in run.pending_sweeps if w.before_next]
         if pending:
             self.sweep_pending(run)
@@ -208,7 +234,9 @@ class Placer:
 
         # the target first (a probe takes seconds), then whether the copy still waits, right
         # before the cancel: a copy that started meanwhile is not cancelled
-        fresh = self._still_good(task, run, to)
+        # under "cheapest" a move never costs more than the place it leaves (spot prices move)
+        fresh = self._still_good(task, run, to, max_price=handle.price_per_hour
+                                 if self.policy == "cheapest" else None)
         if fresh is None:
             return refused(f"{to.place_key}, probed again, no longer takes it as it did")
         try:
@@ -236,8 +264,8 @@ class Placer:
                 ended.started_at = after.started_at
                 self.log.warning("Job %s had started just before it was cancelled for the "
                                  "move", handle.job_id)
-        run.blocked.append(Blocked(ended.place, "moved away from it",
-                                   until=time.time() + self.cooldown))
+        left = Blocked(ended.place, "moved away from it", until=time.time() + self.cooldown)
+        run.blocked.append(left)
         run.moves += 1
         run.attempt += 1
         if sweep.done_at is None:
@@ -251,9 +279,12 @@ class Placer:
         self.log.warning("Job %s %s", handle.job_id, why)
         moved = self.submit_at(task, run, fresh)
         self.ledger.submitted(run.prefix, moved is not None, moved and moved.job_name)
+        if moved is None:  # the target refused it: the place left may take it back at once
+            run.blocked.remove(left)
         return moved, True
 
-    def _still_good(self, task: Task, run: RunState, to: Offer) -> Offer | None:
+    def _still_good(self, task: Task, run: RunState, to: Offer, *,
+                    max_price: float | None = None) -> Offer | None:
         """``to`` as probed again now, if it still takes the job as well as promised (other
         jobs may have moved or been placed there since the look that chose it: what the
         ledger holds counts too). A good answer is noted in the ledger."""
@@ -266,7 +297,7 @@ class Placer:
             return None
         with self.ledger.deciding() as entries:
             hold(offers, entries, probe_began=began, own=run.prefix)
-            fresh = placement.as_promised(to, offers)
+            fresh = placement.as_promised(to, offers, max_price=max_price)
             if fresh is None:
                 self.log.info("Not moving: %s no longer takes the job as it did", to.place_key)
                 return None

@@ -338,3 +338,44 @@ def test_a_task_killed_while_its_move_waits_for_the_old_copy_stops_it_at_the_kil
     monkeypatch.setattr(FakeBackend, "cancel", real_cancel)
     asyncio.run(waiting.on_kill())  # no task instance to ask: killed, as the user asked
     assert _live_jobs() == [] and FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+
+
+def test_a_move_the_target_refuses_queues_the_job_where_it_was_at_once(monkeypatch):
+    """The waiting copy is cancelled, then the target refuses the submission (capacity gone):
+    the place left is not blocked for the cooldown, the job queues there again at once."""
+    from airflow_skypilot.exceptions import SubmissionError
+
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    real_submit = FakeBackend.submit
+
+    def submit(self, task, offer_, job_name, env):
+        if self.conn_id == "c2":
+            raise SubmissionError("InsufficientInstanceCapacity", retry_elsewhere=True)
+        return real_submit(self, task, offer_, job_name, env)
+
+    monkeypatch.setattr(FakeBackend, "submit", submit)
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    handle = info.value.trigger.handle
+    assert handle is not None and handle["connection"] == "c1" and _live_jobs() == ["2"]
+    run = RunState.from_dict(info.value.trigger.state)
+    assert [b.place for b in run.blocked] == ["c2/q"] and run.moves == 1
+
+
+def test_under_cheapest_a_move_whose_target_costs_more_than_here_once_probed_again_stays():
+    """The look chose a place at this one's price; probed again, its (spot) price ticked up
+    4.5%: within a move's 5% margin, but "cheapest" never moves to a costlier place."""
+    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=3600, price=2.0)],
+                          "c2": [offer("c2", "q", nodes_free=0, est_in=None, price=2.0)]}
+    with pytest.raises(TaskDeferred) as info:
+        _op(policy="cheapest").execute(_ctx())
+    assert info.value.trigger.handle["connection"] == "c1"
+    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.0)]
+    event = asyncio.run(asyncio.wait_for(_first(info.value.trigger), 5))
+    assert event["status"] == "move"
+    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.09)]
+    with pytest.raises(TaskDeferred) as after:
+        _op(policy="cheapest").execute_complete(_ctx(), event)
+    assert after.value.trigger.handle["job_id"] == "1" and _live_jobs() == ["1"]

@@ -215,28 +215,56 @@ def test_success_waits_for_an_unconfirmed_old_copy_then_reports_it():
     assert near.value.trigger.timeout == 30.0 and near.value.timeout == timedelta(seconds=40)
 
 
-def test_a_submission_cut_short_tries_the_next_place_and_sweeps_the_maybe_job(monkeypatch):
+def _cut_short_on_c1(monkeypatch, creates: bool, then_down: bool = False):
+    """c1's submissions lose their answer (the job made or not); c1 then goes silent."""
     real = FakeBackend.submit
 
     def submit(self, task, offer_, job_name, env):
-        handle = real(self, task, offer_, job_name, env)
-        if self.conn_id == "c1":  # created, but the answer never came back
+        if self.conn_id == "c1":
+            if creates:
+                real(self, task, offer_, job_name, env)
+            if then_down:
+                FakeBackend.down.add("c1")
             raise BackendUnreachable("ssh: connection reset while sbatch ran")
-        return handle
+        return real(self, task, offer_, job_name, env)
 
     monkeypatch.setattr(FakeBackend, "submit", submit)
+
+
+def test_a_submission_cut_short_that_made_the_job_adopts_it(monkeypatch):
+    _cut_short_on_c1(monkeypatch, creates=True)
+    deferred = _defer(_op(), _ctx())
+    assert deferred.trigger.handle["connection"] == "c1"
+    assert deferred.trigger.handle["job_name"].endswith("-a0")
+    assert _alive() == [deferred.trigger.handle["job_name"]], "one copy, not a second on c2"
+
+
+def test_a_submission_cut_short_that_made_nothing_tries_the_next_place(monkeypatch):
+    _cut_short_on_c1(monkeypatch, creates=False)
     deferred = _defer(_op(), _ctx())
     assert deferred.trigger.handle["connection"] == "c2"
     assert deferred.trigger.handle["job_name"].endswith("-a1"), "a name of its own"
     run = RunState.from_dict(deferred.trigger.state)
-    cut = run.pending_sweeps[0]
-    assert cut.connection == "c1" and cut.job_name.endswith("-a0")
+    cut = run.pending_sweeps[0]  # swept by name all the same, in case it shows up late
+    assert cut.connection == "c1" and cut.job_name.endswith("-a0") and not cut.before_next
     assert run.blocked[0].place == "c1/p" and run.blocked[0].until is not None
-    # the trigger finds the maybe-job and stops it
-    from airflow_skypilot import sweeps
 
-    assert sweeps.step(cut, FakeBackend("c1"))
-    assert _alive() == [deferred.trigger.handle["job_name"]]
+
+def test_a_submission_cut_short_unanswered_submits_nothing_elsewhere_until_it_answers(
+        monkeypatch):
+    _cut_short_on_c1(monkeypatch, creates=True, then_down=True)
+    deferred = _defer(_op(), _ctx())
+    assert isinstance(deferred.trigger, SkyPilotWaitTrigger), "it waits: no copy on c2"
+    assert _alive() == [next(j["name"] for j in FakeBackend.jobs.values())]
+    run = RunState.from_dict(deferred.trigger.state)
+    assert run.pending_sweeps[0].before_next and "not confirmed dead" in run.last_plan
+    # c1 answers: the made job is stopped and confirmed dead, then the job is placed anew
+    FakeBackend.down.clear()
+    event = {"status": "reprobe", "state": deferred.trigger.state}
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    assert info.value.trigger.handle["connection"] == "c2"
+    assert _alive() == [info.value.trigger.handle["job_name"]]
 
 
 def test_blocks_lapse_after_the_cooldown():
