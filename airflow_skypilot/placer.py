@@ -52,6 +52,10 @@ class Placer:
         self.log = log
         #: the last placement made, with its explanation table (the operator shows it)
         self.last_plan: placement.Placement | None = None
+        #: every copy submitted (or adopted) through this placer, and (connection, job name)
+        #: of a submission under way: what a kill must stop
+        self.submitted: list[JobHandle] = []
+        self.submitting: tuple[str, str] | None = None
 
     # --- earlier tries --------------------------------------------------------------------------
     def reconcile(self, run: RunState, run_started_at: float | None
@@ -144,6 +148,7 @@ class Placer:
         env = {"SKYPILOT_TASK_ID": run.task_env_id,
                "SKYPILOT_ATTEMPT": str(identity.attempt_number(run.try_number, run.attempt))}
         until = time.time() + self.cooldown
+        self.submitting = (offer.connection, run.job_name)
         try:
             handle = self.hook.backend(offer.connection).submit(task, offer, run.job_name, env)
         except SubmissionError as exc:
@@ -153,11 +158,15 @@ class Placer:
                              offer.place_key, exc)
             run.blocked.append(Blocked(offer.place_key, f"submission refused: {exc}",
                                        until=until))
+            self.submitting = None
             return None
         except Exception as exc:  # cut short: the job may exist all the same
             handle = self._after_cut_short(run, offer, exc, until)
             if handle is None:
+                self.submitting = None  # swept by name from now on
                 return None
+        self.submitted.append(handle)  # first: a kill from now on stops it by its handle
+        self.submitting = None
         run.prefer = run.avoid = None
         run.record(handle)
         self.log.info("%s %s job %s on %s (%s) as %s", "Adopted" if handle.adopted else

@@ -24,7 +24,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import AssetAlias, BaseOperator
-from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.sdk.log import mask_secret
@@ -36,6 +35,7 @@ from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.ledger import PlacementLedger, ledger_path
 from airflow_skypilot.links import SkyPilotJobLink
 from airflow_skypilot.operators import _args as args
+from airflow_skypilot.operators._stop import StopsItsJobs
 from airflow_skypilot.placer import Placer
 from airflow_skypilot.runstate import (
     XCOM_HANDLE,
@@ -73,7 +73,7 @@ class _Move(Exception):
         self.to, self.reason = to, reason
 
 
-class SkyPilotOperator(args.TaskNotRenderedInside, BaseOperator):
+class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
     """Run a SkyPilot task YAML on the connected Slurm, Kubernetes or AWS capacity.
 
     :param task: a YAML file path (relative paths start at the DAG file's folder), YAML text,
@@ -267,7 +267,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, BaseOperator):
     # --- execute -----------------------------------------------------------------------------
     def execute(self, context: Context) -> Any:
         task = self.load(context)
-        run = self._new_run(context)
+        run = self._run_state = self._new_run(context)
         handle, status = self._reconcile(context, run)
         if status is not None and status.state.terminal:  # an earlier try's job had succeeded
             result = self._job_ended(context, lambda: task, run, handle, status, "")
@@ -436,7 +436,9 @@ class SkyPilotOperator(args.TaskNotRenderedInside, BaseOperator):
         # the defer kwargs hold the state as it was at deferral (`airflow dags test` drops
         # them), so the event's copy wins.
         event = event or {}
-        run = RunState.from_dict(event.get("state") or state)
+        run = self._run_state = RunState.from_dict(event.get("state") or state)
+        if event.get("handle"):  # what a kill would have to stop, whatever comes next
+            self._handle = JobHandle.from_dict(event["handle"])
         if not run.prefix or not run.task_env_id:  # a state of an older release: its identity
             fresh = self._new_run(context)  # from the task instance, as this release names it
             run.prefix = run.prefix or fresh.prefix
@@ -549,52 +551,3 @@ class SkyPilotOperator(args.TaskNotRenderedInside, BaseOperator):
         except Exception as exc:
             self.log.warning("Cleanup of %s job %s on %s failed: %s", handle.backend,
                              handle.job_id, handle.connection, exc)
-
-    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None,
-                         context: Context) -> Any:
-        """Also stop the job when Airflow resumes the task only to fail it.
-
-        When the deferral times out (``execution_timeout``) or the trigger itself crashes,
-        Airflow schedules the task with ``next_method="__fail__"`` and the base class raises
-        without calling ``execute_complete`` or any ``on_kill``: the job would run on unwatched
-        (and a retry would start a second one). The handle is in XCom (pushed before deferring).
-        """
-        if next_method == TRIGGER_FAIL_REPR:
-            self._cancel_unwatched_job(context, (next_kwargs or {}).get("error", "unknown"))
-        return super().resume_execution(next_method, next_kwargs, context)
-
-    def _cancel_unwatched_job(self, context: Context, why: Any) -> None:
-        if not self.cancel_on_kill:
-            return
-        ti = context["ti"]
-        try:
-            raw = ti.xcom_pull(task_ids=ti.task_id, key=XCOM_HANDLE, map_indexes=ti.map_index)
-        except Exception as exc:
-            self.log.warning("Could not read the job handle to cancel the job: %s", exc)
-            return
-        if not raw:
-            return
-        handle = JobHandle.from_dict(raw)
-        self._handle = handle
-        self.log.warning("The deferral ended without the job's end (%s): cancelling %s job %s "
-                         "on %s", why, handle.backend, handle.job_id, handle.connection)
-        try:
-            backend = backend_for_handle(handle)
-            backend.cancel(handle)
-            backend.cleanup(handle)
-        except Exception as exc:
-            self.log.warning("Could not cancel %s job %s on %s: %s; a retry of the task "
-                             "stops it when it lists its earlier jobs", handle.backend,
-                             handle.job_id, handle.connection, exc)
-
-    def on_kill(self) -> None:
-        """Cancel the backend job when the task is killed while running in the worker."""
-        if not self.cancel_on_kill or self._handle is None:
-            return
-        handle = self._handle
-        self.log.info("Task killed: cancelling %s job %s on %s", handle.backend, handle.job_id,
-                      handle.connection)
-        try:
-            backend_for_handle(handle).cancel(handle)
-        except Exception as exc:
-            self.log.warning("Could not cancel job %s: %s", handle.job_id, exc)

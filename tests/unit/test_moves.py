@@ -379,3 +379,63 @@ def test_under_cheapest_a_move_whose_target_costs_more_than_here_once_probed_aga
     with pytest.raises(TaskDeferred) as after:
         _op(policy="cheapest").execute_complete(_ctx(), event)
     assert after.value.trigger.handle["job_id"] == "1" and _live_jobs() == ["1"]
+
+
+class _Killed(BaseException):
+    """What Airflow's SIGTERM handler raises in the task after calling ``on_kill``."""
+
+
+@pytest.mark.parametrize("at", ["the target's probe", "the submission at the target"])
+def test_a_task_killed_while_it_moves_its_job_leaves_no_copy_running(monkeypatch, at):
+    """Each resume is a fresh operator: a kill during a move (the target probed again, or
+    the new copy just submitted) stops the waiting copy and the new one alike."""
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    worker = _op()
+    real_probe, real_submit = FakeBackend.probe, FakeBackend.submit
+
+    def probe(self, task):
+        if self.conn_id == "c2" and at == "the target's probe":
+            worker.on_kill()
+            raise _Killed()
+        return real_probe(self, task)
+
+    def submit(self, task, offer_, job_name, env):
+        handle = real_submit(self, task, offer_, job_name, env)
+        if at == "the submission at the target":  # made, its answer not yet back
+            worker.on_kill()
+            raise _Killed()
+        return handle
+
+    monkeypatch.setattr(FakeBackend, "probe", probe)
+    monkeypatch.setattr(FakeBackend, "submit", submit)
+    with pytest.raises(_Killed):
+        worker.execute_complete(_ctx(), event)
+    assert _live_jobs() == []
+    assert len(FakeBackend.jobs) == (1 if at == "the target's probe" else 2)
+
+
+def test_a_task_killed_in_the_worker_stops_the_old_copies_still_to_confirm(monkeypatch):
+    """A move's cancel went unanswered (the old copy to confirm); the task resumes to place
+    again, still cannot confirm it, and is killed: the kill tries the old copy once more (with
+    no retry left nobody else would)."""
+    from airflow_skypilot.placer import Placer
+
+    info, real_cancel = _a_move_whose_cancel_goes_unanswered(monkeypatch)
+    monkeypatch.setattr(FakeBackend, "cancel", real_cancel)
+    worker = _op()
+    real_unconfirmed = Placer._unconfirmed_copy
+
+    def unconfirmed(self, run):
+        waiting = real_unconfirmed(self, run)  # c1 silent: still to confirm
+        assert waiting and _live_jobs() == ["1"]
+        FakeBackend.down.discard("c1")  # it answers again as the user kills the task
+        worker.on_kill()
+        raise _Killed()
+
+    monkeypatch.setattr(Placer, "_unconfirmed_copy", unconfirmed)
+    with pytest.raises(_Killed):
+        worker.execute_complete(_ctx(), {"status": "reprobe",
+                                         "state": info.value.trigger.state})
+    assert _live_jobs() == [] and FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED

@@ -467,7 +467,7 @@ def test_the_task_template_field_survives_dag_serialization():
 def test_the_fail_signal_is_airflows_own():
     from airflow.sdk.bases import operator as sdk_operator
 
-    from airflow_skypilot.operators import skypilot as module
+    from airflow_skypilot.operators import _stop as module
 
     assert module.TRIGGER_FAIL_REPR is sdk_operator.TRIGGER_FAIL_REPR
 
