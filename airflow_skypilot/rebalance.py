@@ -100,10 +100,12 @@ def _probe(conn_id: str, task: Task, key: str, max_age: float) -> list[Offer]:
 
 def _current(offers: list[Offer], handle: JobHandle, status: JobStatus) -> Offer | None:
     """The job's own place as just re-probed, with the job's own estimate when known."""
-    here = [o for o in offers if o.place_key == f"{handle.connection}/{handle.location}"
-            and (o.accelerator or "").upper() == (handle.accelerator or "").upper()]
-    if not here:
-        here = [o for o in offers if o.place_key == f"{handle.connection}/{handle.location}"]
+    at_place = [o for o in offers if o.place_key == f"{handle.connection}/{handle.location}"]
+    same_acc = [o for o in at_place
+                if (o.accelerator or "").upper() == (handle.accelerator or "").upper()]
+    # two candidates of one accelerator (A100:8, else A100:4) share a place: the job's count
+    here = [o for o in same_acc if o.gpus_per_node == handle.gpus_per_node
+            and o.num_nodes == handle.num_nodes] or same_acc or at_place
     if not here:
         return None
     current = min(here, key=lambda o: o.request.index)

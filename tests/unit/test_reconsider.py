@@ -104,3 +104,17 @@ def test_a_move_target_whose_price_rose_since_the_look_is_no_longer_as_promised(
     assert as_promised(chosen, [offer("aws", "us-east-1a", price=5.0, max_cost=2.0)]) is None
     assert as_promised(offer("aws", "us-east-1a", price=1.0),
                        [offer("aws", "us-east-1a", price=1.5)]) is None
+
+
+def test_the_jobs_own_place_is_read_for_its_own_gpu_count():
+    """any_of A100:8 else A100:4, both at one partition: a job placed as A100:4 is judged by
+    the A100:4 offer there (the A100:8 one waits far longer), not by the first candidate's."""
+    from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
+    from airflow_skypilot.rebalance import _current
+
+    eight = offer("c1", "p", count=8, nodes_free=0, est_in=7200, index=0)
+    four = offer("c1", "p", count=4, nodes_free=1, index=1)
+    handle = JobHandle(backend="fake", connection="c1", job_id="1", job_name="j",
+                       location="p", infra="fake/c1/p", accelerator="A100", gpus_per_node=4)
+    current = _current([eight, four], handle, JobStatus(JobState.PENDING))
+    assert current is not None and current.gpus_per_node == 4 and current.free_now
