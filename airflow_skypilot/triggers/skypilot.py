@@ -523,3 +523,9 @@ class SkyPilotSweepTrigger(_SweepsMixin, BaseTrigger):
         except asyncio.TimeoutError:
             pass
         yield TriggerEvent({"status": "swept", "state": self.state})
+
+    async def on_kill(self) -> None:
+        """The task was killed while its old copies were being confirmed dead (its job had
+        succeeded): one more try at them, unless it is still deferred (another triggerer)."""
+        if self._pending(copies_only=True) and await self._atask_state() != "deferred":
+            await self._asweep_on_kill()

@@ -215,6 +215,30 @@ def test_success_waits_for_an_unconfirmed_old_copy_then_reports_it():
     assert near.value.trigger.timeout == 30.0 and near.value.timeout == timedelta(seconds=40)
 
 
+def test_a_task_killed_while_its_old_copy_is_being_confirmed_stops_it_at_the_kill():
+    """The job succeeded; an old copy's backend was silent, so a last sweep trigger runs; the
+    user marks the task failed: the kill tries the old copy once more."""
+    deferred = _defer(_op(), _ctx())
+    old = deferred.trigger.handle
+    FakeBackend.down = {"c1"}
+    event = {"status": "done", "handle": old, "log_tail": "", "log_offset": 0,
+             "state": deferred.trigger.state,
+             "job_status": JobStatus(JobState.LOST, reason="silent").to_dict()}
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    new = info.value.trigger.handle
+    _set(new["job_id"], JobState.SUCCEEDED)
+    done = {"status": "done", "handle": new, "log_tail": "", "log_offset": 0,
+            "state": info.value.trigger.state,
+            "job_status": FakeBackend.jobs[new["job_id"]]["status"].to_dict()}
+    with pytest.raises(TaskDeferred) as last:
+        _op(unreachable_timeout=600).execute_complete(_ctx(), done)
+    assert isinstance(last.value.trigger, SkyPilotSweepTrigger) and old["job_name"] in _alive()
+    FakeBackend.down = set()
+    asyncio.run(last.value.trigger.on_kill())  # no task instance to ask: killed
+    assert _alive() == []
+
+
 def _cut_short_on_c1(monkeypatch, creates: bool, then_down: bool = False):
     """c1's submissions lose their answer (the job made or not); c1 then goes silent."""
     real = FakeBackend.submit
