@@ -182,7 +182,9 @@ def test_a_silent_old_copy_is_kept_on_the_list_until_its_backend_answers():
     assert result["old_copies"][0]["outcome"] == "cancelled"
 
 
-def test_success_waits_for_an_unconfirmed_old_copy_then_reports_it():
+def _succeeded_beside_a_silent_old_copy():
+    """c1 goes silent (the copy there read lost), the next copy on c2 succeeds: (the old
+    copy's handle, the new one's, the "done" event of the new one)."""
     deferred = _defer(_op(), _ctx())
     old = deferred.trigger.handle
     FakeBackend.down = {"c1"}
@@ -196,6 +198,11 @@ def test_success_waits_for_an_unconfirmed_old_copy_then_reports_it():
     done = {"status": "done", "handle": new, "log_tail": "", "log_offset": 0,
             "state": info.value.trigger.state,
             "job_status": FakeBackend.jobs[new["job_id"]]["status"].to_dict()}
+    return old, new, done
+
+
+def test_success_waits_for_an_unconfirmed_old_copy_then_reports_it():
+    _old, new, done = _succeeded_beside_a_silent_old_copy()
     with pytest.raises(TaskDeferred) as last:
         _op(unreachable_timeout=0.05).execute_complete(_ctx(), done)
     sweep = last.value.trigger
@@ -218,19 +225,7 @@ def test_success_waits_for_an_unconfirmed_old_copy_then_reports_it():
 def test_a_task_killed_while_its_old_copy_is_being_confirmed_stops_it_at_the_kill():
     """The job succeeded; an old copy's backend was silent, so a last sweep trigger runs; the
     user marks the task failed: the kill tries the old copy once more."""
-    deferred = _defer(_op(), _ctx())
-    old = deferred.trigger.handle
-    FakeBackend.down = {"c1"}
-    event = {"status": "done", "handle": old, "log_tail": "", "log_offset": 0,
-             "state": deferred.trigger.state,
-             "job_status": JobStatus(JobState.LOST, reason="silent").to_dict()}
-    with pytest.raises(TaskDeferred) as info:
-        _op().execute_complete(_ctx(), event)
-    new = info.value.trigger.handle
-    _set(new["job_id"], JobState.SUCCEEDED)
-    done = {"status": "done", "handle": new, "log_tail": "", "log_offset": 0,
-            "state": info.value.trigger.state,
-            "job_status": FakeBackend.jobs[new["job_id"]]["status"].to_dict()}
+    old, _new, done = _succeeded_beside_a_silent_old_copy()
     with pytest.raises(TaskDeferred) as last:
         _op(unreachable_timeout=600).execute_complete(_ctx(), done)
     assert isinstance(last.value.trigger, SkyPilotSweepTrigger) and old["job_name"] in _alive()
