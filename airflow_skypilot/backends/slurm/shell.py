@@ -57,6 +57,8 @@ _NO_ANSWER = ("socket timed out", "unable to contact slurm controller", "connect
               "connect failure", "zero bytes were transmitted", "communication connection failure",
               "slurm_persist_conn_open", "unable to establish connection", "not responding",
               "timed out")
+#: the same, public: the submit script tells a refusal from no answer with it
+NO_ANSWER = _NO_ANSWER
 
 
 def bounded(seconds: float) -> str:

@@ -100,9 +100,11 @@ def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0,
     ]
     for h in handles:
         job_dir = h.extra.get("job_dir")
-        if job_dir:
-            lines.append(f"[ -f {shlex.quote(job_dir)}/exit_code ] && printf '%s|%s\\n' "
-                         f"{shlex.quote(h.job_id)} \"$(cat {shlex.quote(job_dir)}/exit_code)\"")
+        if job_dir:  # its exit code, else its note that a signal stopped it (submit.py)
+            jd, jid = shlex.quote(job_dir), shlex.quote(h.job_id)
+            lines.append(f"if [ -f {jd}/exit_code ]; then printf '%s|%s\\n' {jid} "
+                         f"\"$(cat {jd}/exit_code)\"; elif [ -f {jd}/killed ]; then "
+                         f"printf '%s|%s\\n' {jid} \"$(cat {jd}/killed)\"; fi")
     if history_file:
         lines += ["echo @@history", f"cat {remote_dir_expr(history_file)} 2>/dev/null"]
     lines.append("true")
@@ -137,6 +139,9 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
     for handle in handles:
         jid = handle.job_id
         code_text = exits.get(jid, "")
+        killed = code_text.split() if code_text.startswith("killed") else None
+        if killed:  # "killed <epoch> [<end time>]": not an exit code
+            code_text = ""
         nostep = code_text.split() if code_text.startswith("nostep") else None
         if nostep:  # "nostep <phase> <srun's exit code>": the job script's own verdict
             code_text = nostep[-1]
@@ -158,6 +163,8 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
             state = JobState.SUCCEEDED if exit_code == 0 else JobState.FAILED
             out[jid] = JobStatus(state, reason="" if exit_code == 0 else f"exit code {exit_code}",
                                  exit_code=exit_code, raw_state="(exit file)")
+        elif killed:
+            out[jid] = _killed(killed)
         elif answered:
             out[jid] = JobStatus(JobState.LOST, reason="job is no longer known to Slurm and left "
                                                       "no exit code", raw_state="(vanished)")
@@ -170,6 +177,22 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
                 f"srun could not launch the job's {nostep[1]} step (exit {exit_code}): the "
                 f"task's {nostep[1]} never began"))
     return out
+
+
+def _killed(note: list[str]) -> JobStatus:
+    """A job Slurm no longer knows whose batch script noted ``killed <epoch> [<end time>]``
+    (SIGTERM). At or past its end time it hit its time limit: the user's failure, as Slurm's
+    TIMEOUT (it was read LOST and placed again, to hit the limit again). Before it, the signal
+    was a preemption, its node shutting down or a scancel, which Slurm no longer tells apart:
+    LOST, as before, so a preempted job is placed again (a scancel by someone is too)."""
+    at = epoch(note[1]) if len(note) > 1 else None
+    end = epoch(note[2]) if len(note) > 2 else None
+    if at is not None and end is not None and at >= end:
+        return JobStatus(JobState.FAILED, reason="time limit reached (the job was stopped at "
+                         "its time limit)", raw_state="TIMEOUT", ended_at=at)
+    return JobStatus(JobState.LOST, reason="the job was stopped by a signal before its time "
+                     "limit (preempted, its node shut down, or scancel) and Slurm no longer "
+                     "knows it", raw_state="(killed)", ended_at=at)
 
 
 def _utc_offset(text: str) -> float | None:
@@ -201,6 +224,56 @@ def epoch(text: str, utc_offset: float | None = None) -> float | None:
 #: a pending job's StartTime this far in the past is stale (a requeued job's last start)
 _STALE_START_S = 300.0
 
+# A pending job's reason (squeue %r: slurmctld's own description when it set one, else the
+# reason's name; Slurm's list is src/common/job_state_reason.c). Most clear by themselves
+# (Resources, Priority, Dependency, BeginTime, Licenses, ReqNodeNotAvail and NodeDown (a node
+# comes back), Reservation, the Grp*/MaxPerUser/MaxPerAccount limits (other jobs end),
+# PartitionNodeLimit (can mean nodes DOWN), Cleaning, Prolog, SchedDefer): PENDING, and the
+# rebalancer may still move the job. PartitionDown/PartitionInactive stay PENDING too: an
+# admin's maintenance that ends by itself as far as a job can tell, and a down partition
+# gets no offer, so the rebalancer moves the job when another place can start it.
+# The ones below never clear without someone changing the job or the cluster: the place will
+# not run it, so it is an infrastructure failure (the operator cancels the queued copy, which
+# may otherwise start when someone releases it, and places the job elsewhere). JobHeldUser
+# (and the descriptions Slurm gives user holds: "job requeued in held state", a requeue-hold
+# someone asked for) is not ours to judge: the cluster's user (the account the job runs as)
+# held it on purpose (``scontrol hold``/``uhold``, a task's own ``--hold``), and releases it:
+# it stays PENDING with that reason shown.
+#: slurmctld's descriptions of a hold it put on the job itself (job_mgr.c): the batch
+#: launch failed (a node's Prolog failed: the node is drained, the job requeued and held)
+_PLACE_HELD_DESCRIPTIONS = ("launch failed requeued held",
+                            "user env retrieval failed requeued held")
+#: reason names (job_state_reason.c) of a job the place will never start as it is
+_PLACE_REFUSED_REASONS = frozenset({
+    "JobHeldAdmin",  # held by an administrator (or by Slurm itself): no end of its own
+    "JobHoldMaxRequeue",  # requeued (launch failures) past max_batch_requeue, then held
+    "BadConstraints",  # slurmctld holds it (priority 0): no node can ever satisfy it
+    "Constraints",  # (newer Slurm's name of the same)
+    "JobLaunchFailure", "SystemFailure",  # the batch launch failed on the node
+    "PartitionTimeLimit",  # its time limit exceeds the partition's: fixed config
+    "InvalidAccount", "InvalidQOS",  # the connection's account/QOS is not valid here
+    "AccountNotAllowed", "QOSNotAllowed",  # the partition refuses the account/QOS
+    "ReservationDeleted", "ReservationInvalid",  # the reservation it names is gone
+    "DependencyNeverSatisfied",  # (a task's own --dependency: never, says Slurm)
+    "MaxMemPerLimit",  # more memory per node/CPU than the partition's maximum
+})
+
+
+def _never_starts(reason: str) -> bool:
+    """Whether a pending job's reason says the place will never start it by itself (see
+    the rules above); the per-job maxima (``QOSMaxCpuPerJobLimit``, ``AssocMaxNodePerJob``,
+    ``QOSMinGRES``...) compare the job's own request with a fixed limit, so never clear."""
+    text = reason.strip()
+    if text.lower() in _PLACE_HELD_DESCRIPTIONS:
+        return True
+    name = text.split(",")[0].split()[0] if text else ""
+    if name in _PLACE_REFUSED_REASONS:
+        return True
+    if name.startswith(("QOSMax", "AssocMax")) and "PerJob" in name \
+            and "PerJobs" not in name:
+        return True
+    return name.startswith("QOSMin")
+
 
 def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start: str,
                  end: str, utc_offset: float | None = None,
@@ -229,6 +302,10 @@ def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start
     }.get(raw, "")
     if state == JobState.PENDING and reason and reason not in ("None", "(null)"):
         text = reason
+    held = state == JobState.PENDING and _never_starts(reason)
+    if held:
+        # still queued, so it may start when someone releases it: stopping it takes a cancel
+        state, text = JobState.INFRA_FAILED, f"Slurm will not start the job here: {reason}"
     if state == JobState.FAILED and not text:
         text = f"exit code {exit_code}" if exit_code is not None else "failed"
     if state == JobState.SUCCEEDED and exit_code not in (None, 0):
@@ -246,4 +323,4 @@ def _status_from(raw: str, reason: str, exit_code: int | None, nodes: str, start
                      started_at=epoch(start, utc_offset) if state != JobState.PENDING else None,
                      ended_at=epoch(end, utc_offset) if state.terminal else None,
                      nodes=[n for n in nodes.split(",") if n and n != "(null)"] if nodes else [],
-                     raw_state=raw)
+                     raw_state=raw, still_up=held)

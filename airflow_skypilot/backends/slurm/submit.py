@@ -39,6 +39,8 @@ from airflow_skypilot.backends.slurm.remote import (
 )
 from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings, task_sbatch_options
 from airflow_skypilot.backends.slurm.shell import (
+    NO_ANSWER,
+    TIMED_OUT,
     abs_remote,
     bounded,
     no_answer,
@@ -239,6 +241,25 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         "# airflow-skypilot: generated; the task's own scripts are setup.sh and run.sh.",
         f"JOB_DIR={jd}",
         'trap \'rm -f "$JOB_DIR/secrets.sh"\' EXIT',
+        "# Slurm ends a job at its time limit, and scancel ends it, with SIGTERM (SIGKILL after",
+        "# KillWait): the batch script never writes its exit code then. It notes `killed <when>",
+        "# <the job's end time>` instead, so a job Slurm no longer lists reads as stopped (at its",
+        "# time limit or by someone), never as lost. The steps run in the background (`wait` is",
+        "# cut short by the signal; a foreground srun would hold the trap until it ended).",
+        "END_TIME=${SLURM_JOB_END_TIME:-$(SLURM_TIME_FORMAT=%s timeout 10 squeue -h -j "
+        '"$SLURM_JOB_ID" -o %e 2>/dev/null)}',
+        "case $END_TIME in *[!0-9]*) END_TIME= ;; esac",
+        "step=",
+        "on_term() {",
+        '  printf "killed %s %s\\n" "$(date +%s)" "$END_TIME" > "$JOB_DIR/killed.tmp" && '
+        'mv "$JOB_DIR/killed.tmp" "$JOB_DIR/killed"',
+        '  [ -n "$step" ] && kill -TERM "$step" 2>/dev/null',
+        "  exit 143",
+        "}",
+        "trap on_term TERM",
+        "# A task's --export=NONE (or a list) reaches srun as SLURM_EXPORT_ENV: the steps would",
+        "# get none of what this script exports (sbatch(1) says to set it to ALL here)",
+        "export SLURM_EXPORT_ENV=ALL",
         "# srun no longer inherits --cpus-per-task from sbatch (Slurm 22.05): the steps, and the",
         "# task's own sruns, get the CPUs the job asked for (else one, where tasks are bound)",
         'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then',
@@ -266,16 +287,16 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         "launch() {",
         "  local wait=5 deadline=$((SECONDS + STEP_RETRY))",
         "  while :; do",
-        f"    srun{label} {_STEP} \"$1\"",
-        "    rc=$?",
+        f"    srun{label} {_STEP} \"$1\" &",
+        "    step=$!; wait $step; rc=$?; step=",
         '    if [ $rc -eq 0 ] || [ -e "$JOB_DIR/began.$1" ]; then return $rc; fi',
-        '    sleep 2  # a task launched late still notes that it began',
+        '    sleep 2 & wait $!  # a task launched late still notes that it began',
         '    if [ -e "$JOB_DIR/began.$1" ] || [ $((SECONDS + wait)) -gt $deadline ]; then',
         "      return $rc",
         "    fi",
         '    echo "airflow-skypilot: srun could not launch the $1 step (exit $rc);'
         ' launching it again in ${wait}s" >&2',
-        "    sleep $wait; wait=$((wait * 2))",
+        "    sleep $wait & wait $!; wait=$((wait * 2))",
         "  done",
         "}",
         "launch setup",
@@ -376,6 +397,7 @@ def submit_script(job_dir: str, job_name: str, settings: SlurmSettings | None = 
             f"{job_dir}/job.sbatch"]
     submit = " ".join(shlex.quote(a) for a in args)
     lock_wait = max(1, int(s.slurm_timeout))
+    no_answer = " ".join(f"-e {shlex.quote(text)}" for text in NO_ANSWER)
     return "\n".join([
         bounded(s.slurm_timeout),
         "submit() {",
@@ -384,8 +406,15 @@ def submit_script(job_dir: str, job_name: str, settings: SlurmSettings | None = 
         f"  flock -w {lock_wait} 9 || return 98",
         '  if [ -s job_id ]; then echo "@@adopted"; cat job_id; return 0; fi',
         # its notices (a site's job_submit plugin, warnings) go to stderr, apart from the id
-        f"  out=$(_t {submit} 2>&3); rc=$?",
-        '  if [ $rc -ne 0 ]; then printf "@@sbatch_rc\\n%s\\n" "$rc"; return 99; fi',
+        f"  out=$(_t {submit} 2>sbatch.err); rc=$?",
+        "  cat sbatch.err >&3",
+        '  if [ $rc -ne 0 ]; then printf "@@sbatch_rc\\n%s\\n" "$rc"',
+        # sbatch answered no (not "no answer", a job that may exist all the same, as
+        # parse_submitted tells them apart): no job will read the secrets, so they go now
+        f"    case $rc in {'|'.join(map(str, TIMED_OUT))}) ;; *) grep -qiF {no_answer} "
+        "sbatch.err || rm -f secrets.sh ;; esac",
+        "    return 99",
+        "  fi",
         # --parsable: "<id>" or "<id>;<cluster>"; anything else is not an id
         "  jid=$(printf '%s\\n' \"$out\" | sed -n 's/^\\([0-9][0-9]*\\)\\(;.*\\)\\{0,1\\}$/\\1/p'"
         " | tail -n 1)",
@@ -495,8 +524,8 @@ def check_cancelled(rc: int, out: str, err: str, handle: JobHandle) -> None:
 
 #: what :func:`cleanup_script` removes from a finished job's dir (the log and the files that
 #: say which job it was stay until the retention runs out)
-LEFT_BEHIND = ("workdir", "job.sbatch", "node.sh", "env.sh", "setup.sh", "run.sh",
-               "exit_code.tmp", "job_id.tmp", "began.setup", "began.run")
+LEFT_BEHIND = ("workdir", "job.sbatch", "sbatch.err", "node.sh", "env.sh", "setup.sh", "run.sh",
+               "exit_code.tmp", "job_id.tmp", "killed.tmp", "began.setup", "began.run")
 
 
 def cleanup_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str | None:
