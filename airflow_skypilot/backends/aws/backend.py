@@ -18,7 +18,8 @@ status
 
 S3 layout, under ``s3://<s3_bucket>/<s3_prefix><job name>/``: ``handle.json`` (written at
 submit: lets a retried worker find the job even after EC2 forgot its instances),
-``payload.tgz`` (only when the job's files do not fit in 16 KB of user-data), and per node
+``payload.tgz`` (when the job carries files of the user's, workdir or file mounts, or its files
+do not fit in 16 KB of user-data), and per node
 ``rank-<r>/log``, ``rank-<r>/exit_code`` and the other markers. Logs and markers stay (give
 the bucket a lifecycle rule); the payload and the SSM parameters are deleted by cleanup.
 """
@@ -187,7 +188,8 @@ class AwsBackend(Backend):
         if stored is not None:
             return stored
         for region in self.settings.regions:
-            found = ec2.by_job(ec2.describe_jobs(self._clients, region, [job_name]))
+            found = ec2.by_job(ec2.of_connection(
+                ec2.describe_jobs(self._clients, region, [job_name]), self.conn_id))
             if found.get(job_name):
                 return handle_from_instances(
                     self.conn_id, self.settings, job_name, region,
@@ -208,7 +210,8 @@ class AwsBackend(Backend):
     def find_all(self, prefix: str) -> list[JobHandle]:
         found: dict[str, JobHandle] = {}
         for region in self.settings.regions:
-            jobs = ec2.by_job(ec2.describe_jobs(self._clients, region, [prefix + "*"]))
+            jobs = ec2.by_job(ec2.of_connection(
+                ec2.describe_jobs(self._clients, region, [prefix + "*"]), self.conn_id))
             for name, insts in jobs.items():
                 if name.startswith(prefix):
                     found[name] = handle_from_instances(self.conn_id, self.settings, name,
@@ -249,13 +252,18 @@ class AwsBackend(Backend):
             raise SubmissionError(f"unknown instance type {itype} in {region}")
         spot = req.use_spot
         launch.check_quota(self._quotas, s, region, info, spot, task.num_nodes, catalog)
-        azs = launch.launch_azs(self._clients, s, region, itype, first_az)
+        azs = launch.launch_azs(self._clients, s, region, itype, first_az, req,
+                                task.num_nodes)
+        if not azs:
+            raise SubmissionError(f"no AZ of {region} that offers {itype} matches infra "
+                                  f"{req.infra}", retry_elsewhere=True)
         fresh = [az for az in azs if not self._refused.recent(region, az, itype, spot)]
         if not fresh:
             raise SubmissionError(
-                f"EC2 refused {itype}{' (spot)' if spot else ''} in every AZ of {region} within "
-                f"the last {launch.REFUSED_TTL:g}s: " + "; ".join(
-                    self._refused.why(region, az, itype, spot) for az in azs),
+                f"EC2 refused {itype}{' (spot)' if spot else ''} in every AZ of {region}"
+                f"{f' that infra {req.infra} allows' if req.infra else ''} within the last "
+                f"{launch.REFUSED_TTL:g}s: "
+                + "; ".join(self._refused.why(region, az, itype, spot) for az in azs),
                 retry_elsewhere=True)
         ami, root_device = self._amis.choose(s, region, info, req)
         reservation, az, staged, meta = self._launch(task, req, offer, job_name, env, info,
@@ -278,7 +286,8 @@ class AwsBackend(Backend):
                 azs: list[str], ami: str, root_device: str,
                 ) -> tuple[dict, str, bool, dict[str, Any]]:
         """User-data, secrets and RunInstances: (reservation, AZ, payload staged, meta tag).
-        On any failure the secrets and a staged payload are removed again."""
+        On a failure the secrets and a staged payload are removed again, unless RunInstances
+        got no answer (:class:`~.launch.LaunchInDoubt`: its instances may need them)."""
         s = self.settings
         payload, boot = launch.prepare_user_data(s, task, req, info, job_name, region,
                                                  first_az, env)
@@ -287,7 +296,8 @@ class AwsBackend(Backend):
         intent_key = s.job_prefix(job_name) + INTENT_OBJECT
         staged = False
         try:
-            if userdata.user_data_size(script) > userdata.USER_DATA_BUDGET:
+            if boot.payload_uri or \
+                    userdata.user_data_size(script) > userdata.USER_DATA_BUDGET:
                 launch.s3_put(self._clients, s, staged_key, payload.data)
                 staged = True
                 boot.payload_b64, boot.payload_uri = None, f"s3://{s.s3_bucket}/{staged_key}"
@@ -311,6 +321,10 @@ class AwsBackend(Backend):
                     + "; ".join(refusals), retry_elsewhere=True)
             if refusals:
                 self.log.info("Launched in %s after: %s", az, "; ".join(refusals))
+        except launch.LaunchInDoubt:
+            # its instances may run and will read the secrets (and the payload) at boot: a
+            # later find() adopts them; the cancel or cleanup of that job removes them
+            raise
         except BaseException:
             try:
                 launch.delete_secrets(self._clients, s, region, job_name)
@@ -325,7 +339,8 @@ class AwsBackend(Backend):
         ids = self._terminate(handle, cancelled=True)
         self._forget(handle)
         self.log.info("Cancelled AWS job %s on %s%s", handle.job_name, self.conn_id,
-                      f": terminated {', '.join(ids)}" if ids else " (no instance was left)")
+                      f": terminated {', '.join(ids)}" if ids
+                      else " (no instance of it on this connection was left)")
 
     def cleanup(self, handle: JobHandle) -> None:
         # tagged as ours: a later status of a failed job still reads its exit code, not a
@@ -338,7 +353,7 @@ class AwsBackend(Backend):
     def _terminate(self, handle: JobHandle, cancelled: bool) -> list[str]:
         """Terminate what EC2 shows is this job's (its name and connection tags); instance ids
         of the handle that are another's, or not shown, are refused and said so."""
-        ids, untagged, refused, unseen = launch.terminate(
+        ids, untagged, refused, unseen, foreign = launch.terminate(
             self._clients, region_of(handle), handle.job_name, self.conn_id,
             handle.extra.get("instance_ids", []), cancelled)
         if untagged:
@@ -352,12 +367,18 @@ class AwsBackend(Backend):
             self.log.warning("Did not terminate instances of the handle of %s on %s that EC2 "
                              "does not show as this job's: %s", handle.job_name, self.conn_id,
                              "; ".join(refused))
+        if foreign:  # the handle's own instances, of this job, run on: not cancelled
+            raise BackendError(
+                f"{self.conn_id}: {', '.join(foreign)} of {handle.job_name} (named by its "
+                "handle) were launched through another connection to this account and still "
+                "run: not terminated; cancel it through that connection")
         return ids
 
     def _forget(self, handle: JobHandle) -> None:
         s = self.settings
         launch.delete_secrets(self._clients, s, region_of(handle), handle.job_name)
-        if handle.extra.get("payload_staged") and s.s3_bucket:
+        # a handle rebuilt from the tags does not know: deleting what is not there is harmless
+        if handle.extra.get("payload_staged", True) and s.s3_bucket:
             error = launch.s3_delete(self._clients, s,
                                      s.job_prefix(handle.job_name) + launch.PAYLOAD_OBJECT)
             if error:

@@ -33,12 +33,17 @@ CAPACITY_ERRORS = frozenset({
 #: RunInstances errors about the region's quota (no other AZ helps)
 QUOTA_ERRORS = frozenset({"VcpuLimitExceeded", "MaxSpotInstanceCountExceeded",
                           "InstanceLimitExceeded"})
-#: AWS error codes that say "cannot answer now" (after botocore's own retries)
+#: AWS error codes that say "cannot answer now" (after botocore's own retries): errors,
+#: timeouts, and every throttling code botocore's standard retry mode knows (Service Quotas
+#: throttles with TooManyRequestsException) but LimitExceededException, which some services
+#: use for a real limit
 UNAVAILABLE_CODES = frozenset({
     "InternalError", "InternalFailure", "InternalServerError", "ServiceUnavailable",
     "Unavailable", "RequestLimitExceeded", "Throttling", "ThrottlingException", "SlowDown",
-    "RequestTimeout", "RequestTimeoutException", "EC2ThrottledException", "500", "502", "503",
-    "504",
+    "RequestTimeout", "RequestTimeoutException", "EC2ThrottledException", "ThrottledException",
+    "RequestThrottledException", "TooManyRequestsException", "RequestThrottled",
+    "ProvisionedThroughputExceededException", "TransactionInProgressException",
+    "BandwidthLimitExceeded", "PriorRequestNotComplete", "500", "502", "503", "504",
 })
 #: botocore errors that mean "cannot talk to AWS at all"
 _UNREACHABLE_NAMES = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",

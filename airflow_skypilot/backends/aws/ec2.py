@@ -123,6 +123,14 @@ def by_job(raw: Iterable[dict]) -> dict[str, list[InstanceView]]:
     return out
 
 
+def of_connection(raw: Iterable[dict], conn_id: str) -> list[dict]:
+    """Described instances launched through connection ``conn_id`` (or untagged): two
+    connections to one account and region each see their own jobs only."""
+    return [i for i in raw
+            if {t["Key"]: t["Value"] for t in i.get("Tags") or []}.get(TAG_CONN, conn_id)
+            == conn_id]
+
+
 def _add_page(out: list[dict], page: Mapping[str, Any]) -> None:
     """One DescribeInstances page into ``out``: each instance with its ``_reservation``."""
     for res in page.get("Reservations", []):

@@ -1,12 +1,15 @@
 """Launching a job's instances and taking them down again.
 
 One ``RunInstances`` of ``num_nodes`` instances (so EC2 numbers them 0..N-1: the rank) in the
-offer's AZ, then the region's other AZs that offer the type while EC2 answers with a capacity
-error; a quota or configuration error stops at once (no other AZ helps). AZs that refused a
-type are skipped for :data:`REFUSED_TTL` seconds. Tags name the job (and its connection and
-``meta``), so it is found, adopted and cleaned up by its name; an idempotency token per
-(job, AZ) makes a resent request one launch. The AMI is the task's ``ami-...``, the
-connection's, or the newest matching ``ami_name_pattern`` for the type's architecture.
+offer's AZ, then the region's other AZs that offer the type and that the offer's request
+allows (its ``infra``; for spot, a price within its ``max_hourly_cost``) while EC2 answers
+with a capacity error; a quota or configuration error stops at once (no other AZ helps). AZs
+that refused a type are skipped for :data:`REFUSED_TTL` seconds. Tags name the job (and its
+connection and ``meta``), so it is found, adopted and cleaned up by its name; an idempotency
+token per (job, AZ) makes a resent request one launch: a request whose answer was lost is
+resent with it a few times before the launch is called in doubt (:class:`LaunchInDoubt`).
+The AMI is the task's ``ami-...``, the connection's, or the newest matching
+``ami_name_pattern`` for the type's architecture.
 
 Secrets go to SSM Parameter Store as SecureString parameters under ``<ssm_prefix>/<job>/``
 (values ``b64:<base64>``, so any bytes survive), never into user-data; they and a staged
@@ -41,16 +44,19 @@ from airflow_skypilot.backends.aws.ec2 import (
     describe_by_ids,
     describe_instances,
     offerings,
+    spot_prices,
     subnet_azs,
 )
 from airflow_skypilot.backends.aws.quotas import Quotas, quota_class
 from airflow_skypilot.backends.aws.settings import AwsSettings
 from airflow_skypilot.backends.common import jobscript
-from airflow_skypilot.exceptions import SubmissionError
+from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
+from airflow_skypilot.spec import fields
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
 REFUSED_TTL = 120.0
-#: the job's files in S3 when they do not fit in the user-data (deleted by cleanup)
+#: the job's files in S3 when they hold the user's files or do not fit in the user-data
+#: (deleted by cleanup)
 PAYLOAD_OBJECT = "payload.tgz"
 
 
@@ -85,20 +91,35 @@ def check_quota(quotas: Quotas, settings: AwsSettings, region: str, info: Instan
 
 
 def launch_azs(clients: AwsClients, settings: AwsSettings, region: str, itype: str,
-               first: str) -> list[str]:
-    """``first``, then the region's other AZs that offer ``itype`` (in the subnets' AZs)."""
+               first: str, req: ResourceRequest, num_nodes: int) -> list[str]:
+    """``first``, then the region's other AZs that offer ``itype`` (in the subnets' AZs), as
+    far as the request allows them: its ``infra`` (a task pinned to one zone stays there)
+    and, for spot, a spot market there within its ``max_hourly_cost``."""
     azs = sorted(offerings(clients, region, [itype]).get(itype, set()))
     subnets = subnet_azs(clients, settings, region)
     if subnets is not None:
         azs = [az for az in azs if az in subnets]
-    return [first] + [az for az in azs if az != first]
+    azs = [az for az in [first] + [az for az in azs if az != first]
+           if fields.infra_matches(req.infra, f"aws/{region}/{az}")]
+    if req.use_spot and azs[1:]:
+        try:
+            prices = spot_prices(clients, region, [itype])
+        except BackendError:  # the offer's own AZ was priced by the probe: it alone
+            return azs[:1]
+        cap = req.max_hourly_cost
+        azs = azs[:1] + [az for az in azs[1:] if (price := prices.get((itype, az))) is not None
+                         and (cap is None or price * num_nodes <= cap)]
+    return azs
 
 
 def prepare_user_data(settings: AwsSettings, task: Task, req: ResourceRequest,
                       info: InstanceTypeInfo, job_name: str, region: str, az: str,
                       env: Mapping[str, str]) -> tuple[userdata.Payload, userdata.Bootstrap]:
-    """The job's payload (its files, with the SkyPilot env) and its bootstrap, with the
-    payload inline (staged in S3 instead when the user-data would be too large)."""
+    """The job's payload (its files, with the SkyPilot env) and its bootstrap: the payload
+    inline, or, when it carries files of the user's (:attr:`~.userdata.Payload.has_user_files`:
+    they may hold credentials, and user-data can be read back), fetched from
+    ``<job prefix>payload.tgz`` (``boot.payload_uri``; the caller stages it there, and also
+    when the user-data would be too large)."""
     gpus_env = jobscript.gpus_per_node(req.accelerator_count) if req.accelerator \
         else int(info.gpus)
     node_env = jobscript.skypilot_env(
@@ -113,6 +134,10 @@ def prepare_user_data(settings: AwsSettings, task: Task, req: ResourceRequest,
         secret_params=[f"{settings.ssm_path(job_name)}/{k}" for k in sorted(task.secrets)],
         payload_b64=payload.b64, log_interval=settings.log_interval,
         spot_interval=settings.spot_check_interval)
+    if payload.has_user_files:
+        boot.payload_b64 = None
+        boot.payload_uri = (f"s3://{settings.s3_bucket}/{settings.job_prefix(job_name)}"
+                            f"{PAYLOAD_OBJECT}")
     return payload, boot
 
 
@@ -190,17 +215,51 @@ def run_instances(clients: AwsClients, settings: AwsSettings, refused: RefusedAz
         token = hashlib.sha256(f"{job}\0{az}".encode()).hexdigest()[:64]
         call = {**params, **region_params(settings, region, az, subnets), "ClientToken": token}
         try:
-            return ec2.run_instances(**call), az, attempts
+            return _run_resent(clients, ec2, settings, az, call), az, attempts
+        except LaunchInDoubt:
+            raise
         except Exception as exc:
             code, message = client_error(exc)
-            if is_unreachable(exc):  # sent, maybe acted on: "cut short", not "refused"
-                raise clients.error(exc, f"RunInstances in {az} got no answer (the instances "
-                                         "may have been launched all the same)") from exc
             attempts.append(f"{az}: {code}: {message}")
             if code not in CAPACITY_ERRORS:
                 break  # quota or a configuration error: no other AZ of the region helps
             refused.note(region, az, itype, spot, attempts[-1])
     return None, "", attempts
+
+
+class LaunchInDoubt(BackendUnreachable):
+    """RunInstances was sent and no answer came back, to any resend of it either: its
+    instances may run all the same (the job's secrets and objects are kept for them)."""
+
+
+#: how many times a RunInstances whose answer was lost is resent (same ClientToken), at most
+RESENDS = 3
+
+
+def _run_resent(clients: AwsClients, ec2: Any, settings: AwsSettings, az: str,
+                call: dict[str, Any]) -> dict:
+    """RunInstances; a request that got no answer (network, timeout, throttling, 5xx) is
+    resent as it was, ClientToken and all, up to :data:`RESENDS` times within the
+    connection's ``request_timeout``: EC2 answers a resent token with the first request's
+    reservation, so a launch acted on is found again, never made twice. Raises what EC2
+    refused with, or :class:`LaunchInDoubt` when no request got an answer."""
+    deadline = time.monotonic() + settings.request_timeout
+    pause = 0.5
+    for resend in range(RESENDS + 1):
+        try:
+            return ec2.run_instances(**call)
+        except Exception as exc:
+            if not is_unreachable(exc):
+                raise  # an answer: a refusal (of a request that launched nothing)
+            left = deadline - time.monotonic()
+            if resend == RESENDS or left <= 0:
+                error = clients.error(exc, f"RunInstances in {az} got no answer, "
+                                           f"{resend + 1} time(s) (the instances may have "
+                                           "been launched all the same)")
+                raise LaunchInDoubt(str(error)) from exc
+            time.sleep(min(pause, left))
+            pause *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class Amis:
@@ -317,13 +376,14 @@ def _owned(inst: dict, job_name: str, conn_id: str) -> bool:
 
 def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
               known_ids: list[str], cancelled: bool
-              ) -> tuple[list[str], str, list[str], list[str]]:
+              ) -> tuple[list[str], str, list[str], list[str], list[str]]:
     """Terminate the job's instances that are not going already: those tagged with its name
     and connection, plus ``known_ids`` (the handle's, which came from XCom or a trigger's
     kwargs) that the name filter did not list yet, once EC2 shows they carry the same tags.
     Returns (the ids terminated, why they could not be tagged cancelled or "", what was
     refused: ids whose tags are another job's or that EC2 does not show, with why; the ids
-    EC2 does not show, among them).
+    EC2 does not show, among them; the ids of ``known_ids`` that are still up and tagged with
+    the job's name but another connection: the handle's job, which this one must not touch).
     ``cancelled`` tags them first, so their status says "cancelled"."""
     found = describe_instances(clients, region, [{"Name": f"tag:{TAG_JOB}",
                                                   "Values": [job_name]}])
@@ -331,6 +391,7 @@ def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
     refused: list[str] = []
     others = sorted(set(known_ids) - listed)
     unseen: list[str] = []
+    shown: dict[str, dict] = {}
     if others:  # the handle names them: check them by id before anything is done to them
         shown = describe_by_ids(clients, region, others)
         for iid in others:
@@ -346,8 +407,14 @@ def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
                                                                    "shutting-down")})
     refused += [f"{i['InstanceId']}: tagged {job_name} but of another connection"
                 for i in found if i["InstanceId"] in listed and not _owned(i, job_name, conn_id)]
+    described = found + [shown[iid] for iid in others if iid in shown]
+    foreign = sorted(
+        {i["InstanceId"] for i in described if i["InstanceId"] in known_ids
+        and {t["Key"]: t["Value"] for t in i.get("Tags") or []}.get(TAG_JOB) == job_name
+        and not _owned(i, job_name, conn_id)
+        and (i.get("State") or {}).get("Name") not in ("terminated", "shutting-down")})
     if not alive:
-        return [], "", refused, unseen
+        return [], "", refused, unseen, foreign
     ec2 = clients.client("ec2", region)
     untagged = ""
     if cancelled:
@@ -368,4 +435,4 @@ def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
             except Exception as one:
                 if not client_error(one)[0].startswith("InvalidInstanceID"):
                     raise clients.error(one, f"terminating {iid}") from one
-    return alive, untagged, refused, unseen
+    return alive, untagged, refused, unseen, foreign

@@ -141,7 +141,9 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
     (on-demand), even beside another rank's non-zero exit code (it failed on the lost peer),
     unless we terminated it (``cancelled`` tag) -> CANCELLED when no exit code says more; any
     non-zero exit code -> FAILED with it (lowest rank first); a bootstrap error ->
-    INFRA_FAILED; no instance at all -> LOST, except within
+    INFRA_FAILED; a rank EC2 no longer lists (it forgets terminated instances after about an
+    hour) has ended when its markers say so, else it is lost like a terminated one (after
+    ``grace``; before, PENDING: not listed yet); no instance at all -> LOST, except within
     ``grace`` seconds of the launch (``launched_at``): DescribeInstances is eventually
     consistent, so instances just launched may not be listed yet -> UNKNOWN; else
     PENDING/RUNNING.
@@ -178,6 +180,14 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
     reclaimed = [i for i in instances if i.state in GONE
                  and i.reason_code == "Server.SpotInstanceTermination"]
     gone = [i for i in instances if i.state in GONE and not markers.ended(i.rank)]
+    # EC2 stops listing a terminated instance after about an hour: a rank not listed beside
+    # listed peers has ended if it said so (its markers), else its instance is gone, once the
+    # launch is old enough for EC2 to list all of it (before that, it is not listed *yet*)
+    since = launched_at if launched_at is not None else started
+    young = since is not None and now - since < grace
+    listed = {i.rank for i in instances}
+    unlisted = [r for r in range(num_nodes) if r not in listed and not markers.ended(r)] \
+        if instances else []
     if lost := reclaimed or ([] if cancelled else gone):
         first = lost[0]
         which = f"instance {first.instance_id} (rank {first.rank})"
@@ -187,6 +197,9 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
             why = (f"{which} is {first.state} without an exit code of its own: "
                    f"{first.reason or first.reason_code or first.state}")
         return status(lost_state, why, ended=first.transition_time)
+    if unlisted and not young and not cancelled:
+        return status(lost_state, f"the instance of rank {unlisted[0]} is no longer listed by "
+                                  "EC2 (terminated) and it wrote no exit code of its own")
     failed = sorted((r, c) for r, c in markers.exit_codes.items() if c != 0)
     if failed:
         rank, code = failed[0]
@@ -208,7 +221,7 @@ def judge(num_nodes: int, spot: bool, instances: list[InstanceView], markers: Ma
         marks = [t for i in cancelled if (t := cancelled_at(i.tags[TAG_CANCELLED]))]
         return status(JobState.CANCELLED, "cancelled (instances terminated)",
                       ended=min(marks) if marks else gone[0].transition_time)
-    if any(i.state == "pending" for i in instances) or len(instances) < num_nodes:
+    if any(i.state == "pending" for i in instances) or (unlisted and young):
         return status(JobState.PENDING, f"{sum(i.state == 'running' for i in instances)} of "
                                         f"{num_nodes} instance(s) running")
     return status(JobState.RUNNING, "")

@@ -3,8 +3,11 @@
 The user-data is a short bash script (no user text in it: names, numbers and S3 paths only,
 each quoted with :func:`shlex.quote`) followed by the payload, a base64 ``tar.gz`` of the job's
 files: ``env.sh`` (the SkyPilot env, quoted), the task's ``setup.sh``/``run.sh`` verbatim, the
-shared ``node.sh`` wrapper, the local workdir and file mounts. EC2 caps user-data at 16 KB, so a
-payload that does not fit is staged in S3 and fetched by the instance with its own credentials.
+shared ``node.sh`` wrapper, the local workdir and file mounts. A payload with files of the
+user's (workdir, file mounts: they may hold credentials, and user-data is readable with
+``ec2:DescribeInstanceAttribute``), or one that does not fit in EC2's 16 KB of user-data, is
+staged in S3 and fetched by the instance with its own credentials; only then the bootstrap is
+all the user-data holds.
 
 Secrets are never in either: they are SSM SecureString parameters (values ``b64:<base64>``,
 so any byte, and the empty string, survive SSM and the CLI's text output), read on the
@@ -55,6 +58,13 @@ class Payload:
     @property
     def b64(self) -> str:
         return base64.b64encode(self.data).decode()
+
+    @property
+    def has_user_files(self) -> bool:
+        """Does it carry files of the user's (workdir, file_mounts)? They may hold
+        credentials (``~/.kaggle/kaggle.json``): never in user-data, which anyone allowed
+        ``ec2:DescribeInstanceAttribute`` reads."""
+        return any(name.startswith(("workdir/", "mounts/")) for name in self.files)
 
 
 def _add(tar: tarfile.TarFile, name: str, content: str | bytes, mode: int = 0o600) -> None:

@@ -197,6 +197,10 @@ class SandboxMiddleware:
         self.quotas = quotas
         self.runner = runner
         self.control = control
+        #: RunInstances answers by (region, ClientToken): EC2 answers a request sent again with
+        #: the token of one it already ran with that launch, and launches nothing (moto
+        #: ignores the token)
+        self.launched: dict[tuple[str, str], tuple[str, list[tuple[str, str]], bytes]] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -205,6 +209,7 @@ class SandboxMiddleware:
         if path.startswith("/moto-api"):
             result = self.app(environ, start_response)
             if path.startswith("/moto-api/reset") and environ.get("REQUEST_METHOD") == "POST":
+                self.launched.clear()
                 self.control.after_moto_reset()
             return result
         return self._aws(environ, start_response)
@@ -231,9 +236,11 @@ class SandboxMiddleware:
         caller = self._caller(key)
 
         status_box: list[str] = []
+        headers_box: list[list[Any]] = []
 
         def recording_start_response(status: str, headers: list[Any], *args: Any) -> Any:
             status_box.append(status)
+            headers_box.append(list(headers))
             return start_response(status, headers, *args)
 
         def respond(status: str, headers: list[tuple[str, str]], data: bytes) -> list[bytes]:
@@ -260,6 +267,9 @@ class SandboxMiddleware:
             reason_ctx: Any = nullcontext()
             if service == "ec2" and caller != "sandbox":
                 if action == "RunInstances":
+                    token = params.get("ClientToken")
+                    if token and (region, token) in self.launched:
+                        return respond(*self.launched[(region, token)])
                     fault = self._capacity_fault(region, params)
                     if fault is not None:
                         return respond(*fault)
@@ -281,6 +291,11 @@ class SandboxMiddleware:
                     result.close()
             if service == "ec2" and action in ("RunInstances", "StartInstances"):
                 self.runner.poke()
+            token = params.get("ClientToken")
+            if action == "RunInstances" and token and status_box and \
+                    status_box[0].startswith("2") and caller != "sandbox":
+                self.launched[(region, token)] = (status_box[0], headers_box[0],
+                                                  b"".join(data_list))
             return data_list
         finally:
             if caller != "sandbox":
