@@ -6,8 +6,10 @@ One Airflow home (SQLite) per session; connections come in as ``AIRFLOW_CONN_*``
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -184,12 +186,36 @@ def airflow_all(airflow, slurm, k8s, aws) -> Airflow:
     return airflow
 
 
+#: the directories :func:`shared_dir` made that are not removed yet
+_SHARED_DIRS: list[str] = []
+
+
 def shared_dir() -> str:
-    """A fresh directory every job of a test can write (checkpoints), whoever it runs as."""
+    """A fresh directory every job of a test can write (checkpoints), whoever it runs as.
+    Removed after the test (:func:`_remove_shared_dirs`, for the tests here) or when the
+    session's process ends (the tests elsewhere that use it)."""
     path = f"/tmp/airflow-skypilot-e2e/{uuid.uuid4().hex}"
     os.makedirs(path, exist_ok=True)
     os.chmod(path, 0o1777)
+    _SHARED_DIRS.append(path)
     return path
+
+
+def remove_shared_dirs() -> None:
+    """Remove every directory :func:`shared_dir` made (the files the jobs wrote with them)."""
+    while _SHARED_DIRS:
+        shutil.rmtree(_SHARED_DIRS.pop(), ignore_errors=True)
+
+
+atexit.register(remove_shared_dirs)
+
+
+@pytest.fixture(autouse=True)
+def _remove_shared_dirs() -> Iterator[None]:
+    """After each e2e test (after the fixtures that stop its jobs: this one is set up first,
+    so it is torn down last), the directories it made are removed."""
+    yield
+    remove_shared_dirs()
 
 
 @dataclass(frozen=True)
@@ -245,3 +271,57 @@ def assert_ran_once(counter: str) -> Mark:
     return ends[0]
 
 
+
+
+#: what :func:`copies_marked` puts before a task's run: counted.yaml's ``mark``, into a file
+#: of the copy's own under $COPIES_DIR (copies on different backends run as different users)
+_MARK = """umask 000
+copy_file="$COPIES_DIR/copy.${SKYPILOT_ATTEMPT}.$(hostname).$$"
+mark() {
+  printf '%s attempt=%s host=%s cluster=%s job=%s t=%s\\n' "$1" "$SKYPILOT_ATTEMPT" \\
+    "${SLURMD_NODENAME:-$(hostname)}" "${SLURM_CLUSTER_NAME:-}" "${SLURM_JOB_ID:-}" \\
+    "$(date +%s.%N)" >> "$copy_file"
+}
+mark START
+"""
+
+
+def copies_marked(task_file: str) -> str:
+    """The YAML text of the checkpointing trainer ``task_file`` (under dags/: its run loops
+    ``echo "step $i"``), whose user code also records each copy of itself as
+    ``tasks/counted.yaml`` does: START, a TICK per step, END once it trained; each copy in a
+    file of its own under the env ``COPIES_DIR`` (read with :func:`failover_copies`)."""
+    import yaml
+
+    spec = yaml.safe_load((E2E_DAGS / task_file).read_text())
+    step = 'echo "step $i";'
+    assert spec["run"].count(step) == 1, f"{task_file}'s run has no step loop to mark"
+    spec["envs"] = {**(spec.get("envs") or {}), "COPIES_DIR": None}
+    spec["run"] = _MARK + spec["run"].replace(step, f"{step} mark TICK;") + "mark END\n"
+
+    class Dumper(yaml.SafeDumper):  # the run as a block, readable in the rendered task
+        pass
+
+    Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+    return yaml.dump(spec, Dumper=Dumper, sort_keys=False)
+
+
+def failover_copies(copies_dir: str) -> list[list[Mark]]:
+    """The copies of a task that failed over once: the first was killed mid-run, so its user
+    code ran twice, but never at once. Asserts that: two copies, each started once, the first
+    stopped (no END) before the second started, the second (a later SKYPILOT_ATTEMPT) ran to
+    its END, the only one. Returns each copy's marks, in order."""
+    copies = sorted((marks(str(f)) for f in Path(copies_dir).glob("copy.*")),
+                    key=lambda lines: lines[0].t if lines else 0.0)
+    shown = "\n".join(f"{f.name}:\n{f.read_text()}" for f in Path(copies_dir).glob("copy.*"))
+    assert len(copies) == 2, f"the user code ran as {len(copies)} copies, not 2:\n{shown}"
+    first, second = copies
+    for lines in copies:
+        assert [m.kind for m in lines].count("START") == 1 and lines[0].kind == "START", shown
+    assert "END" not in [m.kind for m in first], f"the killed copy finished:\n{shown}"
+    assert any(m.kind == "TICK" for m in first), f"the first copy did no work:\n{shown}"
+    assert first[-1].t < second[0].t, f"the copies overlapped:\n{shown}"
+    assert [m.kind for m in second].count("END") == 1 and second[-1].kind == "END", shown
+    assert int(second[0].attempt) > int(first[0].attempt), shown
+    return copies

@@ -7,7 +7,7 @@ import os
 import pytest
 from kubernetes import client, config
 
-from tests.e2e.conftest import shared_dir, wait_until
+from tests.e2e.conftest import copies_marked, failover_copies, shared_dir, wait_until
 from tests.e2e.test_slurm_e2e import _fill
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.e2e]
@@ -37,9 +37,10 @@ def test_full_on_prem_overflows_to_spot_and_survives_a_reclaim(airflow_all, slur
     _fill(slurm, "alpha", "gpu:a100:4", 2)
     _fill(slurm, "beta", "gpu:h100:8", 1)
     _fill_k8s(k8s)
-    ckpt = shared_dir()
-    proc = airflow_all.start("e2e_task", {"task": "tasks/spot_overflow.yaml",
-                                          "envs": {"CKPT_DIR": ckpt, "STEPS": "15"}})
+    ckpt, copies = shared_dir(), shared_dir()
+    proc = airflow_all.start("e2e_task", {"task": copies_marked("tasks/spot_overflow.yaml"),
+                                          "envs": {"CKPT_DIR": ckpt, "STEPS": "15",
+                                                   "COPIES_DIR": copies}})
     try:
         wait_until(lambda: "Submitted aws job" in proc.output(), 120, what="a spot launch")
         wait_until(lambda: os.listdir(ckpt) and open(os.path.join(ckpt, os.listdir(ckpt)[0]))
@@ -59,4 +60,6 @@ def test_full_on_prem_overflows_to_spot_and_survives_a_reclaim(airflow_all, slur
     assert any(r["connection"] == "slurm_alpha" and r["verdict"] == "queued"
                for r in table["rows"]), "the table shows on-prem was full"
     assert "resuming from step" in run.output
+    # the user code: the reclaimed instance's copy stopped mid-run, the next one finished
+    failover_copies(copies)
     wait_until(lambda: aws.running_instances() == [], 60, what="no instance left running")

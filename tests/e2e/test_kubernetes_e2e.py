@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.e2e.conftest import shared_dir, wait_until
+from tests.e2e.conftest import copies_marked, failover_copies, shared_dir, wait_until
 from tests.e2e.test_slurm_e2e import _fill
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.e2e]
@@ -18,9 +18,10 @@ def _pods(k8s, prefix="sky-e2e-task-run"):
 
 def test_slurm_full_runs_on_kubernetes_and_eviction_brings_it_back(airflow_k8s, slurm, k8s):
     fillers = _fill(slurm, "alpha", "gpu:a100:4", 2) + _fill(slurm, "beta", "gpu:h100:8", 1)
-    ckpt = shared_dir()
-    proc = airflow_k8s.start("e2e_task", {"task": "tasks/train_ckpt.yaml",
-                                          "envs": {"CKPT_DIR": ckpt, "STEPS": "12"}})
+    ckpt, copies = shared_dir(), shared_dir()
+    proc = airflow_k8s.start("e2e_task", {"task": copies_marked("tasks/train_ckpt.yaml"),
+                                          "envs": {"CKPT_DIR": ckpt, "STEPS": "12",
+                                                   "COPIES_DIR": copies}})
     try:
         pod = wait_until(lambda: _pods(k8s), 120, what="the training pod running")[0]
         wait_until(lambda: any(os.listdir(ckpt)) and
@@ -43,3 +44,7 @@ def test_slurm_full_runs_on_kubernetes_and_eviction_brings_it_back(airflow_k8s, 
     assert attempts[-1]["connection"].startswith("slurm_") and attempts[-1]["state"] == \
         "succeeded"
     assert "resuming from step" in run.output
+    # the user code: the evicted pod's copy stopped mid-run (the Job started no other pod),
+    # the copy on Slurm finished
+    first, second = failover_copies(copies)
+    assert first[0].cluster == "" and second[0].cluster in ("alpha", "beta")

@@ -15,7 +15,7 @@ from airflow.sdk.exceptions import TaskDeferred
 from airflow_skypilot.backends.base import JobHandle
 from airflow_skypilot.operators import SkyPilotOperator
 from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger, pollers_in_this_loop
-from tests.e2e.conftest import REPO, shared_dir, wait_until
+from tests.e2e.conftest import REPO, copies_marked, failover_copies, shared_dir, wait_until
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.e2e]
 
@@ -66,10 +66,11 @@ def test_full_cluster_is_skipped_at_once_and_the_table_says_why(airflow_slurm, s
 
 
 def test_node_failure_moves_the_job_to_the_other_cluster(airflow_slurm, slurm):
-    ckpt = shared_dir()
+    ckpt, copies = shared_dir(), shared_dir()
     _fill(slurm, "beta", "gpu:h100:8", 1)  # beta busy: the first attempt goes to alpha
-    with airflow_slurm.started("e2e_task", {"task": "tasks/train_ckpt.yaml",
-                                            "envs": {"CKPT_DIR": ckpt, "STEPS": "12"}}) as proc:
+    with airflow_slurm.started("e2e_task", {"task": copies_marked("tasks/train_ckpt.yaml"),
+                                            "envs": {"CKPT_DIR": ckpt, "STEPS": "12",
+                                                     "COPIES_DIR": copies}}) as proc:
         job = wait_until(lambda: [j for j in _our_jobs(slurm, "alpha") if j[2] == "RUNNING"],
                          90, what="the training job running on alpha")[0]
         nodes = slurm.run("alpha", "squeue", "-h", "-j", job[0], "-o", "%N").stdout.strip()
@@ -88,6 +89,10 @@ def test_node_failure_moves_the_job_to_the_other_cluster(airflow_slurm, slurm):
     assert len(task_ids) == 1, "the same SKYPILOT_TASK_ID on both clusters"
     assert "resuming from step" in run.output, "the second attempt used the checkpoint"
     assert "moving elsewhere (EAGER_NEXT_REGION)" in run.output
+    # the user code: the copy on the failed node stopped mid-run, the one on beta finished
+    first, second = failover_copies(copies)
+    assert (first[0].cluster, first[0].job) == ("alpha", job[0])
+    assert second[0].cluster == "beta"
 
 
 def test_user_failure_is_not_failed_over_and_shows_the_log_tail(airflow_slurm, slurm):

@@ -164,6 +164,14 @@ class Target(ABC):
     silent_within: ClassVar[float] = 30.0
     #: does a probe name the jobs whose room it already counts (``Offer.jobs_seen``)?
     probe_lists_jobs: ClassVar[bool] = True
+    #: does the backend hold work that cannot start yet in a queue (a capacity row's
+    #: ``pending``, the queue depth)? Without one, ``pending`` is None
+    has_queue: ClassVar[bool] = True
+    #: GPUs of :attr:`accelerator` on each node that has them: a job of that many fills a node
+    gpus_per_node: ClassVar[int]
+    #: a shell command a job's rank runs to print its own address (as SKYPILOT_NODE_IPS
+    #: lists the rank's node), found without SKYPILOT_NODE_IPS
+    own_address: ClassVar[str]
 
     def __init__(self, box: Any, monkeypatch: pytest.MonkeyPatch):
         self.box = box
@@ -197,15 +205,26 @@ class Target(ABC):
     def unreachable(self) -> Iterator[None]:
         """While the block runs, the connection points at a closed port."""
         before = self.connection()
-        self.use(self._at_port(before, closed_port()))
+        moved = self._at_port(before, closed_port())
+        self.use(moved)
         try:
             yield
         finally:
             self.use(before)
+            self._forget(moved)
 
     @abstractmethod
     def _at_port(self, conn: dict[str, Any], port: int) -> dict[str, Any]:
         """``conn`` with the backend's address at local ``port``."""
+
+    def _forget(self, conn: dict[str, Any]) -> None:
+        """Remove what :meth:`_at_port` made for ``conn`` (files...): it is no longer used."""
+        return None
+
+    def is_own_address(self, listed: str, own: str) -> bool:
+        """Is ``listed`` (a line of SKYPILOT_NODE_IPS) the address :attr:`own_address`
+        printed?"""
+        return listed == own
 
     def faults(self) -> list[Fault]:
         """The sandbox's real faults that silence the backend while the job runs on."""
@@ -256,6 +275,10 @@ class SlurmTarget(Target):
     conn_id = "slurm_alpha"
     cluster = "alpha"
     accelerator = "A100"
+    gpus_per_node = 4
+    # the node the rank's step runs on (slurmd sets SLURMD_NODENAME), its NodeAddr
+    own_address = ("scontrol show node -o \"$SLURMD_NODENAME\" | tr ' ' '\\n' "
+                   "| sed -n 's/^NodeAddr=//p'")
     max_status_queries = 1  # one ssh command
     # the sandbox's MessageTimeout is 5 s: a paused slurmctld fails squeue after about that
     quick_extras = {"slurm_timeout": 8, "command_timeout": 30}
@@ -320,6 +343,11 @@ class KubernetesTarget(Target):
     fixture = "k8s"
     conn_id = "k8s_sandbox"
     accelerator = "A100"
+    gpus_per_node = 8
+    # a pod knows its hostname (<job>-<rank>, from the Indexed Job's completion index), not its
+    # DNS name: the sandbox's pods are local processes without cluster DNS (`hostname -f` is
+    # this machine's), so the rank checks the first label of the name the list has for it
+    own_address = 'echo "$HOSTNAME"'
     max_status_queries = 3  # one Job list and one pod list per namespace, one node list
     label = "skypilot.airflow/job-name"
     quick_extras = {"request_timeout": 5}
@@ -335,6 +363,14 @@ class KubernetesTarget(Target):
         path = self.box.kubeconfig.with_name(f"kubeconfig-at-port-{port}")
         path.write_text(yaml.safe_dump(config))
         return {**conn, "extra": {**conn["extra"], "kube_config_path": str(path)}}
+
+    def _forget(self, conn: dict[str, Any]) -> None:
+        path = Path(conn["extra"]["kube_config_path"])
+        if path.name.startswith("kubeconfig-at-port-"):  # never the sandbox's own
+            path.unlink(missing_ok=True)
+
+    def is_own_address(self, listed: str, own: str) -> bool:
+        return bool(own) and listed.split(".", 1)[0] == own
 
     def faults(self) -> list[Fault]:
         return [("API server paused (SIGSTOP)", held(self.box.pause, self.box.resume))]
@@ -403,6 +439,15 @@ class AwsTarget(Target):
     probe_lists_jobs = False  # instances still launching are counted, not named
     conn_id = "aws_sandbox"
     accelerator = "A10G"
+    gpus_per_node = 1
+    # EC2 has no queue: an instance launches now or the launch fails (insufficient capacity,
+    # a quota), so nothing waits and capacity rows say pending=None, not a made-up 0
+    has_queue = False
+    # the instance's private IP from its metadata service (IMDSv2: a token first)
+    own_address = ('imds="${AWS_EC2_METADATA_SERVICE_ENDPOINT:-http://169.254.169.254}"; '
+                   'tok=$(curl -sf -m 5 -X PUT -H "X-aws-ec2-metadata-token-ttl-seconds: 60" '
+                   '"$imds/latest/api/token"); curl -sf -m 5 '
+                   '-H "X-aws-ec2-metadata-token: $tok" "$imds/latest/meta-data/local-ipv4"')
     cpu_resources = {"cpus": "2+"}
     job_timeout = 90.0
     #: one DescribeInstances per region and one ListObjectsV2 per bucket (the markers of every

@@ -23,7 +23,7 @@ from airflow_skypilot.backends.base import JobState
 from airflow_skypilot.cli import main as cli
 from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.spec import load_task
-from tests.conftest import use_connections, wait_for_job
+from tests.conftest import use_connections, wait_for_job, wait_until
 from tests.sandbox.aws.config import ACCESS_KEY_ID, BUCKET, SECRET_ACCESS_KEY
 
 pytestmark = pytest.mark.sandbox
@@ -197,7 +197,9 @@ def test_job_runs_and_its_exit_code_and_log_come_back(box):
     assert tail == text.encode()[10:].decode() and end == offset
     assert asyncio.run(_read_async(backend, handle, 10)) == (tail, end)
     backend.cleanup(handle)
-    assert all(i["State"]["Name"] == "terminated" for i in _instances(box, name))
+    instances = _instances(box, name)
+    assert instances, "the job's instance is still listed (terminated), else nothing is checked"
+    assert all(i["State"]["Name"] == "terminated" for i in instances), instances
 
 
 async def _read_async(backend, handle, offset):
@@ -295,9 +297,8 @@ def test_spot_interruption_is_preempted(box):
     (inst,) = _instances(box, handle.job_name)
     assert inst["InstanceLifecycle"] == "spot"
     _wait(backend, handle, {JobState.RUNNING})
-    deadline = time.monotonic() + 30
-    while "started" not in backend.read_log(handle)[0] and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: "started" in backend.read_log(handle)[0], timeout=30,
+               what="the job's log to say started")
     box.interrupt_spot(inst["InstanceId"], notice_seconds=3)
     status = _wait(backend, handle, timeout=30)
     assert status.state == JobState.PREEMPTED and status.state.infra_failure

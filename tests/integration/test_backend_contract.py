@@ -40,6 +40,20 @@ TERMINAL = {s for s in JobState if s.terminal}
 @pytest.fixture(params=TARGETS, ids=[t.id for t in TARGETS])
 def target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
     """A clean sandbox of one backend; after the test, every job it submitted is cancelled."""
+    yield from _target(request, monkeypatch)
+
+
+QUEUED = [t for t in TARGETS if t.has_queue]
+
+
+@pytest.fixture(params=QUEUED, ids=[t.id for t in QUEUED])
+def queued_target(request: pytest.FixtureRequest,
+                  monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
+    """:func:`target`, of the backends that queue work that cannot start yet."""
+    yield from _target(request, monkeypatch)
+
+
+def _target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
     box = request.getfixturevalue(request.param.fixture)
     tgt = request.param(box, monkeypatch)
     tgt.connect()
@@ -177,6 +191,40 @@ def test_capacity_rows_have_the_show_gpus_shape(target):
         keys = set(json.loads(json.dumps(r.to_json())))
         assert keys >= {"connection", "location", "accelerator", "total", "free", "pending",
                         "price_per_hour"}
+        # a clean sandbox's queue is empty; a backend without one says so with None, not 0
+        assert r.pending == (0 if target.has_queue else None), r
+
+
+def test_capacity_counts_a_job_that_must_wait(queued_target):
+    """Fill every node of the accelerator at one location, then one more job of a whole node
+    must wait: the location's capacity row counts it in ``pending`` (show-gpus' queue depth)."""
+    target = queued_target
+    backend = target.backend()
+    task = _task(target, "sleep 120", gpus=target.gpus_per_node)
+    offer = _offer(backend, task)
+    row = {(r.location, r.accelerator): r for r in backend.capacity()}[
+        (offer.location, target.accelerator)]
+    assert row.total and row.total % target.gpus_per_node == 0, row
+    assert row.pending == 0, row
+    fillers = [_submit(target, backend, task, _name(f"fill{i}"), offer)[0]
+               for i in range(row.total // target.gpus_per_node)]
+    for handle in fillers:
+        assert _wait(target, backend, handle, {JobState.RUNNING, *TERMINAL}).state \
+            == JobState.RUNNING
+    full = {(r.location, r.accelerator): r for r in backend.capacity()}[
+        (offer.location, target.accelerator)]
+    assert (full.free, full.pending) == (0, 0), full  # running jobs are not the queue
+    waiting, _ = _submit(target, backend, task, _name("waits"), offer)
+    time.sleep(3)  # a scheduling pass or two: it still waits, as it must
+    assert backend.status([waiting])[waiting.job_id].state == JobState.PENDING
+
+    def counted():
+        rows = [r for r in target.backend().capacity()
+                if (r.location, r.accelerator) == (offer.location, target.accelerator)]
+        return rows if rows and rows[0].pending else None
+
+    rows = _until(counted, 15, "the capacity row counts the waiting job")
+    assert len(rows) == 1 and rows[0].pending >= 1 and rows[0].free == 0, rows
 
 
 # --- jobs ---------------------------------------------------------------------------------------
@@ -389,7 +437,7 @@ def test_cleanup_removes_what_the_job_left_and_is_safe_twice(target):
 
 
 LINE = re.compile(r"rank=(\d) nodes=(\S*) gpus=(\S*) task=(\S*) my=<(.*)> ipcount=(\d+) "
-                  r"ips=(\S*) sha=(\w*)")
+                  r"ips=(\S*) sha=(\w*) me=(\S*)")
 
 
 def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):
@@ -399,11 +447,12 @@ def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):
     task = _task(
         target, gpus=1, num_nodes=2, envs={"MY_ENV": "x y"}, secrets={"CT_TOKEN": secret},
         setup='echo "setup-rank=$SKYPILOT_SETUP_NODE_RANK"',
-        run='echo "rank=$SKYPILOT_NODE_RANK nodes=$SKYPILOT_NUM_NODES '
+        run=f'me=$({target.own_address})\n'
+            'echo "rank=$SKYPILOT_NODE_RANK nodes=$SKYPILOT_NUM_NODES '
             'gpus=$SKYPILOT_NUM_GPUS_PER_NODE task=$SKYPILOT_TASK_ID my=<$MY_ENV> '
             'ipcount=$(printf "%s\\n" "$SKYPILOT_NODE_IPS" | grep -c .) '
             'ips=$(printf "%s" "$SKYPILOT_NODE_IPS" | tr "\\n" ,) '
-            'sha=$(printf %s "$CT_TOKEN" | sha256sum | cut -d" " -f1)"')
+            'sha=$(printf %s "$CT_TOKEN" | sha256sum | cut -d" " -f1) me=$me"')
     handle, task_id = _submit(target, backend, task)
     assert handle.num_nodes == 2
     status = _wait(target, backend, handle)
@@ -411,10 +460,13 @@ def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):
     assert status.state == JobState.SUCCEEDED, (status, log)
     ranks = {int(m.group(1)): m.groups()[1:] for m in LINE.finditer(log)}
     assert sorted(ranks) == [0, 1], f"the job's log has every rank's output:\n{log}"
-    for rank, (nodes, gpus, tid, my, ipcount, ips, sha) in ranks.items():
+    for rank, (nodes, gpus, tid, my, ipcount, ips, sha, me) in ranks.items():
         assert (nodes, gpus, tid, my, ipcount, sha) == ("2", "1", task_id, "x y", "2", digest)
         assert len(set(filter(None, ips.split(",")))) == 2, ips
         assert f"setup-rank={rank}" in log
+        # rank order: line `rank` of SKYPILOT_NODE_IPS is the address of this rank's own node
+        listed = ips.split(",")[rank]
+        assert me and target.is_own_address(listed, me), (rank, listed, me, log)
     assert ranks[0][5] == ranks[1][5], "every rank sees the same SKYPILOT_NODE_IPS"
     assert secret not in log
     assert end == len(log.encode())

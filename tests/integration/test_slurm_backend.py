@@ -98,7 +98,11 @@ def test_capacity_is_right_under_load(slurm):
     assert offers["short"].details["held_for"] == [pending] and offers["short"].nodes_free == 0
     assert offers["batch"].nodes_free == 0  # a1 has 2 free, a2 has 1: no node with 4
     assert offers["batch"].est_start is not None and offers["batch"].est_start > time.time()
-    assert pending
+    queued = {(r.location, r.accelerator): r for r in alpha.capacity()}
+    # the waiting job is short's queue (show-gpus' pending); batch's queue is still empty
+    assert queued[("short", "A100")].pending == 1, queued[("short", "A100")]
+    assert queued[("batch", "A100")].pending == 0, queued[("batch", "A100")]
+    assert after[("short", "A100")].pending == after[("batch", "A100")].pending == 0
 
 
 def test_the_probe_lists_our_live_jobs_by_name(slurm):
@@ -141,7 +145,7 @@ def test_two_node_job_gets_every_skypilot_env_var(slurm, tmp_path):
     status = _wait(alpha, handle, {JobState.SUCCEEDED, JobState.FAILED})
     log = _log(alpha, handle)
     assert status.state == JobState.SUCCEEDED, log
-    assert sorted(status.nodes) in (["a1", "a2"], ["a[1-2]"]) or status.nodes
+    assert sorted(status.nodes) in (["a1", "a2"], ["a[1-2]"]), status.nodes
     for rank in (0, 1):
         assert f"rank={rank} nodes=2 gpus=2 task=sky-abc my=x" in log
         assert f"rank={rank} sees=0,1" in log  # the step (--overlap) has the job's GPUs

@@ -37,6 +37,45 @@ def test_validate_json_contract(tmp_path, capsys):
         "use_spot": False, "infra": "kubernetes", "instance_type": None}
 
 
+_CONTRACT_KEYS = ("accelerator", "accelerator_count", "cpus", "memory", "use_spot", "infra",
+                  "instance_type")
+
+
+def _candidate(accelerator, count, *, cpus=None, memory=None, use_spot=False, infra=None,
+               instance_type=None):
+    return {"accelerator": accelerator, "accelerator_count": count, "cpus": cpus,
+            "memory": memory, "use_spot": use_spot, "infra": infra,
+            "instance_type": instance_type}
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    pytest.param(
+        "name: o\nresources:\n  cpus: 4\n  ordered:\n"
+        "    - infra: k8s\n      accelerators: H100:2\n"
+        "    - infra: slurm/c2\n      accelerators: A100:1\n      memory: 16+\n"
+        "    - infra: aws/us-east-1\n      instance_type: p3.2xlarge\n"
+        "      accelerators: V100:1\n      use_spot: true\n"
+        "run: echo hi\n",
+        [_candidate("H100", 2, cpus="4", infra="kubernetes"),
+         _candidate("A100", 1, cpus="4", memory="16+", infra="slurm/c2"),
+         _candidate("V100", 1, cpus="4", use_spot=True, infra="aws/us-east-1",
+                    instance_type="p3.2xlarge")],
+        id="ordered-block"),
+    pytest.param(
+        "resources:\n  accelerators: [H100:1, A100:2]\n  infra: slurm\nrun: echo hi\n",
+        [_candidate("H100", 1, infra="slurm"), _candidate("A100", 2, infra="slurm")],
+        id="accelerator-list"),
+])
+def test_validate_json_ordered_keeps_candidate_order(tmp_path, capsys, text, expected):
+    """An `ordered` task (or an accelerator list, which SkyPilot treats as ordered) says
+    ordered: true and lists every candidate, in the task's order, with the contract's fields."""
+    path = _write(tmp_path, text)
+    assert main(["validate", path, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ordered"] is True
+    assert [{k: c[k] for k in _CONTRACT_KEYS} for c in data["candidates"]] == expected
+
+
 def test_validate_invalid_exits_2_with_one_line_per_problem(tmp_path, capsys):
     path = _write(tmp_path, "resurces:\n  cpus: 1\nnum_nodes: 0\n")
     assert main(["validate", path, "--json"]) == 2
