@@ -309,3 +309,65 @@ def test_a_failing_step_is_the_users_failure_not_a_launch_failure(slurm):
     backend = SlurmBackend(CONN)
     status, _ = _ended(backend, _submit(backend, "exit 3", _name("fail")), 90)
     assert (status.state, status.exit_code) == (JobState.FAILED, 3), status
+
+
+def _forgotten(handle):
+    """``handle`` as a later poll sees it once Slurm forgot the job (after MinJobAge, without
+    accounting): the same job dir, an id squeue and sacct no longer know."""
+    from dataclasses import replace
+
+    return replace(handle, job_id="99999999")
+
+
+def test_a_job_stopped_at_its_time_limit_is_the_users_failure_even_once_slurm_forgets_it(
+        slurm):
+    """slurmstepd SIGTERMs the batch script at the time limit: its trap notes when, against
+    the job's end time, so a job Slurm no longer lists reads as the user's failure (it read
+    lost, and was placed again to hit its limit again)."""
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    name = _name("timelimit")
+    task = load_task({"run": f"echo started >> {marks}/runs; sleep 600; echo ran >> {marks}/runs",
+                      "config": {"slurm": {"sbatch_options": {"time": "1"}}}})
+    offer = next(o for o in backend.probe(task) if o.fits)
+    handle = backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
+    status, log = _ended(backend, handle, 150)
+    assert status.state == JobState.FAILED and status.raw_state == "TIMEOUT", (status, log)
+    killed = Path(handle.extra["job_dir"], "killed").read_text().split()
+    assert killed[0] == "killed" and int(killed[1]) >= int(killed[2]), killed
+    gone = backend.status([_forgotten(handle)])["99999999"]
+    assert gone.state == JobState.FAILED and not gone.state.infra_failure, gone
+    assert "time limit" in gone.reason
+    assert _ran(marks, "runs") == ["started"]
+
+
+def test_a_job_cancelled_by_someone_else_reads_lost_once_slurm_forgets_it(slurm):
+    """A scancel (or a preemption) before the time limit: Slurm says CANCELLED while it lists
+    the job; once it forgot it, the note says 'stopped before its time limit': lost, placed
+    again (a preempted job must be; Slurm no longer tells the two apart)."""
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    name = _name("scancel")
+    handle = _submit(backend, f"echo started >> {marks}/runs; sleep 600", name)
+    wait_until(lambda: _ran(marks, "runs"), 60, what="the user code running")
+    slurm.run(CLUSTER, "scancel", handle.job_id, as_root=True)
+    wait_until(lambda: Path(handle.extra["job_dir"], "killed").exists(), 30,
+               what="the batch script's note")
+    gone = backend.status([_forgotten(handle)])["99999999"]
+    assert gone.state == JobState.LOST and "before its time limit" in gone.reason, gone
+    assert _ran(marks, "runs") == ["started"]
+
+
+def test_secrets_are_removed_when_sbatch_refuses_the_job(slurm):
+    backend = SlurmBackend(CONN)
+    name = _name("refused")
+    # the probe (sbatch --test-only) would refuse it too: probed without the bad option
+    offer = next(o for o in backend.probe(load_task({"run": "true"})) if o.fits)
+    task = load_task({"run": "true", "secrets": {"TOKEN": "s3cret"},
+                      "config": {"slurm": {"sbatch_options": {"licenses": "nosuchlicense:1"}}}})
+    with pytest.raises(SubmissionError):
+        backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
+    home = Path(os.path.expanduser("~skyuser"))
+    job_dir = home / backend.settings.remote_work_dir.removeprefix("~/") / "jobs" / name
+    assert job_dir.is_dir() and not (job_dir / "secrets.sh").exists(), \
+        sorted(p.name for p in job_dir.iterdir())
