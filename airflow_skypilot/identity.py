@@ -144,8 +144,10 @@ def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
     candidates: list[tuple[tuple[int, int], JobHandle, Any]] = []
     seen: set[tuple[str, str, str]] = set()
     for handle, status in found:
-        # two connections to one cluster list the same job twice: it is one job
-        same = (handle.backend, handle.infra, handle.job_id)
+        # two connections to one cluster list the same job twice (their infra names may
+        # differ: a Slurm connection's cluster name is its conn_id unless set): one job. A
+        # name is submitted once, so the same name and id on one backend kind is that job
+        same = (handle.backend, handle.job_name, handle.job_id)
         if same in seen:
             continue
         seen.add(same)

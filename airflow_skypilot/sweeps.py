@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 from airflow_skypilot.backends.base import Backend, JobHandle
 from airflow_skypilot.backends.registry import backend_for_handle
+from airflow_skypilot.identity import parse_job_name
 from airflow_skypilot.runstate import Attempt, RunState, Sweep
 
 
@@ -50,7 +51,9 @@ def step(sweep: Sweep, backend: Backend, keep: Iterable[str] = (),
         found = backend.find(sweep.job_name)
         handles = [found] if found is not None else []
     else:
-        handles = [h for h in backend.find_all(sweep.prefix) if h.job_name not in keep]
+        # only our names of exactly this prefix (another task's prefix may start with ours)
+        handles = [h for h in backend.find_all(sweep.prefix) if h.job_name not in keep
+                   and (parts := parse_job_name(h.job_name)) and parts.prefix == sweep.prefix]
     still, ended = _settle(backend, handles)
     if still:
         return False

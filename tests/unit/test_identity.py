@@ -103,8 +103,9 @@ def test_names_under_a_longer_prefix_are_not_ours():
 def test_one_job_seen_through_two_connections_to_one_cluster_is_one_job():
     """Two connections to one cluster list its jobs twice: adopt it, never stop it."""
     a = _h(KEY.job_name(0, 1, 0), job_id="1124")
-    b = JobHandle(backend=a.backend, connection="c2", job_id="1124", job_name=a.job_name,
-                  location="p", infra=a.infra, submitted_at=a.submitted_at)
-    out = classify([(a, _s(JobState.RUNNING)), (b, _s(JobState.RUNNING))],
-                   prefix=KEY.prefix, clear=0, run_started_at=None)
-    assert out.adopt is a and out.stop == []
+    for infra in (a.infra, "slurm/c2/p"):  # a Slurm connection's cluster is its conn_id
+        b = JobHandle(backend=a.backend, connection="c2", job_id="1124", job_name=a.job_name,
+                      location="p", infra=infra, submitted_at=a.submitted_at)
+        out = classify([(a, _s(JobState.RUNNING)), (b, _s(JobState.RUNNING))],
+                       prefix=KEY.prefix, clear=0, run_started_at=None)
+        assert out.adopt is a and out.stop == []

@@ -335,6 +335,18 @@ def test_a_wait_trigger_sweeps_too():
     assert RunState.from_dict(event["state"]).sweeps[0].done_at
 
 
+def test_a_prefix_sweep_stops_only_names_of_exactly_its_prefix():
+    """Another task's prefix may begin with ours ("p-" and "p-x-"): its job is not ours."""
+    from airflow_skypilot import sweeps
+
+    for job_id, name in (("1", "p-c0-t1-a0"), ("2", "p-x-c0-t1-a0"), ("3", "p-notes")):
+        FakeBackend.jobs[job_id] = {"name": name, "conn": "c1", "env": {}, "location": "p",
+                                    "status": JobStatus(JobState.RUNNING), "submitted_at": 1.0}
+    sweep = Sweep(connection="c1", prefix="p-", reason="test")
+    assert sweeps.step(sweep, FakeBackend("c1"))
+    assert _alive() == ["p-notes", "p-x-c0-t1-a0"]
+
+
 def test_a_job_trigger_never_sweeps_the_job_it_watches():
     run = RunState(prefix="p-")
     run.sweeps.append(Sweep(connection="c1", prefix="p-", reason="test"))
