@@ -39,12 +39,16 @@ class Placer:
     :param log: where to say what happens (the task log).
     :param ledger: the deployment's placements decided moments ago (none: a ledger holding
         nothing), so concurrent placements do not all pick the same free place.
+    :param silence: seconds a retry waits, before placing, for a connection that could not
+        be listed for earlier tries' jobs (None: as long as it takes); then it places, and
+        the connection is still swept.
     """
 
     def __init__(self, hook: SkyPilotCapacityHook, policy: str, *, cooldown: float,
                  confirm_timeout: float, log: logging.Logger,
-                 ledger: PlacementLedger | None = None):
+                 ledger: PlacementLedger | None = None, silence: float | None = None):
         self.hook = hook
+        self.silence = silence
         self.ledger = ledger or PlacementLedger("")
         self.policy = policy
         self.cooldown = cooldown
@@ -63,16 +67,21 @@ class Placer:
         """The jobs earlier tries of this task instance left: adopt one, stop the live rest.
 
         A connection that cannot be listed now gets a sweep (its live jobs of this task are
-        stopped as soon as it answers). Returns the adopted job and its status, if any.
+        stopped as soon as it answers). On a retry or a clear, an earlier try's job may run
+        there: nothing is placed until it answers, or for ``silence`` seconds ("could not ask"
+        is not "none"). Returns the adopted job and its status, if any.
         """
         found = self.hook.find_all(run.prefix)
         fail_on_config_errors(found.config_errors)
+        earlier_tries = run.try_number > 1 or run.clear > 0
         for conn_id, error in found.errors.items():
             self.log.warning("Could not list the jobs of earlier tries on %s (%s): any still "
-                             "running there is stopped as soon as it answers", conn_id, error)
+                             "running there is stopped as soon as it answers%s", conn_id, error,
+                             "; nothing is placed until then" if earlier_tries else "")
             run.sweeps.append(Sweep(connection=conn_id, prefix=run.prefix,
                                     reason=f"could not be listed at the start of try "
-                                           f"{run.try_number}: {error}"))
+                                           f"{run.try_number}: {error}",
+                                    before_next=earlier_tries))
         pairs = [pair for jobs in found.jobs.values() for pair in jobs]
         earlier = identity.classify(pairs, prefix=run.prefix, clear=run.clear,
                                     run_started_at=run_started_at)
@@ -208,6 +217,12 @@ class Placer:
         pending = [w for w in run.pending_sweeps if w.before_next]
         if pending:
             self.sweep_pending(run)
+        for w in run.pending_sweeps:  # a connection unlisted for a retry: waited for enough
+            if w.before_next and w.prefix and self.silence is not None and \
+                    time.time() - w.since >= self.silence:
+                w.before_next = False
+                self.log.warning("%s has not answered for %.0fs: placing the job all the same; "
+                                 "it is still swept", w.connection, time.time() - w.since)
         return "; ".join(w.describe() for w in run.pending_sweeps if w.before_next)
 
     # --- old copies -----------------------------------------------------------------------------

@@ -314,7 +314,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
     def _placer(self) -> Placer:
         return Placer(self._hook(), self.policy, cooldown=self._cooldown,
                       confirm_timeout=self.confirm_timeout, log=self.log,
-                      ledger=PlacementLedger(ledger_path()))
+                      ledger=PlacementLedger(ledger_path()), silence=self._silence)
 
     def _reconcile(self, context: Context, run: RunState
                    ) -> tuple[JobHandle | None, JobStatus | None]:

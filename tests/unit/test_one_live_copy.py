@@ -111,14 +111,33 @@ def test_map_index_and_task_id_never_share_jobs():
     assert mapped["job_id"] != named["job_id"] and len(_alive()) == 2
 
 
-def test_a_connection_that_cannot_be_listed_at_the_start_is_swept_later():
-    """The earlier try's job is on c2, which is down when the retry starts: the retry places a
-    new copy on c1 and its trigger stops the old one as soon as c2 answers."""
+def test_a_retry_places_nothing_while_a_connection_that_may_run_an_earlier_copy_is_silent():
+    """The earlier try's job is on c2, which is down when the retry starts: "could not ask" is
+    not "none", so the retry waits (no copy on c1 beside it); c2 answers: the old job is
+    stopped, then the job is placed."""
     FakeBackend.offers = {"c2": [offer("c2", "q")]}
     old = _defer(_op(), _ctx(try_number=1)).trigger.handle
     FakeBackend.offers = {"c1": [offer("c1", "p")], "c2": [offer("c2", "q")]}
     FakeBackend.down = {"c2"}
-    deferred = _defer(_op(), _ctx(try_number=2))
+    waiting = _defer(_op(), _ctx(try_number=2))
+    assert isinstance(waiting.trigger, SkyPilotWaitTrigger)
+    assert _alive() == [old["job_name"]], "no second copy while c2 cannot be asked"
+    FakeBackend.down = set()
+    with pytest.raises(TaskDeferred) as placed:
+        _op().execute_complete(_ctx(try_number=2), {"status": "reprobe",
+                                                     "state": waiting.trigger.state})
+    assert FakeBackend.jobs[old["job_id"]]["status"].state == JobState.CANCELLED
+    assert _alive() == [placed.value.trigger.handle["job_name"]]
+
+
+def test_a_connection_that_cannot_be_listed_at_the_start_is_swept_later():
+    """The same, c2 silent past unreachable_timeout: the retry places a new copy on c1 and
+    its trigger stops the old one as soon as c2 answers."""
+    FakeBackend.offers = {"c2": [offer("c2", "q")]}
+    old = _defer(_op(), _ctx(try_number=1)).trigger.handle
+    FakeBackend.offers = {"c1": [offer("c1", "p")], "c2": [offer("c2", "q")]}
+    FakeBackend.down = {"c2"}
+    deferred = _defer(_op(unreachable_timeout=0), _ctx(try_number=2))
     new = deferred.trigger.handle
     assert new["connection"] == "c1"
     run = RunState.from_dict(deferred.trigger.state)
