@@ -6,7 +6,10 @@ than the connection's. :func:`refused` lists such fields: the Pod Security Stand
 profile (host namespaces, host ports, hostPath volumes, privileged containers, capabilities
 beyond the baseline set, unsafe sysctls, AppArmor/seccomp/SELinux/procMount relaxations,
 Windows host processes), plus what the connection decides (service account and its token,
-scheduler, node, priority, tolerations) and GPU requests made outside ``resources``.
+scheduler, node, priority, tolerations), the namespace's Secrets (a ``secret`` volume, a
+projected ``secret`` or ``serviceAccountToken``, ``envFrom.secretRef``,
+``env.valueFrom.secretKeyRef``, a volume's secret reference: a DAG could otherwise read any
+Secret of the namespace, other jobs' included) and GPU requests made outside ``resources``.
 
 A Kubernetes connection refuses a task with such fields (its offers do not fit, and nothing is
 submitted) unless its extra :data:`ALLOW_EXTRA` is true. Pure: no I/O.
@@ -36,6 +39,7 @@ SAFE_SYSCTLS = frozenset({
 })
 _SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 _HOST = "shares the node's {}"
+_SECRET = "reads a Secret of the namespace ({})"
 _CONNECTION = "the connection decides the pod's {}"
 
 #: pod spec fields refused when set at all (to anything but the harmless value, if one)
@@ -78,12 +82,44 @@ def _walk(pod: Mapping[str, Any]) -> Iterator[tuple[Path, str]]:
     for i, volume in _items(spec.get("volumes")):
         if "hostPath" in volume:
             yield ("spec", "volumes", i, "hostPath"), "mounts a directory of the node (hostPath)"
+        yield from _volume_secrets(volume, ("spec", "volumes", i))
     for kind in ("containers", "initContainers", "ephemeralContainers"):
         for i, container in _items(spec.get(kind)):
             yield from _container(container, ("spec", kind, i))
 
 
+#: keys of other volume sources (csi, cephfs, rbd, azureFile, flexVolume...) naming a Secret
+_VOLUME_SECRET_KEYS = ("secretRef", "nodePublishSecretRef", "secretName")
+
+
+def _volume_secrets(volume: Mapping[str, Any], at: Path) -> Iterator[tuple[Path, str]]:
+    if "secret" in volume:
+        yield (*at, "secret"), _SECRET.format("a secret volume")
+    projected = volume.get("projected")
+    if isinstance(projected, Mapping):
+        for j, source in _items(projected.get("sources")):
+            if "secret" in source:
+                yield (*at, "projected", "sources", j, "secret"), \
+                    _SECRET.format("a projected secret")
+            if "serviceAccountToken" in source:
+                yield (*at, "projected", "sources", j, "serviceAccountToken"), \
+                    _CONNECTION.format("service account token")
+    for kind, source in volume.items():
+        if kind in ("secret", "projected") or not isinstance(source, Mapping):
+            continue
+        for key in _VOLUME_SECRET_KEYS:
+            if source.get(key):
+                yield (*at, kind, key), _SECRET.format(f"the {kind} volume's {key}")
+
+
 def _container(container: Mapping[str, Any], at: Path) -> Iterator[tuple[Path, str]]:
+    for j, source in _items(container.get("envFrom")):
+        if "secretRef" in source:
+            yield (*at, "envFrom", j, "secretRef"), _SECRET.format("envFrom")
+    for j, var in _items(container.get("env")):
+        value_from = var.get("valueFrom")
+        if isinstance(value_from, Mapping) and "secretKeyRef" in value_from:
+            yield (*at, "env", j, "valueFrom", "secretKeyRef"), _SECRET.format("secretKeyRef")
     for j, port in _items(container.get("ports")):
         if port.get("hostPort") not in (None, 0):
             yield (*at, "ports", j, "hostPort"), _HOST.format("ports (hostPort)")

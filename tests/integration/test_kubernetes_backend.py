@@ -465,7 +465,7 @@ def test_workdir_and_file_mounts_reach_the_pod(k8s, tmp_path):
     (wd / "big.bin").write_bytes(bytes(range(256)) * 4096 * 2)  # 2 MiB of poor entropy
     (wd / "noise.bin").write_bytes(os.urandom(1024 * 1024))
     [offer] = backend.probe(load_task({"workdir": str(wd), "run": "true"}))
-    assert not offer.fits and "ConfigMap" in offer.reason
+    assert not offer.fits and "a Secret takes at most" in offer.reason
 
 
 def test_operator_side_status_has_no_event_loop_per_call(k8s):

@@ -67,7 +67,9 @@ def _objects(backend, task, offer, name="sky-job-1", env=None, files=None):
     job = backend.job_manifest(task, offer, name, env)
     owner = {"metadata": {"name": name, "uid": "0f0f0f0f-1111-2222-3333-444444444444"}}
     deps = backend.dependents(task, offer, name, env, files or bundle.bundle(task), owner)
-    return job, {d["kind"]: d for d in deps}
+    # the files' Secret is "Bundle" here (the task's secrets are "Secret")
+    return job, {"Bundle" if d["metadata"]["name"] == names.bundle_name(name) else d["kind"]: d
+                 for d in deps}
 
 
 def _validate(obj) -> None:
@@ -129,7 +131,9 @@ def test_manifest_with_a_workdir_matches_the_schema(tmp_path):
                       "file_mounts": {"/etc/app/config.yaml": str(tmp_path / "cfg.yaml")}})
     job, deps = _objects(_backend(), task, _offer(task))
     _validate(deps["ConfigMap"])
-    assert {"workdir.tgz.b64", "mount-0.tgz.b64"} <= set(deps["ConfigMap"]["data"])
+    _validate(deps["Bundle"])
+    _validate(job)
+    assert {"workdir.tgz.b64", "mount-0.tgz.b64"} <= set(deps["Bundle"]["data"])
 
 
 # --- what goes where ------------------------------------------------------------------------
@@ -268,6 +272,11 @@ def _run_pod(tmp_path, task, rank: int | None, name="sky-job-1", extra_env=None)
     files.mkdir(parents=True)
     for key, value in deps["ConfigMap"]["data"].items():
         (files / key).write_text(value)
+    if "Bundle" in deps:  # the Secret's files, decoded, as the kubelet writes them
+        bundled = root / m.BUNDLE_MOUNT.lstrip("/")
+        bundled.mkdir(parents=True)
+        for key, value in deps["Bundle"]["data"].items():
+            (bundled / key).write_bytes(base64.b64decode(value))
     (root / "home").mkdir()
     env = {"PATH": os.environ["PATH"], "HOME": str(root / "home"),
            "SANDBOX_MOUNT_ROOT": str(root), "HOSTNAME": f"{name}-{rank or 0}",
@@ -341,11 +350,11 @@ def test_workdir_and_file_mounts_are_unpacked(tmp_path):
     assert proc.stdout.rstrip().endswith(".skyignore pkg")
 
 
-def test_a_workdir_too_large_for_a_configmap_is_refused(tmp_path):
+def test_a_workdir_too_large_for_its_secret_is_refused(tmp_path):
     (tmp_path / "big.bin").write_bytes(os.urandom(300 * 1024))
     task = load_task({"workdir": str(tmp_path), "run": "true"})
     assert bundle.bundle(task, limit=900 * 1024).size > 300 * 1024
-    with pytest.raises(bundle.BundleTooLarge, match="ConfigMap"):
+    with pytest.raises(bundle.BundleTooLarge, match="a Secret takes at most"):
         bundle.bundle(task, limit=200 * 1024)
 
 

@@ -158,6 +158,8 @@ class KubernetesBackend(Backend):
         submit.check_name(task, job_name)
         files = submit.files_of(task, s.bundle_limit, retry_elsewhere=True)
         manifest = self.job_manifest(task, offer, job_name, env)
+        # all of what goes in the ConfigMap and Secrets, measured before anything is created
+        submit.check_sizes(self.dependents(task, offer, job_name, env, files, None))
         job, created = submit.create_job(self.client, s, manifest)
         if not created:
             return self._adopt(job, task, offer, job_name, env)
@@ -211,9 +213,9 @@ class KubernetesBackend(Backend):
                       self.settings.context, ns, "; ".join(done) or "nothing left to stop")
 
     def cleanup(self, handle: JobHandle) -> None:
-        """Drop the Secret at once; a cancelled Job, or one with a pod that has not ended (one
-        stuck on a bad image: it holds GPUs), is deleted. Ended Jobs stay for their logs
-        (TTL)."""
+        """Drop the Secrets at once (secrets, workdir and file mounts); a cancelled Job, or
+        one with a pod that has not ended (one stuck on a bad image: it holds GPUs), is
+        deleted. Ended Jobs stay for their logs (TTL)."""
         gone = submit.cleanup(self.client, self._namespace(handle), handle.job_name)
         if gone is not None:
             self.log.info("Deleted %s of Kubernetes Job %s", ", ".join(gone) or "nothing",

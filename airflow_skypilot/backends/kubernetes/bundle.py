@@ -1,9 +1,11 @@
-"""The local workdir and file mounts as ConfigMap entries (pure: no I/O but reading files).
+"""The local workdir and file mounts as Secret entries (pure: no I/O but reading files).
 
-Each tree or file becomes one base64 ``tar.gz`` text key of the job's ConfigMap; the pod's
-``main.sh`` unpacks each at its target. What travels is :func:`common.workdir.walk`'s rule
-(``.git`` and ``.skyignore`` left out), from :func:`common.workdir.local_source`. A ConfigMap
-holds at most 1 MiB, so a bundle over :data:`DEFAULT_BUNDLE_LIMIT` is refused
+Each tree or file becomes one base64 ``tar.gz`` text key of the job's ``<job>-bundle`` Secret
+(a Secret, not a ConfigMap: file mounts may be credentials, and the ``view`` role reads
+ConfigMaps); the pod's ``main.sh`` unpacks each at its target. What travels is
+:func:`common.workdir.walk`'s rule (``.git`` and ``.skyignore`` left out), from
+:func:`common.workdir.local_source`. A Secret holds at most 1 MiB, so a bundle over
+:data:`DEFAULT_BUNDLE_LIMIT` is refused
 (:class:`BundleTooLarge`): the placement table says so and nothing is submitted.
 """
 
@@ -19,19 +21,19 @@ from dataclasses import dataclass, field
 from airflow_skypilot.backends.common.workdir import local_source, walk
 from airflow_skypilot.spec.task import Task
 
-#: the ConfigMap's payload limit (the API server refuses objects over 1 MiB in all)
+#: the bundle Secret's payload limit (the API server refuses objects over 1 MiB in all)
 DEFAULT_BUNDLE_LIMIT = 900 * 1024
 #: stop reading a workdir once this many raw bytes were seen (it cannot compress that well)
 _RAW_FACTOR = 64
 
 
 class BundleTooLarge(ValueError):
-    """The workdir and file mounts do not fit in one ConfigMap."""
+    """The workdir and file mounts do not fit in one Secret."""
 
 
 @dataclass
 class Bundle:
-    """ConfigMap keys (base64 tar.gz text) and where main.sh unpacks each."""
+    """Secret keys (base64 tar.gz text) and where main.sh unpacks each."""
 
     data: dict[str, str] = field(default_factory=dict)
     targets: list[tuple[str, str]] = field(default_factory=list)  # (key, shell word of dir)
@@ -79,7 +81,7 @@ def _dest_dir_word(dst: str) -> str:
 
 
 def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
-    """The local workdir and file mounts as ConfigMap entries; raises BundleTooLarge."""
+    """The local workdir and file mounts as Secret entries; raises BundleTooLarge."""
     out = Bundle()
     raw_limit = limit * _RAW_FACTOR
     workdir = task.resolved_workdir()
@@ -105,7 +107,7 @@ def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
             break
     if out.size > limit:
         raise BundleTooLarge(
-            f"workdir and file_mounts are {out.size // 1024} KiB once packed; a ConfigMap "
+            f"workdir and file_mounts are {out.size // 1024} KiB once packed; a Secret "
             f"takes at most {limit // 1024} KiB")
     return out
 

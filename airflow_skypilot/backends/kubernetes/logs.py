@@ -7,6 +7,18 @@ The log API reads from the start of a pod's log only, so a read asks for at most
 whole lines. The triggerer's batched read (:func:`aread_many`) takes the pods of the poll just
 before it when the caller has them, so it costs one log request per job and nothing more
 (Kubernetes cannot return many pods' logs); else one pod list per namespace for all jobs.
+
+Two things break the "only ever grows" rule, and a read recovers from each (:func:`_assemble`):
+
+* the kubelet rotates a container's log (10 MiB by default) and the API then serves only the
+  newest file: rank 0's text comes back shorter than the offset. The read re-anchors: a
+  :data:`ROTATED` line, then the newest file from its start, and offsets from then on count
+  in it.
+* the Job controller deletes the pods still running when another rank fails, rank 0's
+  included: a rank's bytes are never read as rank 0's. While rank 0 is gone and another rank
+  still runs nothing is read; once the remaining pods have all ended, their logs (the failed
+  rank's among them) follow a :data:`RANK0_GONE` line, at offsets from :data:`GONE_BASE` on, so
+  a later read (the failure tail reads 32 KiB back) finds them again and never repeats them.
 """
 
 from __future__ import annotations
@@ -22,7 +34,15 @@ from airflow_skypilot.backends.kubernetes.cluster import TERMINAL
 from airflow_skypilot.backends.kubernetes.names import LABEL_JOB
 from airflow_skypilot.backends.kubernetes.status import PodView, pods_of
 
-__all__ = ["LOG_CHUNK", "aread_many", "join_logs", "log_plan", "read", "slice_log"]
+__all__ = ["GONE_BASE", "LOG_CHUNK", "aread_many", "join_logs", "log_plan", "read",
+           "slice_log"]
+
+#: offsets at and past this count in the other ranks' logs of a job whose rank-0 pod is gone
+GONE_BASE = 1 << 40
+ROTATED = ("[log rotated: the Kubernetes API serves only rank 0's newest log file; earlier "
+           "output is gone from it]\n")
+RANK0_GONE = ("[the pod of rank 0 is gone (the Job controller deleted it when the job "
+              "ended); the other ranks' logs follow]\n")
 
 
 def log_plan(pods: list[Mapping[str, Any]], num_nodes: int) -> tuple[list[PodView], bool]:
@@ -41,6 +61,33 @@ def _started(view: PodView) -> bool:
     return not (view.phase == "Pending" and not view.started)
 
 
+def _to_read(plan: list[PodView], final: bool) -> tuple[str, list[PodView]]:
+    """("rank0", plan): rank 0's log (then the others if final); ("gone", pods): rank 0's pod
+    is gone and every remaining pod has ended; ("wait", []): rank 0 is gone, others run."""
+    if plan and plan[0].rank == 0:
+        return "rank0", plan
+    if plan and all(v.phase in TERMINAL for v in plan):
+        return "gone", plan
+    return "wait", []
+
+
+def _assemble(mode: str, logs: list[tuple[int, bytes]], offset: int,
+              final: bool) -> tuple[str, int]:
+    """The text from ``offset`` out of the logs read for ``mode`` (see the module docstring)."""
+    if mode == "gone":
+        data = join_logs([(0, b""), *logs], True)
+        if offset < GONE_BASE:
+            text, end = slice_log(data, 0, True, LOG_CHUNK)
+            return RANK0_GONE + text, GONE_BASE + end
+        text, end = slice_log(data, offset - GONE_BASE, True, LOG_CHUNK)
+        return text, GONE_BASE + end
+    data = join_logs(logs, final)
+    if logs[0][1] and offset > len(data):  # rotated: the newest file is shorter than we read
+        text, end = slice_log(data, 0, final, LOG_CHUNK)
+        return ROTATED + text, end
+    return slice_log(data, offset, final, LOG_CHUNK)
+
+
 def read(client: KubeClient, namespace: str, handle: JobHandle, offset: int,
          pods: list[dict[str, Any]] | None) -> tuple[str, int]:
     """The job's text from byte ``offset`` on the sync client; ``pods`` None: list them."""
@@ -50,19 +97,22 @@ def read(client: KubeClient, namespace: str, handle: JobHandle, offset: int,
                             label_selector=f"{LABEL_JOB}={handle.job_name}")
         pods = pods_of(handle.job_name, found.get("items") or [], handle.extra.get("uid"))
     plan, final = log_plan(pods, handle.num_nodes)
-    if not plan:
+    mode, plan = _to_read(plan, final)
+    if mode == "wait":
         return "", offset
 
     def pod_log(view: PodView, limit: int | None = None) -> bytes:
         return client.pod_log(core, namespace, view.name, limit) if _started(view) else b""
 
+    if mode == "gone":
+        return _assemble(mode, [(v.rank, pod_log(v)) for v in plan], offset, True)
     # rank 0 up to what this call can return: the log API reads from the start only
     first = pod_log(plan[0], offset + LOG_CHUNK + 1)
     final = final and len(first) <= offset + LOG_CHUNK
     logs = [(plan[0].rank, first)]
     if final:
         logs += [(v.rank, pod_log(v)) for v in plan[1:]]
-    return slice_log(join_logs(logs, final), offset, final, LOG_CHUNK)
+    return _assemble(mode, logs, offset, final)
 
 
 async def aread_many(client: KubeClient, requests: list[tuple[JobHandle, int]],
@@ -99,16 +149,21 @@ async def aread_many(client: KubeClient, requests: list[tuple[JobHandle, int]],
         async def one(handle: JobHandle, offset: int) -> None:
             ns = namespace(handle)
             plan, final = log_plan(pods[handle.job_id], handle.num_nodes)
-            if not plan:
+            mode, plan = _to_read(plan, final)
+            if mode == "wait":
                 out[handle.job_id] = ("", offset)
                 return
             async with gate:
-                first = await pod_log(ns, plan[0], offset + LOG_CHUNK + 1)
-                final = final and len(first) <= offset + LOG_CHUNK
-                logs = [(plan[0].rank, first)]
-                if final:
-                    logs += [(v.rank, await pod_log(ns, v)) for v in plan[1:]]
-            out[handle.job_id] = slice_log(join_logs(logs, final), offset, final, LOG_CHUNK)
+                if mode == "gone":
+                    logs = [(v.rank, await pod_log(ns, v)) for v in plan]
+                    final = True
+                else:
+                    first = await pod_log(ns, plan[0], offset + LOG_CHUNK + 1)
+                    final = final and len(first) <= offset + LOG_CHUNK
+                    logs = [(plan[0].rank, first)]
+                    if final:
+                        logs += [(v.rank, await pod_log(ns, v)) for v in plan[1:]]
+            out[handle.job_id] = _assemble(mode, logs, offset, final)
 
         await asyncio.gather(*(one(h, o) for h, o in requests))
     return out

@@ -6,9 +6,13 @@ OpenAPI schema. How a job reaches its pods:
 * a ``ConfigMap`` ``<job>-files``, mounted read-only at ``/etc/airflow-skypilot``: the entry
   script ``main.sh``, the node wrapper ``node.sh`` (shared with Slurm, see
   :mod:`~airflow_skypilot.backends.common.jobscript`), ``env.sh`` (the task's envs, quoted for
-  bash), the task's ``setup.sh``/``run.sh`` verbatim, and the local workdir and file mounts as
-  base64 ``tar.gz`` text (see :mod:`.bundle`). Nothing the user wrote goes through a Job
-  field, where Kubernetes would expand ``$(VAR)``.
+  bash) and the task's ``setup.sh``/``run.sh`` verbatim. Nothing the user wrote goes through a
+  Job field, where Kubernetes would expand ``$(VAR)``.
+* a ``Secret`` ``<job>-bundle`` (a task with a workdir or file mounts), mounted read-only at
+  ``/etc/airflow-skypilot-bundle``: the local workdir and file mounts as base64 ``tar.gz``
+  text (see :mod:`.bundle`). File mounts carry credentials (``~/.aws/credentials``...): a
+  ConfigMap is readable with the built-in ``view`` role, a Secret is not; it is deleted with
+  the task's Secret at cleanup (:func:`~.submit.cleanup`), not left until the Job's TTL.
 * a ``Secret`` ``<job>-secrets`` with the task's secrets, loaded by ``envFrom``: the values are
   never in the Job spec, the ConfigMap or an annotation.
 * for ``num_nodes > 1``, a headless ``Service`` named after the job; the pods of the Indexed
@@ -39,6 +43,7 @@ from airflow_skypilot.backends.kubernetes.names import (
     CONTAINER,
     GPU_RESOURCE,
     LABEL_JOB,
+    bundle_name,
     configmap_name,
     labels_for,
     node_addresses,
@@ -50,8 +55,15 @@ from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.spec.task import Task
 
 FILES_MOUNT = "/etc/airflow-skypilot"
+BUNDLE_MOUNT = "/etc/airflow-skypilot-bundle"
 WORKDIR_MOUNT = "/sky_workdir"
 FILES_DIR_EXPR = '"${SANDBOX_MOUNT_ROOT:-}' + FILES_MOUNT + '"'
+BUNDLE_DIR_EXPR = '"${SANDBOX_MOUNT_ROOT:-}' + BUNDLE_MOUNT + '"'
+#: SkyPilot's pod template mounts a memory-backed /dev/shm (a container's default is 64 MB,
+#: too small for PyTorch's DataLoader workers and NCCL); a pod_config ``dshm`` replaces it
+SHM_VOLUME = "dshm"
+#: the API server's limit of a ConfigMap's or a Secret's data (1 MiB), less room for metadata
+OBJECT_LIMIT = 1024 * 1024 - 16 * 1024
 #: the container's command: no ``$(``, so Kubernetes' own variable expansion never applies
 BOOTSTRAP = 'exec /bin/bash "${SANDBOX_MOUNT_ROOT:-}' + FILES_MOUNT + '/main.sh"'
 
@@ -75,6 +87,7 @@ def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain
         "# task's own scripts are setup.sh and run.sh beside this file; env.sh has its envs.",
         'ROOT="${SANDBOX_MOUNT_ROOT:-}"',
         f"JOB_DIR={FILES_DIR_EXPR}",
+        f"BUNDLE_DIR={BUNDLE_DIR_EXPR}",
         f'export AIRFLOW_SKYPILOT_WORKDIR="$ROOT"{WORKDIR_MOUNT}',
     ]
     if num_nodes > 1:
@@ -82,8 +95,8 @@ def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain
     else:
         lines.append('export SKYPILOT_NODE_IPS="${AIRFLOW_SKYPILOT_POD_IP:-127.0.0.1}"')
     lines += [
-        "unpack() {  # ConfigMap key, target directory",
-        '  mkdir -p "$2" && base64 -d "$JOB_DIR/$1" | tar -xzf - -C "$2"',
+        "unpack() {  # bundle Secret key, target directory",
+        '  mkdir -p "$2" && base64 -d "$BUNDLE_DIR/$1" | tar -xzf - -C "$2"',
         "}",
     ]
     for key, target in targets:
@@ -105,7 +118,8 @@ def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain
 
 def files_data(task: Task, *, job_name: str, namespace: str, node_env: Mapping[str, str],
                cluster_domain: str, files: Bundle) -> dict[str, str]:
-    """Everything the ConfigMap holds. ``node_env`` must not contain secrets."""
+    """Everything the ConfigMap holds (the scripts; ``files`` go in the bundle Secret, see
+    :func:`bundle_manifest`). ``node_env`` must not contain secrets."""
     node = jobscript.node_script(job_dir=FILES_DIR_EXPR, workdir='"$AIRFLOW_SKYPILOT_WORKDIR"',
                                  rank_var="JOB_COMPLETION_INDEX", has_setup=bool(task.setup),
                                  has_run=bool(task.run))
@@ -118,8 +132,12 @@ def files_data(task: Task, *, job_name: str, namespace: str, node_env: Mapping[s
         "setup.sh": jobscript.user_script(task.setup) or "",
         "run.sh": jobscript.user_script(task.run) or "",
     }
-    data.update(files.data)
     return data
+
+
+def has_files(task: Task) -> bool:
+    """Does the task's job have a bundle Secret (a workdir or file mounts)?"""
+    return bool(task.workdir or task.file_mounts)
 
 
 # --- manifests ------------------------------------------------------------------------------
@@ -147,6 +165,34 @@ def secret_manifest(job_name: str, namespace: str, secrets: Mapping[str, str],
             "metadata": _meta(secret_name(job_name), namespace, job_name, owner), "data": data}
 
 
+def bundle_manifest(job_name: str, namespace: str, files: Bundle,
+                    owner: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The workdir and file mounts (base64 tar.gz text per key) as a Secret."""
+    manifest = secret_manifest(job_name, namespace, files.data, owner)
+    manifest["metadata"]["name"] = bundle_name(job_name)
+    return manifest
+
+
+def data_size(obj: Mapping[str, Any]) -> int:
+    """The bytes of a ConfigMap's or Secret's data as the API server counts them (a Secret's
+    decoded), against its 1 MiB limit."""
+    if obj.get("kind") == "Secret":
+        return sum(len(base64.b64decode(v)) for v in (obj.get("data") or {}).values())
+    return sum(len(str(v).encode()) for v in (obj.get("data") or {}).values())
+
+
+def too_large(objects: list[Mapping[str, Any]], limit: int = OBJECT_LIMIT) -> str:
+    """Why one of a job's ConfigMap/Secrets would be refused for its size ("" when none)."""
+    for obj in objects:
+        if obj.get("kind") in ("ConfigMap", "Secret") and (size := data_size(obj)) > limit:
+            keys = sorted((obj.get("data") or {}), key=lambda k: -len(obj["data"][k]))[:3]
+            return (f"the job's {obj['kind']} {obj['metadata']['name']} would hold "
+                    f"{size // 1024} KiB (largest: {', '.join(keys)}); the API server takes "
+                    f"at most {limit // 1024} KiB (scripts, envs, workdir and file_mounts "
+                    "travel in it)")
+    return ""
+
+
 def service_manifest(job_name: str, namespace: str,
                      owner: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Headless: no cluster IP, one DNS record per pod, published before pods are ready."""
@@ -169,6 +215,7 @@ class PodShape:
     service_account: str | None = None
     priority_class: str | None = None
     pvcs: dict[str, str] = field(default_factory=dict)  # mount path -> claim name
+    has_files: bool = False  # a bundle Secret (workdir, file mounts) to mount
     pod_config: dict[str, Any] = field(default_factory=dict)  # config.kubernetes.pod_config
 
 
@@ -202,12 +249,18 @@ def job_manifest(job_name: str, namespace: str, num_nodes: int, shape: PodShape,
     mounts: list[dict[str, Any]] = [
         {"name": "skypilot-files", "mountPath": FILES_MOUNT, "readOnly": True},
         {"name": "skypilot-workdir", "mountPath": WORKDIR_MOUNT},
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "skypilot-files",
          "configMap": {"name": configmap_name(job_name), "defaultMode": 0o444}},
         {"name": "skypilot-workdir", "emptyDir": {}},
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
     ]
+    if shape.has_files:
+        mounts.append({"name": "skypilot-bundle", "mountPath": BUNDLE_MOUNT, "readOnly": True})
+        volumes.append({"name": "skypilot-bundle",
+                        "secret": {"secretName": bundle_name(job_name), "defaultMode": 0o444}})
     for i, (path, claim) in enumerate(sorted(shape.pvcs.items())):
         mounts.append({"name": f"volume-{i}", "mountPath": path})
         volumes.append({"name": f"volume-{i}", "persistentVolumeClaim": {"claimName": claim}})
@@ -273,8 +326,10 @@ def job_manifest(job_name: str, namespace: str, num_nodes: int, shape: PodShape,
 
 def merge_pod_config(template: dict[str, Any], pod_config: Mapping[str, Any]) -> None:
     """SkyPilot's ``config.kubernetes.pod_config`` over our pod template: dicts merge,
-    ``containers`` merge by position, other lists are appended to; the fields that wire the
-    job (command, restart policy, subdomain, our labels) stay ours."""
+    ``containers`` merge by position, ``volumes`` and ``volumeMounts`` by name (a mount also
+    by path: a user's ``dshm`` with a ``sizeLimit`` replaces ours), other lists are appended
+    to; the fields that wire the job (command, restart policy, subdomain, our labels, our
+    ``skypilot-*`` volumes) stay ours."""
     def merge(dst: dict[str, Any], src: Mapping[str, Any], path: str) -> None:
         for key, value in src.items():
             here = f"{path}.{key}" if path else key
@@ -291,12 +346,34 @@ def merge_pod_config(template: dict[str, Any], pod_config: Mapping[str, Any]) ->
                             merge(dst[key][i], item, f"{here}[{i}]")
                         else:
                             dst[key].append(copy.deepcopy(item))
+                elif key in ("volumes", "volumeMounts"):
+                    _merge_by_name(dst[key], value, key)
                 else:
                     dst[key].extend(copy.deepcopy(value))
             else:
                 dst[key] = copy.deepcopy(value)
 
     merge(template, pod_config, "")
+
+
+def _merge_by_name(ours: list[Any], theirs: list[Any], key: str) -> None:
+    """A pod_config volume (mount) replaces ours of the same name (a mount: or path), but
+    never one of the job's own ``skypilot-*``; the others are appended."""
+    for item in theirs:
+        if not isinstance(item, Mapping):
+            ours.append(copy.deepcopy(item))
+            continue
+
+        def same(mine: Any, item: Mapping[str, Any] = item) -> bool:
+            return isinstance(mine, Mapping) and (
+                mine.get("name") == item.get("name") or
+                (key == "volumeMounts" and mine.get("mountPath") == item.get("mountPath")))
+
+        if any(same(mine) and str(mine.get("name", "")).startswith("skypilot-")
+               for mine in ours):
+            continue
+        ours[:] = [mine for mine in ours if not same(mine)]
+        ours.append(copy.deepcopy(item))
 
 
 #: fields a pod_config may not replace (they would break the job's wiring)
@@ -325,7 +402,7 @@ def job_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: st
         image=req.container_image or s.image, gpus=gpus, cpus=cpus or None,
         memory_gb=mem or None, node_selector=node_selector, tolerations=tolerations,
         service_account=s.service_account, priority_class=s.priority_class,
-        pvcs={str(k): str(v) for k, v in task.volumes.items()},
+        pvcs={str(k): str(v) for k, v in task.volumes.items()}, has_files=has_files(task),
         pod_config=dict(pod_config) if isinstance(pod_config, Mapping) else {})
     annotations = {
         ANN_PREFIX + "managed": "true",
@@ -346,7 +423,8 @@ def job_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: st
 def dependents_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: str,
                    env: Mapping[str, str], files: Bundle,
                    owner: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """The ConfigMap, Secret and (several nodes) Service of the Job ``owner``."""
+    """The ConfigMap, Secrets (the task's, its files) and (several nodes) Service of the Job
+    ``owner``."""
     s = settings
     req = offer.request
     info = {"cluster_name": s.context, "cloud": "Kubernetes", "region": s.context,
@@ -363,12 +441,15 @@ def dependents_for(settings: KubernetesSettings, task: Task, offer: Offer, job_n
     out = [configmap_manifest(job_name, s.namespace, data, owner)]
     if task.secrets:
         out.append(secret_manifest(job_name, s.namespace, task.secrets, owner))
+    if has_files(task):
+        out.append(bundle_manifest(job_name, s.namespace, files, owner))
     if task.num_nodes > 1:
         out.append(service_manifest(job_name, s.namespace, owner))
     return out
 
 
 __all__ = [
-    "BOOTSTRAP", "PodShape", "configmap_manifest", "dependents_for", "files_data", "job_for",
-    "job_manifest", "main_script", "merge_pod_config", "secret_manifest", "service_manifest",
+    "BOOTSTRAP", "PodShape", "bundle_manifest", "configmap_manifest", "dependents_for",
+    "files_data", "job_for", "job_manifest", "main_script", "merge_pod_config",
+    "secret_manifest", "service_manifest", "too_large",
 ]

@@ -1,6 +1,6 @@
 """The names that tie a job's objects together: labels, annotations, object and host names.
 
-A job's Job, ConfigMap, Secret and Service are all named after the job and carry
+A job's Job, ConfigMap, Secrets and Service are all named after the job and carry
 :data:`LABEL_JOB`; that label is how status, logs and cleanup find them again (one list per
 namespace for every job). ``skypilot.airflow/`` annotations on the Job hold what a later
 process needs to rebuild the handle (:data:`ANN_PREFIX`); :data:`ANN_CANCELLED` marks a Job
@@ -37,6 +37,11 @@ def configmap_name(job_name: str) -> str:
 
 def secret_name(job_name: str) -> str:
     return f"{job_name}-secrets"
+
+
+def bundle_name(job_name: str) -> str:
+    """The Secret with the job's workdir and file mounts (they may hold credentials)."""
+    return f"{job_name}-bundle"
 
 
 def pod_hostname(job_name: str, rank: int) -> str:

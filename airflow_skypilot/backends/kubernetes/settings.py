@@ -3,14 +3,18 @@
 A cluster is an Airflow ``kubernetes`` connection (kubeconfig path or content, context,
 in-cluster, namespace: the provider's own extras, read by its hooks) with the extras of
 :class:`KubernetesSettings`. One connection is one place: ``<context>/<namespace>``, infra
-``kubernetes/<context>``. The other modules of the backend take these settings as an
-argument: only the facade reads our extras (and the provider's hooks theirs, in :mod:`.client`).
+``kubernetes/<context>``. A connection without a namespace takes the one the cncf-kubernetes
+pod operator and SkyPilot take (:func:`default_namespace`): the pod's own (in-cluster), else
+the kubeconfig context's, else ``default``. The other modules of the backend take these
+settings as an argument: only the facade reads our extras (and the provider's hooks theirs,
+in :mod:`.client`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +22,56 @@ from airflow_skypilot.backends.kubernetes.bundle import DEFAULT_BUNDLE_LIMIT
 from airflow_skypilot.exceptions import ConfigurationError
 from airflow_skypilot.spec import podsecurity
 from airflow_skypilot.spec.source import dotted
+
+#: where a pod reads its own namespace (the service account's mounted files)
+INCLUSTER_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _kubeconfig_namespace(get: Callable[[str], Any]) -> str | None:
+    """The namespace of the kubeconfig context the provider's hook loads ("" if it names
+    none; None when there is no kubeconfig)."""
+    import yaml
+
+    content = get("kube_config")
+    try:
+        if content is not None:
+            data = content if isinstance(content, Mapping) else yaml.safe_load(str(content))
+        else:
+            path = get("kube_config_path") or \
+                (os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep)[0]
+            text = _read(os.path.expanduser(str(path)))
+            data = yaml.safe_load(text) if text else None
+    except yaml.YAMLError:
+        return ""
+    if not isinstance(data, Mapping):
+        return None
+    name = get("cluster_context") or data.get("current-context")
+    for ctx in data.get("contexts") or []:
+        if isinstance(ctx, Mapping) and ctx.get("name") == name:
+            return str((ctx.get("context") or {}).get("namespace") or "")
+    return ""
+
+
+def default_namespace(get: Callable[[str], Any]) -> str:
+    """A connection's namespace when it names none, as the cncf-kubernetes pod operator and
+    SkyPilot choose it: the pod's own when the hook loads the in-cluster configuration (the
+    ``in_cluster`` extra, or no kubeconfig at all), else the kubeconfig context's, else
+    ``default``. (The provider's ``KubernetesHook.get_namespace`` reads only the extra.)"""
+    in_cluster = str(get("in_cluster") or "").lower() == "true"
+    if in_cluster:
+        return _read(INCLUSTER_NAMESPACE) or "default"
+    found = _kubeconfig_namespace(get)
+    if found is None and get("kube_config") is None and get("kube_config_path") is None:
+        return _read(INCLUSTER_NAMESPACE) or "default"  # no kubeconfig: the hook goes in-cluster
+    return found or "default"
 
 
 @dataclass
@@ -95,7 +149,7 @@ class KubernetesSettings:
         ttl = get("ttl_seconds_after_finished")
         return cls(
             context=str(get("cluster_context") or conn_id),
-            namespace=str(get("namespace") or "default"),
+            namespace=str(get("namespace") or default_namespace(get)),
             image=str(get("image") or "python:3.11-slim"),
             service_account=get("service_account"),
             price_per_gpu_hour=num("price_per_gpu_hour", 0.0),

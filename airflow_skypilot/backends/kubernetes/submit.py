@@ -1,10 +1,11 @@
 """A job's objects on the cluster: create, adopt, start, delete (the "provision" side).
 
-Submission is a suspended ``batch/v1`` Job first, then its ConfigMap, Secret and (several
-nodes) headless Service, all owned by the Job (:func:`start`), then the Job is resumed. The Job
-is created first so that its name is taken once: a Job of that name already there is adopted,
-never created twice, and one a crash left suspended is finished by whoever adopts it. These
-functions return what happened; the facade decides what to log.
+Submission is a suspended ``batch/v1`` Job first, then its ConfigMap, Secrets (the task's
+secrets, its workdir and file mounts) and (several nodes) headless Service, all owned by the
+Job (:func:`start`), then the Job is resumed. The Job is created first so that its name is
+taken once: a Job of that name already there is adopted, never created twice, and one a crash
+left suspended is finished by whoever adopts it. These functions return what happened; the
+facade decides what to log.
 
 Cancel (:func:`cancel`) keeps the Job as the record of what happened: it marks it
 (:data:`~airflow_skypilot.backends.kubernetes.names.ANN_CANCELLED`) and suspends it, so no pod
@@ -27,10 +28,12 @@ from airflow_skypilot.backends.base import JobHandle
 from airflow_skypilot.backends.kubernetes.bundle import Bundle, BundleTooLarge, bundle
 from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient
 from airflow_skypilot.backends.kubernetes.cluster import TERMINAL, epoch
+from airflow_skypilot.backends.kubernetes.manifests import too_large
 from airflow_skypilot.backends.kubernetes.names import (
     ANN_CANCELLED,
     ANN_PREFIX,
     LABEL_JOB,
+    bundle_name,
     configmap_name,
     pod_hostname,
     secret_name,
@@ -114,12 +117,19 @@ def check_name(task: Task, job_name: str) -> None:
 
 
 def files_of(task: Task, limit: int, *, retry_elsewhere: bool = False) -> Bundle:
-    """The task's workdir and file mounts for its ConfigMap, or a SubmissionError."""
+    """The task's workdir and file mounts for its bundle Secret, or a SubmissionError."""
     try:
         return bundle(task, limit)
     except (BundleTooLarge, OSError) as exc:
         raise SubmissionError(f"workdir/file_mounts: {exc}",
                               retry_elsewhere=retry_elsewhere) from exc
+
+
+def check_sizes(dependents: list[dict[str, Any]]) -> None:
+    """Every ConfigMap/Secret of the job fits the API server's 1 MiB (scripts, envs, secrets,
+    files: all of it), checked before the Job is created; else a SubmissionError."""
+    if why := too_large(dependents):
+        raise SubmissionError(why, retry_elsewhere=True)
 
 
 def create_job(client: KubeClient, settings: KubernetesSettings,
@@ -177,6 +187,7 @@ def _dependents(client: KubeClient, job_name: str) -> list[tuple[str, Any, str]]
     core, _ = client.apis()
     return [("Service", core.delete_namespaced_service, service_name(job_name)),
             ("Secret", core.delete_namespaced_secret, secret_name(job_name)),
+            ("Secret", core.delete_namespaced_secret, bundle_name(job_name)),
             ("ConfigMap", core.delete_namespaced_config_map, configmap_name(job_name))]
 
 
@@ -250,9 +261,10 @@ def cancel(client: KubeClient, namespace: str, job_name: str,
 
 
 def cleanup(client: KubeClient, namespace: str, job_name: str) -> list[str] | None:
-    """Drop the Secret at once; a Job we cancelled, or with a pod that has not ended (one
-    stuck on a bad image, so it holds no GPUs), is deleted too: then the kinds deleted are
-    returned (else None). Ended Jobs stay for their logs (TTL)."""
+    """Drop the Secrets at once (the task's secrets, its workdir and file mounts); a Job we
+    cancelled, or with a pod that has not ended (one stuck on a bad image, so it holds no
+    GPUs), is deleted too: then the kinds deleted are returned (else None). Ended Jobs stay
+    for their logs (TTL)."""
     core, _ = client.apis()
     job = get_job(client, namespace, job_name)
     if job is not None and is_cancelled(job):
@@ -270,9 +282,10 @@ def cleanup(client: KubeClient, namespace: str, job_name: str) -> list[str] | No
                 pass
         if running:
             return delete_all(client, job_name, namespace)
-    try:
-        client.call(core.delete_namespaced_secret, secret_name(job_name), namespace)
-    except KubeApiError as exc:
-        if exc.status != 404:
-            raise
+    for name in (secret_name(job_name), bundle_name(job_name)):
+        try:
+            client.call(core.delete_namespaced_secret, name, namespace)
+        except KubeApiError as exc:
+            if exc.status != 404:
+                raise
     return None
