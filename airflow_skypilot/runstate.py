@@ -29,6 +29,9 @@ XCOM_PLACEMENT = "skypilot_placement"
 #: what the watch of the job saw: its state (pending, running) and the looks at it while it
 #: waited (written by the trigger, or the worker when not deferrable; see ``watch_record``)
 XCOM_WATCH = "skypilot_watch"
+#: the old copies still to confirm dead at the last deferral: what a deferral's timeout, whose
+#: resume gets no state back, still has to stop
+XCOM_SWEEPS = "skypilot_sweeps"
 #: looks at a waiting job kept in the run state (consecutive looks with one answer share one)
 MAX_LOOKS = 8
 #: one attempt as ``execute_complete``'s result lists it (README: ``attempts: [...]``)

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 
+from airflow_skypilot import sweeps
 from airflow_skypilot.backends.base import JobHandle
-from airflow_skypilot.backends.registry import backend_for_handle
-from airflow_skypilot.runstate import XCOM_HANDLE, RunState
+from airflow_skypilot.backends.registry import backend_for_connection, backend_for_handle
+from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_SWEEPS, RunState, Sweep
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -41,15 +42,32 @@ class StopsItsJobs:
             self._cancel_unwatched_job(context, (next_kwargs or {}).get("error", "unknown"))
         return super().resume_execution(next_method, next_kwargs, context)  # type: ignore[misc]
 
-    def _cancel_unwatched_job(self, context: Context, why: Any) -> None:
-        if not self.cancel_on_kill:
-            return
+    def _note_sweeps(self, context: Context, run: RunState) -> None:
+        """Before a deferral: the old copies still to confirm dead, where the resume of a
+        deferral that timed out (it gets no state back) finds them."""
+        self._push(context, XCOM_SWEEPS, [w.to_dict() for w in run.pending_sweeps])
+
+    def _pull(self, context: Context, key: str) -> Any:
         ti = context["ti"]
         try:
-            raw = ti.xcom_pull(task_ids=ti.task_id, key=XCOM_HANDLE, map_indexes=ti.map_index)
+            return ti.xcom_pull(task_ids=ti.task_id, key=key, map_indexes=ti.map_index)
         except Exception as exc:
-            self.log.warning("Could not read the job handle to cancel the job: %s", exc)
+            self.log.warning("Could not read XCom %s to stop the task's jobs: %s", key, exc)
+            return None
+
+    def _cancel_unwatched_job(self, context: Context, why: Any) -> None:
+        for data in self._pull(context, XCOM_SWEEPS) or ():  # old copies: stopped whatever
+            sweep = Sweep.from_dict(data)  # cancel_on_kill says (at most one live copy)
+            try:
+                done = sweeps.step(sweep, backend_for_connection(sweep.connection))
+            except Exception as exc:
+                done, sweep.outcome = False, str(exc)
+            if not done:
+                self.log.error("The deferral ended (%s) with an old copy NOT confirmed dead; "
+                               "stop it by hand: %s", why, sweep.describe())
+        if not self.cancel_on_kill:
             return
+        raw = self._pull(context, XCOM_HANDLE)
         if not raw:
             return
         handle = JobHandle.from_dict(raw)

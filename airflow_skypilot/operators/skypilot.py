@@ -292,6 +292,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
                 handle = self._place_and_submit(context, task, run)
                 continue
             self._push(context, XCOM_HANDLE, handle.to_dict())
+            self._note_sweeps(context, run)
             if not self.wait_for_completion:
                 self.log.info("Not waiting for job %s (wait_for_completion=False)",
                               handle.job_id)
@@ -389,6 +390,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
                       run.last_plan, self.reprobe_interval)
         if self.deferrable:
             state = run.to_dict()
+            self._note_sweeps(context, run)
             self.defer(trigger=SkyPilotWaitTrigger(self.reprobe_interval, state=state),
                        method_name="execute_complete", kwargs={"state": state},
                        timeout=self._remaining(context))
@@ -515,6 +517,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
                 self._silence, left.total_seconds() - min(60.0, left.total_seconds() / 4))
             if run.pending_copies and self.deferrable and wait > 0:
                 state = run.to_dict()
+                self._note_sweeps(context, run)
                 self.defer(trigger=SkyPilotSweepTrigger(wait, interval=max(
                     self.poll_interval, 5.0), state=state), method_name="execute_complete",
                     kwargs={"state": state}, timeout=left)

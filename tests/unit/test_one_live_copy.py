@@ -253,6 +253,34 @@ def test_a_task_killed_while_its_old_copy_is_being_confirmed_stops_it_at_the_kil
     assert _alive() == []
 
 
+def test_a_deferral_that_times_out_stops_the_old_copies_it_had_still_to_confirm(caplog):
+    """c1 goes silent (its copy read lost, not confirmed dead), the job fails over to c2, then
+    the deferral times out: Airflow resumes the task only to fail it, with no state. The old
+    copy is still stopped (its sweep was noted in XCom at the deferral), and the c2 job."""
+    from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
+
+    first = _defer(_op(), _ctx())
+    old = first.trigger.handle
+    _set(old["job_id"], JobState.RUNNING)
+    FakeBackend.offers = {"c1": [offer("c1", "p")], "c2": [offer("c2", "q")]}
+    FakeBackend.down = {"c1"}
+    ctx = _ctx()
+    lost = {"status": "done", "handle": old, "log_tail": "", "log_offset": 0,
+            "state": first.trigger.state,
+            "job_status": JobStatus(JobState.LOST, reason="silent").to_dict()}
+    with pytest.raises(TaskDeferred) as second:
+        _op().execute_complete(ctx, lost)
+    new = second.value.trigger.handle
+    assert new["connection"] == "c2" and sorted(_alive()) == sorted(
+        [old["job_name"], new["job_name"]])
+    ti = ctx["ti"]
+    ti.xcom_pull = lambda task_ids, key, map_indexes=None: ti.xcom.get(key)
+    FakeBackend.down = set()  # c1 answers again by the time the deferral times out
+    with pytest.raises(Exception, match="Trigger timeout"):
+        _op().resume_execution(TRIGGER_FAIL_REPR, {"error": "Trigger timeout"}, ctx)
+    assert _alive() == []
+
+
 def _cut_short_on_c1(monkeypatch, creates: bool, then_down: bool = False):
     """c1's submissions lose their answer (the job made or not); c1 then goes silent."""
     real = FakeBackend.submit
