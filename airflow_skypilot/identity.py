@@ -17,6 +17,11 @@ same run that is still alive or has succeeded (the worker died after submitting;
 retried), and *stops* every other live one: a job of an earlier clear (the user asked for a
 re-run), or one submitted before this run started (a run deleted and created again under the
 same run_id). Nothing of another run is ever adopted, and nothing of this task is left running.
+
+One case reads as a retry, not a re-run: clearing a task instance while it *runs* (Airflow sets
+it to restarting and leaves ``max_tries`` alone), so the next try adopts its job rather than
+running it again. Its worker is killed first, and ``on_kill`` cancels the job (unless
+``cancel_on_kill=False``): then there is nothing to adopt and the job runs anew.
 """
 
 from __future__ import annotations
