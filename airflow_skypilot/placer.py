@@ -40,8 +40,9 @@ class Placer:
     :param ledger: the deployment's placements decided moments ago (none: a ledger holding
         nothing), so concurrent placements do not all pick the same free place.
     :param silence: seconds a retry waits, before placing, for a connection that could not
-        be listed for earlier tries' jobs (None: as long as it takes); then it places, and
-        the connection is still swept.
+        be listed for earlier tries' jobs, or a placement for the backend of a submission cut
+        short without an answer (None: as long as it takes); then it places, and the
+        connection is still swept.
     """
 
     def __init__(self, hook: SkyPilotCapacityHook, policy: str, *, cooldown: float,
@@ -217,8 +218,10 @@ class Placer:
         pending = [w for w in run.pending_sweeps if w.before_next]
         if pending:
             self.sweep_pending(run)
-        for w in run.pending_sweeps:  # a connection unlisted for a retry: waited for enough
-            if w.before_next and w.prefix and self.silence is not None and \
+        # a connection unlisted for a retry, a submission cut short unanswered: waited for
+        # long enough (a move's waiting copy, known healthy, waits until it is confirmed)
+        for w in run.pending_sweeps:
+            if w.before_next and not w.handle and self.silence is not None and \
                     time.time() - w.since >= self.silence:
                 w.before_next = False
                 self.log.warning("%s has not answered for %.0fs: placing the job all the same; "

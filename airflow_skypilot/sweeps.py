@@ -91,9 +91,10 @@ def stop_copy(run: RunState, handle: JobHandle, why: str, *, confirm_timeout: fl
 
 
 def sweep_pending(run: RunState, backend_of: Callable[[str], Backend], keep: Iterable[str],
-                  log: logging.Logger) -> None:
-    """One try at every pending sweep of ``run`` (``backend_of``: connection id -> backend)."""
-    for sweep in run.pending_sweeps:
+                  log: logging.Logger, copies_only: bool = False) -> None:
+    """One try at every pending sweep of ``run`` (``backend_of``: connection id -> backend);
+    ``copies_only``: of known copies only, not the precautions by prefix."""
+    for sweep in run.pending_copies if copies_only else run.pending_sweeps:
         try:
             backend = backend_for_handle(JobHandle.from_dict(sweep.handle)) if sweep.handle \
                 else backend_of(sweep.connection)

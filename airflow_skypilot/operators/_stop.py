@@ -44,8 +44,9 @@ class StopsItsJobs:
 
     def _note_sweeps(self, context: Context, run: RunState) -> None:
         """Before a deferral: the old copies still to confirm dead, where the resume of a
-        deferral that timed out (it gets no state back) finds them."""
-        self._push(context, XCOM_SWEEPS, [w.to_dict() for w in run.pending_sweeps])
+        deferral that timed out (it gets no state back) finds them (known copies only: a
+        sweep by prefix would find the job being watched too)."""
+        self._push(context, XCOM_SWEEPS, [w.to_dict() for w in run.pending_copies])
 
     def _pull(self, context: Context, key: str) -> Any:
         ti = context["ti"]
@@ -56,8 +57,12 @@ class StopsItsJobs:
             return None
 
     def _cancel_unwatched_job(self, context: Context, why: Any) -> None:
-        for data in self._pull(context, XCOM_SWEEPS) or ():  # old copies: stopped whatever
-            sweep = Sweep.from_dict(data)  # cancel_on_kill says (at most one live copy)
+        # old copies (never the job being watched): stopped whatever cancel_on_kill says, as
+        # on_kill does: they should be dead already (at most one live copy)
+        for data in self._pull(context, XCOM_SWEEPS) or ():
+            sweep = Sweep.from_dict(data)
+            if not (sweep.handle or sweep.job_name):
+                continue
             try:
                 done = sweeps.step(sweep, backend_for_connection(sweep.connection))
             except Exception as exc:
@@ -106,20 +111,24 @@ class StopsItsJobs:
         return list(out.values())
 
     def on_kill(self) -> None:
-        """Cancel the task's jobs when it is killed while running in the worker."""
-        if not self.cancel_on_kill:
-            return
-        for handle in self._live_handles():
-            self.log.info("Task killed: cancelling %s job %s on %s", handle.backend,
-                          handle.job_id, handle.connection)
+        """Cancel the task's jobs when it is killed while running in the worker (the old
+        copies still to confirm dead are stopped whatever ``cancel_on_kill`` says)."""
+        run, placer = self._run_state, self.__dict__.get("_placer")
+        live = self._live_handles() if self.cancel_on_kill else []
+        copies = run.pending_copies if run is not None else []
+        if live or copies:  # said first: Airflow's SIGKILL may cut what follows short
+            self.log.warning("Task killed: stopping %s%s", ", ".join(
+                f"{h.backend} job {h.job_id} on {h.connection}" for h in live) or "no job",
+                "; old copies:" + run.sweeps_text() if copies and run else "")
+        for handle in live:
             try:
                 backend_for_handle(handle).cancel(handle)
             except Exception as exc:
                 self.log.warning("Could not cancel job %s: %s", handle.job_id, exc)
-        run, placer = self._run_state, self.__dict__.get("_placer")
-        if run is not None and placer is not None and run.pending_copies:
+        if run is not None and placer is not None and copies:
             try:  # one more try: with no retry left, nobody else would stop them
-                placer.sweep_pending(run)
+                sweeps.sweep_pending(run, placer.hook.backend, (), self.log,
+                                     copies_only=not self.cancel_on_kill)
             except Exception as exc:
                 self.log.warning("Could not stop the old copies: %s", exc)
             if run.pending_copies:

@@ -281,6 +281,30 @@ def test_a_deferral_that_times_out_stops_the_old_copies_it_had_still_to_confirm(
     assert _alive() == []
 
 
+def test_a_deferral_timeout_with_cancel_on_kill_false_leaves_the_watched_job(monkeypatch):
+    """A precaution by prefix (c1 not listed at the start) is not an old copy: the timeout's
+    sweep would find the job being watched under the prefix and cancel it."""
+    from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
+
+    real, calls = FakeBackend.find_all, []
+
+    def once_unlisted(self, prefix):
+        if self.conn_id == "c1" and not calls:
+            calls.append(prefix)
+            raise BackendUnreachable("ssh: timed out")
+        return real(self, prefix)
+
+    monkeypatch.setattr(FakeBackend, "find_all", once_unlisted)
+    ctx = _ctx()
+    job = _defer(_op(cancel_on_kill=False), ctx).trigger.handle
+    ti = ctx["ti"]
+    ti.xcom_pull = lambda task_ids, key, map_indexes=None: ti.xcom.get(key)
+    with pytest.raises(Exception, match="Trigger timeout"):
+        _op(cancel_on_kill=False).resume_execution(TRIGGER_FAIL_REPR,
+                                                   {"error": "Trigger timeout"}, ctx)
+    assert calls and _alive() == [job["job_name"]]
+
+
 def _cut_short_on_c1(monkeypatch, creates: bool, then_down: bool = False):
     """c1's submissions lose their answer (the job made or not); c1 then goes silent."""
     real = FakeBackend.submit
@@ -314,6 +338,21 @@ def test_a_submission_cut_short_that_made_nothing_tries_the_next_place(monkeypat
     cut = run.pending_sweeps[0]  # swept by name all the same, in case it shows up late
     assert cut.connection == "c1" and cut.job_name.endswith("-a0") and not cut.before_next
     assert run.blocked[0].place == "c1/p" and run.blocked[0].until is not None
+
+
+def test_a_submission_cut_short_unanswered_for_unreachable_timeout_is_placed_elsewhere(
+        monkeypatch):
+    """c1 never answers again (a retired cluster): after unreachable_timeout the job goes to
+    c2 (the name on c1 still swept), rather than waiting for ever."""
+    _cut_short_on_c1(monkeypatch, creates=True, then_down=True)
+    waiting = _defer(_op(unreachable_timeout=600), _ctx())
+    assert isinstance(waiting.trigger, SkyPilotWaitTrigger)
+    event = {"status": "reprobe", "state": waiting.trigger.state}
+    with pytest.raises(TaskDeferred) as placed:
+        _op(unreachable_timeout=0).execute_complete(_ctx(), event)
+    assert placed.value.trigger.handle["connection"] == "c2"
+    run = RunState.from_dict(placed.value.trigger.state)
+    assert [w.connection for w in run.pending_copies] == ["c1"]
 
 
 def test_a_submission_cut_short_unanswered_submits_nothing_elsewhere_until_it_answers(
