@@ -131,6 +131,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for conn_id, error in result.config_errors.items():
         print(f"airflow-skypilot: error: misconfigured connection {conn_id} (the operator "
               f"fails on it): {error}", file=sys.stderr)
+    # every connection failed: the plan shows nothing to place on, and that is not "ok"
+    failed = {**result.errors, **result.config_errors}
+    if not result.offers and failed and all(c in failed for c in args.conn):
+        print("airflow-skypilot: error: no connection could be read", file=sys.stderr)
+        for conn_id, error in result.errors.items():
+            print(f"airflow-skypilot: error: unreachable connection {conn_id}: {error}",
+                  file=sys.stderr)
+        return 1
     return 1 if result.config_errors else 0
 
 

@@ -172,7 +172,8 @@ def rank(
             row.reason = "tried last (job_recovery EAGER_NEXT_REGION: elsewhere first)"
         else:
             row.verdict = "candidate" if offer.free_now else "queued"
-            row.reason = _why_lost(offer, chosen, policy, ordered)  # type: ignore[arg-type]
+            row.reason = _why_lost(offer, chosen, policy, ordered,  # type: ignore[arg-type]
+                                   prefer)
         ranked_rows.append(row)
     order = {"no fit": 2, "over budget": 1, "blocked": 0, "unreachable": 3}
     rest.sort(key=lambda r: (order.get(r.verdict, 9), r.connection, r.location))
@@ -200,6 +201,29 @@ def _key(o: Offer, policy: str, ordered: bool, prefer: str | None) -> tuple[Any,
         return (preferred, o.request.index, o.price_per_hour, not_free, wait_key, depth,
                 gpu_taker, spare, tie)
     return (preferred, o.price_per_hour, not_free, wait_key, depth, gpu_taker, spare, tie)
+
+
+def _key_names(policy: str, ordered: bool) -> tuple[str, ...]:
+    """What each element of :func:`_key` is, in its order: the explanations name the first
+    one in which two offers differ, the one that decided between them."""
+    if policy == "fastest":
+        if ordered:
+            return ("preferred", "not_free", "index", "wait", "depth", "gpu_taker", "price",
+                    "spare", "tie")
+        return ("preferred", "not_free", "wait", "depth", "gpu_taker", "price", "spare", "tie")
+    if ordered:
+        return ("preferred", "index", "price", "not_free", "wait", "depth", "gpu_taker",
+                "spare", "tie")
+    return ("preferred", "price", "not_free", "wait", "depth", "gpu_taker", "spare", "tie")
+
+
+def _decided_by(o: Offer, chosen: Offer, policy: str, ordered: bool,
+                prefer: str | None) -> str:
+    """The element of the ranking key that put ``chosen`` before ``o``."""
+    names = _key_names(policy, ordered)
+    mine, theirs = _key(o, policy, ordered, prefer), _key(chosen, policy, ordered, prefer)
+    assert len(names) == len(mine), "_key_names must follow _key"
+    return next((n for n, a, b in zip(names, mine, theirs, strict=True) if a != b), "tie")
 
 
 def _depth(o: Offer) -> float:
@@ -290,7 +314,21 @@ def _why_chosen(o: Offer, others: list[Offer], policy: str, ordered: bool,
     if o.free_now:
         bits.append("free now" + (f" ({_capacity_text(o)})" if o.gpus_total is not None else ""))
     else:
-        bits.append("nothing free now anywhere; soonest: " + _capacity_text(o))
+        free = next((x for x in others if x.free_now), None)  # the best place free now
+        if free is not None:
+            bits.append(f"queued ({_capacity_text(o)}) though "
+                        f"{free.connection}/{free.location} is free now: " + {
+                            "index": "this one comes earlier in your order",
+                            "price": f"this one costs {_price_text(o.price_per_hour)} vs "
+                                     f"{_price_text(free.price_per_hour)}",
+                        }.get(_decided_by(free, o, policy, ordered, prefer),
+                              f"ranked first under {policy}"))
+        else:
+            wait = math.inf if o.wait_seconds is None else o.wait_seconds
+            soonest = all(wait <= (math.inf if x.wait_seconds is None else x.wait_seconds)
+                          for x in others)
+            bits.append("nothing free now anywhere; " + ("soonest: " if soonest else "")
+                        + _capacity_text(o))
     if ordered:
         bits.append(f"candidate #{o.request.index + 1} in your order")
     if policy == "cheapest" or any(x.price_per_hour != o.price_per_hour for x in others):
@@ -298,32 +336,42 @@ def _why_chosen(o: Offer, others: list[Offer], policy: str, ordered: bool,
     return "; ".join(bits)
 
 
-def _why_lost(o: Offer, chosen: Offer, policy: str, ordered: bool) -> str:
-    if o.free_now and not chosen.free_now:
-        if ordered and o.request.index > chosen.request.index and policy == "cheapest":
-            return "free now, but later in your order"
-        if policy == "cheapest":
-            return (f"free now, but {_price_text(o.price_per_hour)} vs "
-                    f"{_price_text(chosen.price_per_hour)}")
-        return "free now, but another place was preferred"
-    if not o.free_now and chosen.free_now:
+def _why_lost(o: Offer, chosen: Offer, policy: str, ordered: bool,
+              prefer: str | None = None) -> str:
+    """Why ``o`` ranks below ``chosen``: the ranking key's first element that tells them apart."""
+    by = _decided_by(o, chosen, policy, ordered, prefer)
+    free_but = "free now, but " if o.free_now and not chosen.free_now else ""
+    if by == "preferred":
+        return (f"{chosen.connection}/{chosen.location} goes first: same place first "
+                "(job_recovery FAILOVER)")
+    if by == "not_free":
         return _capacity_text(o) or "cannot start now"
-    if ordered and o.request.index != chosen.request.index:
-        if policy == "fastest" and o.free_now == chosen.free_now or policy == "cheapest":
-            return (f"candidate #{o.request.index + 1}; #{chosen.request.index + 1} comes "
-                    "first in your order")
-    if policy == "cheapest" and o.price_per_hour != chosen.price_per_hour:
-        return f"{_price_text(o.price_per_hour)} vs {_price_text(chosen.price_per_hour)}"
-    wo, wc = o.wait_seconds, chosen.wait_seconds
-    if not o.free_now and wo != wc:
+    if by == "index":
+        if free_but:
+            return "free now, but later in your order"
+        return (f"candidate #{o.request.index + 1}; #{chosen.request.index + 1} comes "
+                "first in your order")
+    if by == "price":
+        return (f"{free_but}{_price_text(o.price_per_hour)} vs "
+                f"{_price_text(chosen.price_per_hour)}")
+    if by == "wait":
         return f"starts later: {_capacity_text(o)}"
-    if o.details.get("gpu_place") and not chosen.details.get("gpu_place"):
+    if by == "depth":
+        return f"more work queued ahead: {_queue_text(o)} vs {_queue_text(chosen)}"
+    if by == "gpu_taker":
         return "would take GPU nodes for a job that asks for no GPU"
-    if o.price_per_hour != chosen.price_per_hour:
-        return f"{_price_text(o.price_per_hour)} vs {_price_text(chosen.price_per_hour)}"
-    if (o.gpus_free or 0) != (chosen.gpus_free or 0):
+    if by == "spare":
         return f"fewer spare GPUs ({o.gpus_free} vs {chosen.gpus_free})"
     return "tie; broken by name"
+
+
+def _queue_text(o: Offer) -> str:
+    """``3 job(s) pending for 8 A100``: the work ahead that :func:`_depth` weighs."""
+    if o.pending_jobs is None:
+        return "pending jobs unknown"
+    if o.request.accelerator and o.gpus_total:
+        return f"{o.pending_jobs} job(s) pending for {o.gpus_total} {o.request.accelerator}"
+    return f"{o.pending_jobs} job(s) pending for {o.nodes_total or 1} node(s)"
 
 
 def _no_fit_summary(rows: list[Row]) -> str:

@@ -3,8 +3,10 @@
 Each connection is probed in its own daemon thread with a deadline. A backend that cannot be
 reached, or does not answer in time, is reported and skipped; it never fails the probe alone
 (a hung login node must not hold the whole placement, nor the process's exit). A connection
-that can never work (not defined, a type no backend serves) is reported apart, as a
-configuration error: waiting for it would wait for ever.
+whose previous call is still running in its thread is not called again ("still probing"):
+threads of a hung connection do not pile up, each on the backend object later calls share.
+A connection that can never work (not defined, a type no backend serves) is reported apart,
+as a configuration error of that call: waiting for it would wait for ever.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from airflow_skypilot.exceptions import ConfigurationError
 from airflow_skypilot.spec.task import Task
 
 T = TypeVar("T")
-
+#: what one connection gave in one call: value, error text, seconds, a configuration error?
+_Outcome = tuple[Any, "str | None", float, bool]
 
 
 @dataclass
@@ -68,8 +71,10 @@ class SkyPilotCapacityHook(BaseHook):
         self.timeout = timeout
         self._factory = backend_factory or backend_for_connection
         self._backends: dict[str, Backend] = {}
-        #: connections that can never work (undefined, unsupported type): fail, do not wait
-        self._config_errors: set[str] = set()
+        #: a connection's probe thread still running (it timed out in an earlier call) and
+        #: when it started: no second probe of that connection (and backend) while it runs
+        self._running: dict[str, tuple[threading.Thread, float]] = {}
+        self._running_lock = threading.Lock()
 
     def backend(self, conn_id: str) -> Backend:
         if conn_id not in self._backends:
@@ -80,9 +85,9 @@ class SkyPilotCapacityHook(BaseHook):
         """Offers for ``task`` from every connection (concurrently, each with the timeout)."""
         results = self._each(lambda b: b.probe(task))
         out = ProbeResult()
-        for conn_id, (value, error, seconds) in results.items():
+        for conn_id, (value, error, seconds, config) in results.items():
             out.seconds[conn_id] = seconds
-            if conn_id in self._config_errors:
+            if config:
                 out.config_errors[conn_id] = error or ""
             elif error is not None:
                 out.errors[conn_id] = error
@@ -100,8 +105,8 @@ class SkyPilotCapacityHook(BaseHook):
             return [(h, statuses.get(h.job_id) or JobStatus(JobState.UNKNOWN)) for h in handles]
 
         out = FoundJobs()
-        for conn_id, (value, error, _) in self._each(listing).items():
-            if conn_id in self._config_errors:
+        for conn_id, (value, error, _, config) in self._each(listing).items():
+            if config:
                 out.config_errors[conn_id] = error or ""
             elif error is not None:
                 out.errors[conn_id] = error
@@ -112,7 +117,7 @@ class SkyPilotCapacityHook(BaseHook):
     def capacity(self) -> list[CapacityRow]:
         """``show-gpus`` rows from every connection; an unreachable one gives an error row."""
         rows: list[CapacityRow] = []
-        for conn_id, (value, error, _) in self._each(lambda b: b.capacity()).items():
+        for conn_id, (value, error, _, _) in self._each(lambda b: b.capacity()).items():
             if error is not None:
                 rows.append(CapacityRow(connection=conn_id, location="", accelerator=None,
                                         error=error))
@@ -120,25 +125,46 @@ class SkyPilotCapacityHook(BaseHook):
                 rows.extend(value)
         return rows
 
-    def _each(self, call: Callable[[Backend], T]) -> dict[str, tuple[Any, str | None, float]]:
-        results: dict[str, tuple[Any, str | None, float]] = {}
+    def _each(self, call: Callable[[Backend], T]) -> dict[str, _Outcome]:
+        """``call`` on each connection's backend in its own thread, for at most the timeout.
+
+        Every outcome belongs to this call only: a configuration error found now is reported
+        now (not by later calls), and a thread that answers after its deadline changes nothing.
+        A connection whose thread from an earlier call is still running is not probed again
+        (its backend object is busy; threads would pile up): it is reported as still probing.
+        """
+        results: dict[str, _Outcome] = {}
         lock = threading.Lock()
 
         def work(conn_id: str) -> None:
             start = time.monotonic()
             try:
                 value = call(self.backend(conn_id))
-                outcome: tuple[Any, str | None, float] = (value, None, 0.0)
-            except Exception as exc:  # any failure of one backend is reported, not raised
-                if isinstance(exc, ConfigurationError):
-                    self._config_errors.add(conn_id)
-                outcome = (None, _error_text(exc), 0.0)
+                outcome: _Outcome = (value, None, 0.0, False)
+            except BaseException as exc:  # any failure of one backend (even
+                # a CancelledError or SystemExit of its own) is reported, not raised
+                outcome = (None, _error_text(exc), 0.0, isinstance(exc, ConfigurationError))
+            finally:
+                with self._running_lock:
+                    if self._running.get(conn_id, (None,))[0] is threading.current_thread():
+                        del self._running[conn_id]
             with lock:
                 results.setdefault(conn_id, (outcome[0], outcome[1],
-                                             time.monotonic() - start))
+                                             time.monotonic() - start, outcome[3]))
 
-        threads = {c: threading.Thread(target=work, args=(c,), daemon=True,
-                                       name=f"probe-{c}") for c in self.connections}
+        threads: dict[str, threading.Thread] = {}
+        now = time.monotonic()
+        with self._running_lock:
+            for conn_id in self.connections:
+                busy = self._running.get(conn_id)
+                if busy is not None and busy[0].is_alive():
+                    results[conn_id] = (None, f"still probing since {now - busy[1]:.0f}s",
+                                        0.0, False)
+                    continue
+                thread = threading.Thread(target=work, args=(conn_id,), daemon=True,
+                                          name=f"probe-{conn_id}")
+                self._running[conn_id] = (thread, now)
+                threads[conn_id] = thread
         for t in threads.values():
             t.start()
         deadline = time.monotonic() + self.timeout
@@ -147,7 +173,7 @@ class SkyPilotCapacityHook(BaseHook):
             with lock:
                 if conn_id not in results:
                     results[conn_id] = (None, f"no answer within {self.timeout:g}s",
-                                        self.timeout)
+                                        self.timeout, False)
         return {c: results[c] for c in self.connections}
 
 

@@ -188,3 +188,23 @@ def test_plan_with_an_undefined_connection_names_it_on_stderr_and_exits_1(
         "it): ConfigurationError: connection 'c1_typo' is not defined"]
     assert main(["plan", path, "--conn", "c1"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_plan_exits_1_with_the_reasons_when_no_connection_could_be_read(
+        tmp_path, capsys, monkeypatch):
+    from tests.fakes import FakeBackend, offer
+
+    _plan_with(monkeypatch, {"c1": [offer("c1", "p")], "c2": []})
+    monkeypatch.setattr(FakeBackend, "down", {"c1", "c2"})
+    path = _write(tmp_path, "resources:\n  accelerators: A100:1\nrun: x\n")
+    assert main(["plan", path, "--conn", "c1", "--conn", "c2", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["chosen"] is None  # the table still shows why
+    assert err.splitlines() == [
+        "airflow-skypilot: error: no connection could be read",
+        "airflow-skypilot: error: unreachable connection c1: BackendUnreachable: c1 is down",
+        "airflow-skypilot: error: unreachable connection c2: BackendUnreachable: c2 is down"]
+    # one connection read (even with nothing to offer): the plan itself is the answer
+    monkeypatch.setattr(FakeBackend, "down", {"c1"})
+    assert main(["plan", path, "--conn", "c1", "--conn", "c2"]) == 0
+    assert capsys.readouterr().err == ""

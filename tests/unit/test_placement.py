@@ -181,3 +181,51 @@ def test_blocking_every_location_under_a_prefix():
                  offer("aws", "us-west-2/us-west-2a")],
                 blocked=[Blocked("aws/us-east-1/*", "no capacity in the region")])
     assert plan.chosen.location == "us-west-2/us-west-2a"
+
+
+def test_a_cheaper_queue_chosen_under_cheapest_does_not_claim_nothing_is_free():
+    queued = offer("onprem", "gpu", nodes_free=0, est_in=3600, price=0.0)
+    free = offer("aws", "us-east-1/us-east-1a", price=4.1)
+    plan = rank([free, queued], "cheapest")
+    assert plan.chosen is queued
+    assert "nothing free now" not in plan.rows[0].reason
+    assert plan.rows[0].reason.startswith(
+        "queued (8 of 8 A100 free, need 1 A100; est. start in 1h00m) though "
+        "aws/us-east-1/us-east-1a is free now: this one costs $0/h vs $4.1/h")
+    assert plan.rows[1].reason == "free now, but $4.1/h vs $0/h"
+
+
+def test_an_earlier_queued_candidate_under_ordered_cheapest_says_a_later_one_is_free():
+    first = offer("k8s", "ctx/ns", acc="H100", index=0, nodes_free=0, est_in=600, price=10)
+    second = offer("k8s", "ctx/ns", acc="A100", index=1, price=3)
+    plan = rank([second, first], "cheapest", ordered=True)
+    assert plan.chosen is first
+    assert "nothing free now" not in plan.rows[0].reason
+    assert "k8s/ctx/ns is free now: this one comes earlier in your order" in plan.rows[0].reason
+    assert plan.rows[1].reason == "free now, but later in your order"
+
+
+def test_nothing_free_names_the_soonest_only_when_it_is_the_soonest():
+    first = offer("a", acc="H100", index=0, nodes_free=0, est_in=3600)
+    second = offer("b", acc="A100", index=1, nodes_free=0, est_in=60)
+    plan = rank([second, first], "fastest", ordered=True)
+    assert plan.chosen is first
+    assert plan.rows[0].reason.startswith("nothing free now anywhere; 8 of 8 H100 free")
+    assert plan.rows[1].reason == "candidate #2; #1 comes first in your order"
+
+
+def test_a_loser_to_the_failover_place_says_so_not_the_candidate_order():
+    first = offer("a", "x", acc="H100", index=0)
+    again = offer("b", "y", acc="A100", index=1)
+    plan = rank([first, again], "fastest", ordered=True, prefer="b/y")
+    assert plan.chosen is again
+    assert plan.rows[1].reason == "b/y goes first: same place first (job_recovery FAILOVER)"
+
+
+def test_queues_told_apart_by_their_depth_say_so_not_tie():
+    deep = offer("s1", nodes_free=0, pending=10)
+    short = offer("s2", nodes_free=0, pending=1)
+    plan = rank([deep, short])
+    assert plan.chosen is short
+    assert plan.rows[1].reason == ("more work queued ahead: 10 job(s) pending for 8 A100 vs "
+                                   "1 job(s) pending for 8 A100")
