@@ -219,7 +219,10 @@ def test_namespace_falls_back_to_the_pod_then_the_kubeconfig_context(monkeypatch
     s = KubernetesSettings.from_extra
     assert s("c", {"in_cluster": True}).namespace == "airflow-ns"
     assert s("c", {"in_cluster": True, "namespace": "mine"}).namespace == "mine"
-    assert s("c", {}).namespace == "airflow-ns"  # no kubeconfig: the hook goes in-cluster
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert s("c", {}).namespace == "default"  # not in a pod, no kubeconfig
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert s("c", {}).namespace == "airflow-ns"  # in a pod: the hook tries in-cluster first
     kubeconfig = {"current-context": "a", "contexts": [
         {"name": "a", "context": {"cluster": "x", "namespace": "team-a"}},
         {"name": "b", "context": {"cluster": "x", "namespace": "team-b"}},
@@ -231,6 +234,8 @@ def test_namespace_falls_back_to_the_pod_then_the_kubeconfig_context(monkeypatch
     assert s("c", {"kube_config": json.dumps(kubeconfig),
                    "cluster_context": "c"}).namespace == "default"
     monkeypatch.setenv("KUBECONFIG", str(path))
+    assert s("c", {}).namespace == "airflow-ns"  # in a pod with a kubeconfig: in-cluster
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
     assert s("c", {}).namespace == "team-a"
     ns_file.unlink()
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))

@@ -147,6 +147,12 @@ class KubernetesBackend(Backend):
         return [self._handle(job, adopted=True)
                 for job in submit.list_jobs(self.client, self.settings.namespace, prefix)]
 
+    def unsupported(self, task: Task, req: ResourceRequest) -> str:
+        """The features this backend lacks, then the task's labels and annotations
+        (``resources.labels``, ``config.kubernetes.custom_metadata``) that are not valid
+        Kubernetes ones: the candidate does not fit, and nothing is submitted."""
+        return super().unsupported(task, req) or manifests.metadata_refusal(task, req)
+
     def submit(self, task: Task, offer: Offer, job_name: str,
                env: Mapping[str, str]) -> JobHandle:
         s = self.settings

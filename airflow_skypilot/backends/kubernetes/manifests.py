@@ -39,12 +39,15 @@ from airflow_skypilot.backends.common.fit import shape as shape_of
 from airflow_skypilot.backends.kubernetes.bundle import Bundle
 from airflow_skypilot.backends.kubernetes.cluster import GPU_TOLERATION
 from airflow_skypilot.backends.kubernetes.names import (
+    ANN_PENDING_TIMEOUT,
     ANN_PREFIX,
     CONTAINER,
     GPU_RESOURCE,
     LABEL_JOB,
     bundle_name,
     configmap_name,
+    key_error,
+    label_value_error,
     labels_for,
     node_addresses,
     secret_name,
@@ -52,7 +55,7 @@ from airflow_skypilot.backends.kubernetes.names import (
 )
 from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
 from airflow_skypilot.exceptions import SubmissionError
-from airflow_skypilot.spec.task import Task
+from airflow_skypilot.spec.task import ResourceRequest, Task
 
 FILES_MOUNT = "/etc/airflow-skypilot"
 BUNDLE_MOUNT = "/etc/airflow-skypilot-bundle"
@@ -140,35 +143,123 @@ def has_files(task: Task) -> bool:
     return bool(task.workdir or task.file_mounts)
 
 
+# --- the task's labels and annotations ---------------------------------------------------------
+
+
+@dataclass
+class UserMetadata:
+    """What the task puts on the job's objects, as SkyPilot does: ``resources.labels`` of the
+    chosen candidate on the pods (its kubernetes-ray template: "Custom tags for the pods"),
+    and here on the Job too; ``config.kubernetes.custom_metadata`` labels and annotations on
+    every object of the job (SkyPilot: "all Kubernetes resources" it creates). Ours
+    (:func:`~.names.labels_for`, ``skypilot.airflow/`` annotations) always win."""
+
+    resource_labels: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # custom_metadata.labels
+    annotations: dict[str, str] = field(default_factory=dict)  # custom_metadata.annotations
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def _entries(where: str, raw: Any, *, labels: bool) -> tuple[dict[str, str], list[str]]:
+    if raw is None:
+        return {}, []
+    if not isinstance(raw, Mapping):
+        return {}, [f"{where}: must be a mapping of names to strings; got {raw!r}"]
+    out: dict[str, str] = {}
+    errors: list[str] = []
+    for key, value in raw.items():
+        text = _text(value)
+        if not isinstance(key, str) or text is None:
+            errors.append(f"{where}: {key!r} must map a name to a string; got {value!r}")
+            continue
+        why = key_error(key) or (label_value_error(key, text) if labels else "")
+        if why:
+            errors.append(f"{where}: {why}")
+        out[key] = text
+    return out, errors
+
+
+def user_metadata(task: Task, req: ResourceRequest) -> tuple[UserMetadata, str]:
+    """The task's labels and annotations for candidate ``req``, and why they cannot be
+    applied ("" when they can): keys and label values must be valid Kubernetes ones."""
+    errors: list[str] = []
+    resource_labels, bad = _entries("resources.labels", dict(req.labels or {}), labels=True)
+    errors += bad
+    kube = task.config.get("kubernetes") if isinstance(task.config, Mapping) else None
+    custom = (kube or {}).get("custom_metadata") if isinstance(kube, Mapping) else None
+    where = "config.kubernetes.custom_metadata"
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    if isinstance(custom, Mapping):
+        if extra := sorted(str(k) for k in custom if k not in ("labels", "annotations")):
+            errors.append(f"{where}: only labels and annotations are applied; got "
+                          f"{', '.join(extra)}")
+        labels, bad = _entries(f"{where}.labels", custom.get("labels"), labels=True)
+        errors += bad
+        annotations, bad = _entries(f"{where}.annotations", custom.get("annotations"),
+                                    labels=False)
+        errors += bad
+    elif custom is not None:
+        errors.append(f"{where}: must be a mapping with labels and/or annotations")
+    return UserMetadata(resource_labels, labels, annotations), "; ".join(errors)
+
+
+def metadata_refusal(task: Task, req: ResourceRequest) -> str:
+    """Why the task's labels/annotations cannot go on the job's objects ("" when they can)."""
+    return user_metadata(task, req)[1]
+
+
+def _apply(meta: dict[str, Any], labels: Mapping[str, str],
+           annotations: Mapping[str, str]) -> None:
+    """The task's labels and annotations under what ``meta`` already has (ours win)."""
+    if labels:
+        meta["labels"] = {**labels, **(meta.get("labels") or {})}
+    if annotations:
+        meta["annotations"] = {**annotations, **(meta.get("annotations") or {})}
+
+
 # --- manifests ------------------------------------------------------------------------------
 
 
-def _meta(name: str, namespace: str, job_name: str,
-          owner: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _meta(name: str, namespace: str, job_name: str, owner: Mapping[str, Any] | None = None,
+          user: UserMetadata | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels_for(job_name)}
+    if user is not None:
+        _apply(meta, user.labels, user.annotations)
     if owner is not None:
         meta["ownerReferences"] = [owner_reference(owner)]
     return meta
 
 
 def configmap_manifest(job_name: str, namespace: str, data: Mapping[str, str],
-                       owner: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       owner: Mapping[str, Any] | None = None,
+                       user: UserMetadata | None = None) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(configmap_name(job_name), namespace, job_name, owner),
+            "metadata": _meta(configmap_name(job_name), namespace, job_name, owner, user),
             "immutable": True, "data": dict(data)}
 
 
 def secret_manifest(job_name: str, namespace: str, secrets: Mapping[str, str],
-                    owner: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    owner: Mapping[str, Any] | None = None,
+                    user: UserMetadata | None = None) -> dict[str, Any]:
     data = {k: base64.b64encode(str(v).encode()).decode("ascii") for k, v in secrets.items()}
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
-            "metadata": _meta(secret_name(job_name), namespace, job_name, owner), "data": data}
+            "metadata": _meta(secret_name(job_name), namespace, job_name, owner, user),
+            "data": data}
 
 
 def bundle_manifest(job_name: str, namespace: str, files: Bundle,
-                    owner: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    owner: Mapping[str, Any] | None = None,
+                    user: UserMetadata | None = None) -> dict[str, Any]:
     """The workdir and file mounts (base64 tar.gz text per key) as a Secret."""
-    manifest = secret_manifest(job_name, namespace, files.data, owner)
+    manifest = secret_manifest(job_name, namespace, files.data, owner, user)
     manifest["metadata"]["name"] = bundle_name(job_name)
     return manifest
 
@@ -193,11 +284,11 @@ def too_large(objects: list[Mapping[str, Any]], limit: int = OBJECT_LIMIT) -> st
     return ""
 
 
-def service_manifest(job_name: str, namespace: str,
-                     owner: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def service_manifest(job_name: str, namespace: str, owner: Mapping[str, Any] | None = None,
+                     user: UserMetadata | None = None) -> dict[str, Any]:
     """Headless: no cluster IP, one DNS record per pod, published before pods are ready."""
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(service_name(job_name), namespace, job_name, owner),
+            "metadata": _meta(service_name(job_name), namespace, job_name, owner, user),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                      "selector": {LABEL_JOB: job_name}}}
 
@@ -229,13 +320,17 @@ def memory_quantity(gb: float) -> str:
 
 def job_manifest(job_name: str, namespace: str, num_nodes: int, shape: PodShape, *,
                  annotations: Mapping[str, str], has_secrets: bool,
-                 ttl_seconds_after_finished: int | None, suspend: bool = True) -> dict[str, Any]:
+                 ttl_seconds_after_finished: int | None, suspend: bool = True,
+                 user: UserMetadata | None = None) -> dict[str, Any]:
     """The ``batch/v1`` Job. Created suspended: it starts once its ConfigMap and Secret exist.
 
     ``backoffLimit: 0`` (recovery is ours); the pod failure policy fails the Job at once and
     records why (disruption vs exit code) in the Job's condition, which outlives the pods.
+    The pods carry ``resources.labels``, then a pod_config's metadata, then ``custom_metadata``
+    (SkyPilot's order), then ours; the Job the same but a pod_config's.
     """
     labels = labels_for(job_name)
+    user = user or UserMetadata()
     resources: dict[str, Any] = {}
     requests: dict[str, str] = {}
     if shape.cpus:
@@ -301,7 +396,8 @@ def job_manifest(job_name: str, namespace: str, num_nodes: int, shape: PodShape,
             {"action": "FailJob",
              "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
         ]},
-        "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+        "template": {"metadata": {"labels": {**user.resource_labels, **labels}},
+                     "spec": pod_spec},
     }
     if num_nodes > 1:
         spec["completionMode"] = "Indexed"
@@ -315,13 +411,16 @@ def job_manifest(job_name: str, namespace: str, num_nodes: int, shape: PodShape,
         spec["ttlSecondsAfterFinished"] = int(ttl_seconds_after_finished)
     if shape.pod_config:
         merge_pod_config(spec["template"], shape.pod_config)
-        spec["template"]["metadata"]["labels"].update(labels)  # ours win: they find the pods
         if shape.node_selector:  # a pod_config may narrow the nodes, not swap the connection's
             spec["template"]["spec"]["nodeSelector"].update(shape.node_selector)
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": job_name, "namespace": namespace, "labels": labels,
-                         "annotations": dict(annotations)},
-            "spec": spec}
+    pod_meta = spec["template"]["metadata"]
+    pod_meta["labels"] = {**(pod_meta.get("labels") or {}), **user.labels, **labels}  # ours win
+    if user.annotations:
+        pod_meta["annotations"] = {**(pod_meta.get("annotations") or {}), **user.annotations}
+    meta = {"name": job_name, "namespace": namespace, "labels": dict(labels),
+            "annotations": dict(annotations)}
+    _apply(meta, {**user.resource_labels, **user.labels}, user.annotations)
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
 
 
 def merge_pod_config(template: dict[str, Any], pod_config: Mapping[str, Any]) -> None:
@@ -391,6 +490,9 @@ def job_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: st
     if refusal := s.pod_config_refusal(task):  # the offer did not fit: never here but by hand
         raise SubmissionError(refusal, retry_elsewhere=True)
     req = offer.request
+    user, refusal = user_metadata(task, req)
+    if refusal:  # likewise (the facade's unsupported() refuses it at placement)
+        raise SubmissionError(refusal, retry_elsewhere=True)
     gpus, cpus, mem = shape_of(req)
     node_selector = dict(s.node_selector)
     node_selector.update(offer.details.get("node_selector") or {})
@@ -415,9 +517,22 @@ def job_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: st
         ANN_PREFIX + "secret": "true" if task.secrets else "false",
         ANN_PREFIX + "task-id": str(env.get("SKYPILOT_TASK_ID", job_name)),
     }
+    if (timeout := provision_timeout(task)) is not None:
+        annotations[ANN_PENDING_TIMEOUT] = str(timeout)
     return job_manifest(job_name, s.namespace, task.num_nodes, shape,
                         annotations=annotations, has_secrets=bool(task.secrets),
-                        ttl_seconds_after_finished=s.ttl_seconds_after_finished)
+                        ttl_seconds_after_finished=s.ttl_seconds_after_finished, user=user)
+
+
+def provision_timeout(task: Task) -> int | None:
+    """``config.kubernetes.provision_timeout``: SkyPilot waits that long for the pods to be
+    scheduled, then fails over (negative: waits indefinitely). Here it is the job's
+    ``pending_timeout`` (status reads it from the Job, over the connection's)."""
+    kube = task.config.get("kubernetes") if isinstance(task.config, Mapping) else None
+    value = kube.get("provision_timeout") if isinstance(kube, Mapping) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)
 
 
 def dependents_for(settings: KubernetesSettings, task: Task, offer: Offer, job_name: str,
@@ -427,6 +542,7 @@ def dependents_for(settings: KubernetesSettings, task: Task, offer: Offer, job_n
     ``owner``."""
     s = settings
     req = offer.request
+    user, _ = user_metadata(task, req)  # refused before the Job was built (job_for)
     info = {"cluster_name": s.context, "cloud": "Kubernetes", "region": s.context,
             "zone": s.namespace}
     node_env = jobscript.skypilot_env(
@@ -438,18 +554,20 @@ def dependents_for(settings: KubernetesSettings, task: Task, offer: Offer, job_n
         node_env.pop(key, None)
     data = files_data(task, job_name=job_name, namespace=s.namespace, node_env=node_env,
                       cluster_domain=s.cluster_domain, files=files)
-    out = [configmap_manifest(job_name, s.namespace, data, owner)]
+    out = [configmap_manifest(job_name, s.namespace, data, owner, user)]
     if task.secrets:
-        out.append(secret_manifest(job_name, s.namespace, task.secrets, owner))
+        out.append(secret_manifest(job_name, s.namespace, task.secrets, owner, user))
     if has_files(task):
-        out.append(bundle_manifest(job_name, s.namespace, files, owner))
+        out.append(bundle_manifest(job_name, s.namespace, files, owner, user))
     if task.num_nodes > 1:
-        out.append(service_manifest(job_name, s.namespace, owner))
+        out.append(service_manifest(job_name, s.namespace, owner, user))
     return out
 
 
 __all__ = [
-    "BOOTSTRAP", "PodShape", "bundle_manifest", "configmap_manifest", "dependents_for",
+    "BOOTSTRAP", "PodShape", "UserMetadata", "bundle_manifest", "configmap_manifest",
+    "dependents_for",
     "files_data", "job_for", "job_manifest", "main_script", "merge_pod_config",
+    "metadata_refusal", "provision_timeout", "user_metadata",
     "secret_manifest", "service_manifest", "too_large",
 ]

@@ -9,6 +9,8 @@ we cancelled (its value is when), so the Job itself records that it was stopped 
 
 from __future__ import annotations
 
+import re
+
 #: labels and annotations (``skypilot.airflow/`` is ours)
 LABEL_JOB = "skypilot.airflow/job-name"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
@@ -17,6 +19,11 @@ ANN_PREFIX = "skypilot.airflow/"
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 #: set by cancel on the Job (RFC 3339 time of the cancel): the job reads CANCELLED until cleanup
 ANN_CANCELLED = ANN_PREFIX + "cancelled"
+#: on the Job: the task's ``config.kubernetes.provision_timeout`` (seconds; negative: wait), read
+#: by status over the connection's ``pending_timeout``
+ANN_PENDING_TIMEOUT = ANN_PREFIX + "pending-timeout"
+#: label/annotation key prefixes a task may not set: ours, and the Job controller's
+RESERVED_PREFIXES = (ANN_PREFIX, "batch.kubernetes.io/")
 
 #: the job's container in each pod
 CONTAINER = "main"
@@ -58,3 +65,32 @@ def node_addresses(job_name: str, namespace: str, num_nodes: int,
 
 def labels_for(job_name: str) -> dict[str, str]:
     return {LABEL_MANAGED: MANAGED_BY, LABEL_JOB: job_name}
+
+
+_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def key_error(key: str) -> str:
+    """Why ``key`` is not a valid label or annotation key ("" when it is): an optional DNS
+    subdomain prefix (at most 253 characters) and ``/``, then a name of at most 63
+    characters, alphanumeric at both ends, with ``-``, ``_`` and ``.`` between."""
+    prefix, _, name = key.rpartition("/")
+    if "/" in key and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return (f"key {key!r}: its prefix must be a DNS subdomain (lower-case alphanumerics, "
+                "'-' and '.', at most 253 characters)")
+    if not _NAME.match(name):
+        return (f"key {key!r}: the name must be 1-63 characters, alphanumeric at both ends, "
+                "with '-', '_' or '.' between")
+    if any(key.startswith(p) for p in RESERVED_PREFIXES):
+        return f"key {key!r}: the prefixes {', '.join(RESERVED_PREFIXES)} are reserved"
+    return ""
+
+
+def label_value_error(key: str, value: str) -> str:
+    """Why ``value`` is not a valid label value ("" when it is): empty, or at most 63
+    characters, alphanumeric at both ends, with ``-``, ``_`` and ``.`` between."""
+    if value and not _NAME.match(value):
+        return (f"label {key!r}: value {value!r} must be at most 63 characters, alphanumeric "
+                "at both ends, with '-', '_' or '.' between (or empty)")
+    return ""

@@ -62,16 +62,18 @@ def _kubeconfig_namespace(get: Callable[[str], Any]) -> str | None:
 
 def default_namespace(get: Callable[[str], Any]) -> str:
     """A connection's namespace when it names none, as the cncf-kubernetes pod operator and
-    SkyPilot choose it: the pod's own when the hook loads the in-cluster configuration (the
-    ``in_cluster`` extra, or no kubeconfig at all), else the kubeconfig context's, else
-    ``default``. (The provider's ``KubernetesHook.get_namespace`` reads only the extra.)"""
-    in_cluster = str(get("in_cluster") or "").lower() == "true"
-    if in_cluster:
+    SkyPilot choose it, in the order the provider's hook loads its configuration: the pod's
+    own when it loads the in-cluster one (the ``in_cluster`` extra; or no kubeconfig extra
+    while running in a pod: the hook tries in-cluster first), else the kubeconfig context's,
+    else ``default``. (The provider's ``KubernetesHook.get_namespace`` reads only the extra.)
+    Connections that named none used ``default`` before 2026-12-01: set ``namespace`` to keep
+    it (a retry across the upgrade lists the new namespace only)."""
+    if str(get("in_cluster") or "").lower() == "true":
         return _read(INCLUSTER_NAMESPACE) or "default"
-    found = _kubeconfig_namespace(get)
-    if found is None and get("kube_config") is None and get("kube_config_path") is None:
-        return _read(INCLUSTER_NAMESPACE) or "default"  # no kubeconfig: the hook goes in-cluster
-    return found or "default"
+    if get("kube_config") is None and get("kube_config_path") is None and \
+            os.environ.get("KUBERNETES_SERVICE_HOST") and (own := _read(INCLUSTER_NAMESPACE)):
+        return own
+    return _kubeconfig_namespace(get) or "default"
 
 
 @dataclass
@@ -85,7 +87,9 @@ class KubernetesSettings:
     container config error may last before the job fails; ``node_not_ready_grace`` how long
     a job's node may be NotReady before the job counts as lost to the infrastructure;
     ``pending_timeout`` (default: none, wait) how long a pod may stay unschedulable before
-    the job is placed elsewhere (the capacity seen at placement is gone).
+    the job is placed elsewhere (the capacity seen at placement is gone); a task's
+    ``config.kubernetes.provision_timeout`` (SkyPilot's wait for the pods to be scheduled
+    before failing over; negative: wait) replaces it for that job.
     ``allow_privileged_pod_config`` (default false) lets tasks' ``config.kubernetes.pod_config``
     use what :mod:`airflow_skypilot.spec.podsecurity` refuses (host namespaces, hostPath,
     privileged containers, another service account...): only for clusters whose admins trust

@@ -34,6 +34,7 @@ from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient
 from airflow_skypilot.backends.kubernetes.cluster import TERMINAL, NodeView, epoch
 from airflow_skypilot.backends.kubernetes.names import (
     ANN_CANCELLED,
+    ANN_PENDING_TIMEOUT,
     ANN_PREFIX,
     CONTAINER,
     INDEX_KEY,
@@ -141,6 +142,19 @@ def pods_of(job_name: str, pods: list[Mapping[str, Any]],
     return out
 
 
+def own_pending_timeout(meta: Mapping[str, Any], default: float | None) -> float | None:
+    """The Job's own pending timeout (its task's ``config.kubernetes.provision_timeout``, see
+    :data:`~.names.ANN_PENDING_TIMEOUT`; negative: wait) over the connection's ``default``."""
+    raw = (meta.get("annotations") or {}).get(ANN_PENDING_TIMEOUT)
+    try:
+        value = float(raw) if raw is not None else None
+    except (TypeError, ValueError):
+        return default
+    if value is None:
+        return default
+    return None if value < 0 else value
+
+
 def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | None, *,
                num_nodes: int, spot: bool = False, nodes: Mapping[str, NodeView] | None = None,
                now: float | None = None, image_error_grace: float = 60.0,
@@ -179,6 +193,7 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
              if c.get("status") == "True"}
     failed_cond = conds.get("Failed") or conds.get("FailureTarget")
     verdict = failed_cond or conds.get("Complete") or conds.get("SuccessCriteriaMet")
+    pending_timeout = own_pending_timeout(meta, pending_timeout)
     cancelled_raw = (meta.get("annotations") or {}).get(ANN_CANCELLED)
     cancelled_at = epoch(cancelled_raw) if cancelled_raw else None
     if cancelled_raw and cancelled_at is None:  # a mark we cannot read is still a mark
