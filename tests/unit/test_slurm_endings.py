@@ -99,6 +99,12 @@ def _stopped_by_sigterm(tmp_path, end_time: int):
     assert job.returncode == 143
     assert not (tmp_path / "exit_code").exists()
     assert not (tmp_path / "secrets.sh").exists()  # the EXIT trap still ran
+    return _read_once_forgotten(tmp_path, env)
+
+
+def _read_once_forgotten(tmp_path, env):
+    """The real status script's answer for the job of ``tmp_path`` (id 7, which the stand-in
+    squeue and sacct no longer know)."""
     handle = _handle(str(tmp_path))
     done = subprocess.run(["bash", "-s"], input=status_script([handle]), env=env,
                           capture_output=True, text=True, timeout=30)
@@ -166,3 +172,88 @@ def test_a_tasks_export_none_still_lets_the_steps_see_what_the_job_script_export
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text().split("\n")[:2] == ["10.0.0.1 3", "10.0.0.1 3"]
+
+
+#: a stand-in srun for two nodes: runs the step's command once per rank (its own process
+#: group, SLURM_NODEID set); in the run step, ``$LOSE``'s whole process group is SIGKILLed a
+#: second in (its node lost, or srun's --kill-on-bad-exit: no chance to write anything)
+_SRUN_2 = """#!/bin/bash
+while [ "$1" != bash ]; do shift; done
+for r in 0 1; do SLURM_NODEID=$r setsid "$@" & p[$r]=$!; done
+if [ -n "$LOSE" ] && [ "${@: -1}" = run ]; then sleep 1; kill -9 -- -${p[$LOSE]}; fi
+rc=0; for r in 0 1; do wait ${p[$r]} || rc=1; done; exit $rc
+"""
+
+
+def _two_nodes(tmp_path, down: str = "", **env_vars: str):
+    """Run the real job script of a 2-node job with :data:`_SRUN_2`, then the real status
+    script once Slurm forgot the job (squeue and sacct answer nothing about it)."""
+    _, got = _offers({"accelerators": "A100:2"})
+    task = load_task({"num_nodes": 2, "resources": {"accelerators": "A100:2"},
+                      "run": 'if [ "$SKYPILOT_NODE_RANK" = "${SLEEP_RANK:-}" ]; then sleep 30; '
+                             'fi; eval exit "\\${RC_$SKYPILOT_NODE_RANK:-0}"'})
+    for name, (text, mode) in submit.render(task, got["batch"], SETTINGS, "sky-x", {},
+                                            str(tmp_path)).items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(mode)
+    env = _stubs(tmp_path, "")
+    (tmp_path / "bin" / "srun").write_text(_SRUN_2)
+    (tmp_path / "bin" / "scontrol").write_text(
+        '#!/bin/sh\ncase "$*" in *hostnames*) printf "n1\\nn2\\n" ;;\n'
+        f'  *" {down}") echo "NodeName={down} State=DOWN+NOT_RESPONDING" ;;\n'
+        '  *node*) echo "NodeName=x State=ALLOCATED" ;; esac\n')
+    env.update(SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[1-2]", **env_vars)
+    done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0, done.stderr
+    return _read_once_forgotten(tmp_path, env)
+
+
+def test_a_rank_whose_node_died_is_an_infrastructure_failure_after_slurm_forgets_the_job(
+        tmp_path):
+    status = _two_nodes(tmp_path, LOSE="1", SLEEP_RANK="1")
+    assert (tmp_path / "exit_code.run.0").read_text().strip() == "0"
+    assert not (tmp_path / "exit_code.run.1").exists()
+    assert status.state == JobState.INFRA_FAILED and status.state.infra_failure
+    assert "rank 1" in status.reason
+
+
+def test_a_rank_that_failed_of_its_own_is_the_users_failure_with_its_code(tmp_path):
+    status = _two_nodes(tmp_path, RC_1="3")
+    assert (status.state, status.exit_code, status.exit_codes) == (JobState.FAILED, 3, [3])
+    assert "rank 1" in status.reason
+
+
+def test_a_rank_srun_killed_for_another_ranks_failure_keeps_it_the_users(tmp_path):
+    """srun's --kill-on-bad-exit SIGKILLs the other ranks (no code of their own), their
+    nodes up: the failing rank's code decides, not a lost node."""
+    status = _two_nodes(tmp_path, RC_1="3", LOSE="0", SLEEP_RANK="0")
+    assert not (tmp_path / "exit_code.run.0").exists()
+    assert (status.state, status.exit_codes) == (JobState.FAILED, [3])
+
+
+def test_a_rank_without_a_code_whose_node_slurm_has_down_is_lost_beside_a_failed_peer(
+        tmp_path):
+    """A peer that failed because the node went (its collective broke) is not the user's."""
+    status = _two_nodes(tmp_path, down="n2", RC_0="1", LOSE="1", SLEEP_RANK="1")
+    assert status.state == JobState.INFRA_FAILED and "rank 1" in status.reason
+    assert status.exit_codes == [1]
+
+
+def test_a_single_node_job_writes_and_reads_its_exit_code_as_before(tmp_path):
+    (tmp_path / "exit_code").write_text("3\n")
+    handle = _handle(str(tmp_path))
+    out = subprocess.run(["bash", "-s"], input=status_script([handle]),
+                         env=_stubs(tmp_path, ""), capture_output=True, text=True, timeout=30)
+    status = parse_status(out.stdout, [handle])["7"]
+    assert (status.state, status.exit_code, status.reason) == (JobState.FAILED, 3, "exit code 3")
+
+
+def test_a_killed_note_is_not_believed_while_squeue_does_not_answer():
+    """The note is written as SIGTERM arrives; the job's steps may still run (COMPLETING) for
+    KillWait or longer: only squeue's answer that the job is gone makes it terminal."""
+    note = f"killed {int(time.time())} {int(time.time()) + 3600}"
+    silent = f"@@squeue\n@@squeue_rc\n124\n@@sacct\n@@sacct_rc\n124\n@@exits\n7|{note}\n"
+    assert parse_status(silent, [_handle()])["7"].state == JobState.UNKNOWN
+    answered = silent.replace("@@squeue_rc\n124", "@@squeue_rc\n0")
+    assert parse_status(answered, [_handle()])["7"].state == JobState.LOST

@@ -102,8 +102,9 @@ def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0,
         job_dir = h.extra.get("job_dir")
         if job_dir:  # its exit code, else its note that a signal stopped it (submit.py)
             jd, jid = shlex.quote(job_dir), shlex.quote(h.job_id)
+            # (its lines joined: a failed multi-node job's second says what each rank wrote)
             lines.append(f"if [ -f {jd}/exit_code ]; then printf '%s|%s\\n' {jid} "
-                         f"\"$(cat {jd}/exit_code)\"; elif [ -f {jd}/killed ]; then "
+                         f"\"$(tr '\\n' ' ' < {jd}/exit_code)\"; elif [ -f {jd}/killed ]; then "
                          f"printf '%s|%s\\n' {jid} \"$(cat {jd}/killed)\"; fi")
     if history_file:
         lines += ["echo @@history", f"cat {remote_dir_expr(history_file)} 2>/dev/null"]
@@ -134,11 +135,12 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
     exits: dict[str, str] = {}
     for line in sec.get("exits", []):
         job_id, _, code = line.partition("|")
-        exits[job_id.strip()] = code.strip()
+        if job_id.strip():
+            exits[job_id.strip()] = code.strip()
     out: dict[str, JobStatus] = {}
     for handle in handles:
         jid = handle.job_id
-        code_text = exits.get(jid, "")
+        code_text, _, ranks = exits.get(jid, "").partition(" ranks ")
         killed = code_text.split() if code_text.startswith("killed") else None
         if killed:  # "killed <epoch> [<end time>]": not an exit code
             code_text = ""
@@ -159,11 +161,13 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
             sacct_code = parse_int(code.split(":")[0], None) if code else None  # type: ignore[arg-type]
             out[jid] = _status_from(raw, "", exit_code if exit_code is not None
                                     else sacct_code, "", start, end, offset)
+        elif exit_code and ranks:
+            out[jid] = _ranks_status(ranks.split(), exit_code)
         elif exit_code is not None:
             state = JobState.SUCCEEDED if exit_code == 0 else JobState.FAILED
             out[jid] = JobStatus(state, reason="" if exit_code == 0 else f"exit code {exit_code}",
                                  exit_code=exit_code, raw_state="(exit file)")
-        elif killed:
+        elif killed and answered:  # squeue says it is gone: its steps too (not COMPLETING)
             out[jid] = _killed(killed)
         elif answered:
             out[jid] = JobStatus(JobState.LOST, reason="job is no longer known to Slurm and left "
@@ -177,6 +181,32 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
                 f"srun could not launch the job's {nostep[1]} step (exit {exit_code}): the "
                 f"task's {nostep[1]} never began"))
     return out
+
+
+def _ranks_status(words: list[str], exit_code: int) -> JobStatus:
+    """A failed multi-node job Slurm no longer knows, by what each rank wrote (the job script's
+    ``ranks <phase> <rank>=<code>|-|down ...``). A rank whose node Slurm has down, or any rank
+    without a code of its own when no rank failed of its own, lost its node: infrastructure
+    (as SkyPilot, and Slurm's NODE_FAIL while it listed the job). A rank without a code beside
+    one that failed of its own, its node up, was killed by srun (``--kill-on-bad-exit``) for
+    that failure: the user's, with every failed rank's code."""
+    phase = words[0] if words else "run"
+    ranks = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+    failed = sorted((parse_int(r), int(c)) for r, c in ranks.items() if c.isdigit() and int(c))
+    down = sorted(parse_int(r) for r, c in ranks.items() if c == "down")
+    missing = sorted(parse_int(r) for r, c in ranks.items() if c == "-")
+    lost = down or ([] if failed else missing)
+    if lost:
+        how = "its node is down in Slurm" if down else "its node was lost"
+        return JobStatus(JobState.INFRA_FAILED, reason=(
+            f"rank {lost[0]} wrote no exit code of its own in the {phase} step: {how}"),
+            exit_code=exit_code, exit_codes=[c for _, c in failed], raw_state="(exit file)")
+    if not failed:
+        return JobStatus(JobState.FAILED, reason=f"exit code {exit_code}",
+                         exit_code=exit_code, raw_state="(exit file)")
+    rank, code = failed[0]
+    return JobStatus(JobState.FAILED, reason=f"exit code {code} on rank {rank}", exit_code=code,
+                     exit_codes=[c for _, c in failed], raw_state="(exit file)")
 
 
 def _killed(note: list[str]) -> JobStatus:

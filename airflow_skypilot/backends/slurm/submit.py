@@ -206,8 +206,11 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
 #: step slurmctld created after srun had given up on it (a request answered late, after a
 #: pause, holds the node with nothing running: srun then waits "Requested nodes are busy"
 #: until the time limit), nor one the task's own script started with srun.
+#: Each node then writes its own exit code, ``exit_code.<phase>.<rank>`` (a lost node writes none).
 _STEP = ('--overlap --kill-on-bad-exit=1 --ntasks-per-node=1 -N "$SLURM_JOB_NUM_NODES" '
-         'bash -c \'touch "$0/began.$1" && exec bash "$0/node.sh" "$1"\' "$JOB_DIR"')
+         'bash -c \'touch "$0/began.$1" || exit; bash "$0/node.sh" "$1"; c=$?; '
+         'f="$0/exit_code.$1.${SLURM_NODEID:-0}"; echo $c > "$f.tmp" && mv "$f.tmp" "$f"; '
+         'exit $c\' "$JOB_DIR"')
 
 
 def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: str) -> str:
@@ -250,6 +253,8 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         '"$SLURM_JOB_ID" -o %e 2>/dev/null)}',
         "case $END_TIME in *[!0-9]*) END_TIME= ;; esac",
         "step=",
+        "# (END_TIME is the limit as it was at the start: Slurm's EndTime is the kill's time once",
+        "# it kills the job, so it cannot be read again here)",
         "on_term() {",
         '  printf "killed %s %s\\n" "$(date +%s)" "$END_TIME" > "$JOB_DIR/killed.tmp" && '
         'mv "$JOB_DIR/killed.tmp" "$JOB_DIR/killed"',
@@ -266,14 +271,14 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         '  export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
         "fi",
         "# SKYPILOT_NODE_IPS: each node's address (NodeAddr, resolved to an IP), in rank order",
-        'ips=""',
+        'ips=""; hosts=()',
         'for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do',
         "  a=$(scontrol show node -o \"$n\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",
         '  a=${a:-$n}',
         "  case $a in *[!0-9.]*)",
         "    ip=$(getent ahostsv4 \"$a\" 2>/dev/null | awk 'NR==1{print $1}'); a=${ip:-$a} ;;",
         "  esac",
-        '  ips="$ips$a"$\'\\n\'',
+        '  ips="$ips$a"$\'\\n\'; hosts+=("$n")',
         "done",
         'export SKYPILOT_NODE_IPS="${ips%$\'\\n\'}"',
         'echo "airflow-skypilot: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST"',
@@ -311,6 +316,17 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         'if [ $rc -ne 0 ] && [ ! -e "$JOB_DIR/began.$phase" ]; then',
         '  echo "airflow-skypilot: srun could not launch the $phase step (exit $rc)" >&2',
         '  code="nostep $phase $rc"',
+        "# A failed multi-node step: each rank's own exit code, `-` for a rank that wrote none",
+        "# (its node lost, or killed by srun when another rank failed), `down` when Slurm has",
+        "# its node down or not responding (lost). The status reads the second line.",
+        'elif [ $rc -ne 0 ] && [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then',
+        '  code="$code"$\'\\n\'"ranks $phase"',
+        '  for ((r = 0; r < SLURM_JOB_NUM_NODES; r++)); do',
+        '    c=$(cat "$JOB_DIR/exit_code.$phase.$r" 2>/dev/null)',
+        '    [ -n "$c" ] || { c=-; timeout 10 scontrol show node -o "${hosts[$r]:-}" 2>/dev/null'
+        " | grep -Eq 'State=[^ ]*(DOWN|NOT_RESPONDING|FAIL)' && c=down; }",
+        '    code="$code $r=$c"',
+        "  done",
         "fi",
         'printf "%s\\n" "$code" > "$JOB_DIR/exit_code.tmp" && '
         'mv "$JOB_DIR/exit_code.tmp" "$JOB_DIR/exit_code"',
@@ -537,7 +553,9 @@ def cleanup_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str | None
     if not job_dir:
         return None
     jd = shlex.quote(job_dir)
-    rest = " ".join(f"{jd}/{shlex.quote(name)}" for name in LEFT_BEHIND)
+    # and each rank's own exit codes (exit_code.<phase>.<rank>: folded into exit_code)
+    rest = " ".join([*(f"{jd}/{shlex.quote(name)}" for name in LEFT_BEHIND),
+                     f"{jd}/exit_code.*.*"])
     return "\n".join([
         bounded(slurm_timeout),
         f"rm -f {jd}/secrets.sh",
