@@ -14,7 +14,7 @@ from airflow_skypilot.backends.base import (
     JobStatus,
     Offer,
 )
-from airflow_skypilot.exceptions import BackendUnreachable
+from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
 
@@ -42,6 +42,8 @@ class FakeBackend(Backend):
     conn_types = ("fake",)
     offers: dict[str, list[Offer]] = {}
     down: set[str] = set()
+    #: connections that refuse every submission (their capacity gone since the probe)
+    refusing: set[str] = set()
     delay: dict[str, float] = {}
     jobs: dict[str, dict] = {}
 
@@ -61,6 +63,8 @@ class FakeBackend(Backend):
     def submit(self, task: Task, offer: Offer, job_name: str,
                env: Mapping[str, str]) -> JobHandle:
         self._reachable()
+        if self.conn_id in self.refusing:
+            raise SubmissionError("InsufficientInstanceCapacity", retry_elsewhere=True)
         existing = self.find(job_name)
         if existing:
             existing.adopted = True
@@ -125,4 +129,4 @@ class FakeBackend(Backend):
 
     @classmethod
     def reset(cls) -> None:
-        cls.offers, cls.down, cls.delay, cls.jobs = {}, set(), {}, {}
+        cls.offers, cls.down, cls.refusing, cls.delay, cls.jobs = {}, set(), set(), {}, {}

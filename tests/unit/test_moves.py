@@ -340,22 +340,13 @@ def test_a_task_killed_while_its_move_waits_for_the_old_copy_stops_it_at_the_kil
     assert _live_jobs() == [] and FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
 
 
-def test_a_move_the_target_refuses_queues_the_job_where_it_was_at_once(monkeypatch):
+def test_a_move_the_target_refuses_queues_the_job_where_it_was_at_once():
     """The waiting copy is cancelled, then the target refuses the submission (capacity gone):
     the place left is not blocked for the cooldown, the job queues there again at once."""
-    from airflow_skypilot.exceptions import SubmissionError
-
     deferred = _waiting_on_c1()
     FakeBackend.offers["c2"] = [offer("c2", "q")]
     event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
-    real_submit = FakeBackend.submit
-
-    def submit(self, task, offer_, job_name, env):
-        if self.conn_id == "c2":
-            raise SubmissionError("InsufficientInstanceCapacity", retry_elsewhere=True)
-        return real_submit(self, task, offer_, job_name, env)
-
-    monkeypatch.setattr(FakeBackend, "submit", submit)
+    FakeBackend.refusing.add("c2")
     with pytest.raises(TaskDeferred) as info:
         _op().execute_complete(_ctx(), event)
     handle = info.value.trigger.handle

@@ -12,7 +12,6 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskD
 
 from airflow_skypilot.backends import registry
 from airflow_skypilot.backends.base import JobState, JobStatus
-from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.operators import SkyPilotOperator
 from airflow_skypilot.operators.skypilot import XCOM_HANDLE, XCOM_PLACEMENT
 from airflow_skypilot.triggers.skypilot import SkyPilotJobTrigger, SkyPilotWaitTrigger
@@ -259,15 +258,8 @@ def test_a_succeeded_job_of_an_earlier_try_is_the_result():
     assert len(FakeBackend.jobs) == 1
 
 
-def test_refused_submission_moves_to_the_next_place(monkeypatch):
-    real_submit = FakeBackend.submit
-
-    def submit(self, task, offer, job_name, env):
-        if self.conn_id == "c1":
-            raise SubmissionError("InsufficientInstanceCapacity", retry_elsewhere=True)
-        return real_submit(self, task, offer, job_name, env)
-
-    monkeypatch.setattr(FakeBackend, "submit", submit)
+def test_refused_submission_moves_to_the_next_place():
+    FakeBackend.refusing.add("c1")
     deferred, _ = _start(_op())
     assert deferred.trigger.handle["connection"] == "c2"
     assert deferred.kwargs["state"]["blocked"][0]["place"] == "c1/p"
