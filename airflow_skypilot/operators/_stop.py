@@ -59,17 +59,10 @@ class StopsItsJobs:
     def _cancel_unwatched_job(self, context: Context, why: Any) -> None:
         # old copies (never the job being watched): stopped whatever cancel_on_kill says, as
         # on_kill does: they should be dead already (at most one live copy)
-        for data in self._pull(context, XCOM_SWEEPS) or ():
-            sweep = Sweep.from_dict(data)
-            if not (sweep.handle or sweep.job_name):
-                continue
-            try:
-                done = sweeps.step(sweep, backend_for_connection(sweep.connection))
-            except Exception as exc:
-                done, sweep.outcome = False, str(exc)
-            if not done:
-                self.log.error("The deferral ended (%s) with an old copy NOT confirmed dead; "
-                               "stop it by hand: %s", why, sweep.describe())
+        noted = RunState(sweeps=[Sweep.from_dict(d) for d in self._pull(context, XCOM_SWEEPS)
+                                 or ()])
+        self._stop_old_copies(noted, backend_for_connection, True,
+                              f"The deferral ended ({why})")
         if not self.cancel_on_kill:
             return
         raw = self._pull(context, XCOM_HANDLE)
@@ -125,12 +118,18 @@ class StopsItsJobs:
                 backend_for_handle(handle).cancel(handle)
             except Exception as exc:
                 self.log.warning("Could not cancel job %s: %s", handle.job_id, exc)
-        if run is not None and placer is not None and copies:
-            try:  # one more try: with no retry left, nobody else would stop them
-                sweeps.sweep_pending(run, placer.hook.backend, (), self.log,
-                                     copies_only=not self.cancel_on_kill)
-            except Exception as exc:
-                self.log.warning("Could not stop the old copies: %s", exc)
-            if run.pending_copies:
-                self.log.error("Task killed; old copies not confirmed dead, stop them by "
-                               "hand:%s", run.sweeps_text())
+        if run is not None and placer is not None:
+            self._stop_old_copies(run, placer.hook.backend, not self.cancel_on_kill,
+                                  "Task killed")
+
+    def _stop_old_copies(self, run: RunState, backend_of: Any, copies_only: bool,
+                         when: str) -> None:
+        """One more try at ``run``'s old copies still to confirm dead (with no retry left,
+        nobody else would stop them); what is left is logged, to be stopped by hand.
+        ``copies_only``: not the precautions by prefix (they would find the watched job)."""
+        if not run.pending_copies:
+            return
+        sweeps.sweep_pending(run, backend_of, (), self.log, copies_only=copies_only)
+        if run.pending_copies:
+            self.log.error("%s; old copies not confirmed dead, stop them by hand:%s", when,
+                           run.sweeps_text())
