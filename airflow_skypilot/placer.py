@@ -112,8 +112,7 @@ class Placer:
         None when nothing can take the job now (places blocked, unreachable or over budget),
         or while a copy moved away from is not yet confirmed dead (no second live copy).
         """
-        if waiting := self._unconfirmed_copy(run):
-            run.last_plan = f"an earlier copy is not confirmed dead yet: {waiting}"
+        if self._unconfirmed_copy(run):
             return None
         began = time.time()
         result = self.hook.probe(task)
@@ -146,8 +145,7 @@ class Placer:
             self.ledger.submitted(run.prefix, handle is not None, handle and handle.job_name)
             if handle is not None:
                 return handle
-            if waiting := self._unconfirmed_copy(run):
-                run.last_plan = f"an earlier copy is not confirmed dead yet: {waiting}"
+            if self._unconfirmed_copy(run):
                 return None
         raise AirflowException(f"no place accepted the job after {MAX_SUBMISSIONS} submissions")
 
@@ -214,7 +212,8 @@ class Placer:
 
     def _unconfirmed_copy(self, run: RunState) -> str:
         """One more try at the sweeps of copies that must be confirmed dead before the next
-        (a move's waiting copy, a submission cut short unanswered); what still is not."""
+        (a move's waiting copy, a submission cut short unanswered); what still is not, also
+        the run's ``last_plan`` then (nothing is placed)."""
         pending = [w for w in run.pending_sweeps if w.before_next]
         if pending:
             self.sweep_pending(run)
@@ -226,7 +225,10 @@ class Placer:
                 w.before_next = False
                 self.log.warning("%s has not answered for %.0fs: placing the job all the same; "
                                  "it is still swept", w.connection, time.time() - w.since)
-        return "; ".join(w.describe() for w in run.pending_sweeps if w.before_next)
+        waiting = "; ".join(w.describe() for w in run.pending_sweeps if w.before_next)
+        if waiting:
+            run.last_plan = f"an earlier copy is not confirmed dead yet: {waiting}"
+        return waiting
 
     # --- old copies -----------------------------------------------------------------------------
     def stop_copy(self, run: RunState, handle: JobHandle, why: str,
