@@ -98,7 +98,12 @@ class InstanceView:
             private_ip=inst.get("PrivateIpAddress") or "",
             az=(inst.get("Placement") or {}).get("AvailabilityZone", ""),
             reservation_id=reservation_id, instance_type=inst.get("InstanceType", ""),
-            tags={t["Key"]: t["Value"] for t in inst.get("Tags") or []})
+            tags=tags_of(inst))
+
+
+def tags_of(inst: Mapping[str, Any]) -> dict[str, str]:
+    """A described instance's tags as a dict."""
+    return {t["Key"]: t["Value"] for t in inst.get("Tags") or []}
 
 
 def newest_reservation(instances: list[InstanceView]) -> list[InstanceView]:
@@ -126,9 +131,7 @@ def by_job(raw: Iterable[dict]) -> dict[str, list[InstanceView]]:
 def of_connection(raw: Iterable[dict], conn_id: str) -> list[dict]:
     """Described instances launched through connection ``conn_id`` (or untagged): two
     connections to one account and region each see their own jobs only."""
-    return [i for i in raw
-            if {t["Key"]: t["Value"] for t in i.get("Tags") or []}.get(TAG_CONN, conn_id)
-            == conn_id]
+    return [i for i in raw if tags_of(i).get(TAG_CONN, conn_id) == conn_id]
 
 
 def _add_page(out: list[dict], page: Mapping[str, Any]) -> None:

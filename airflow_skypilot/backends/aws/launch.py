@@ -46,6 +46,7 @@ from airflow_skypilot.backends.aws.ec2 import (
     offerings,
     spot_prices,
     subnet_azs,
+    tags_of,
 )
 from airflow_skypilot.backends.aws.quotas import Quotas, quota_class
 from airflow_skypilot.backends.aws.settings import AwsSettings
@@ -370,7 +371,7 @@ def delete_secrets(clients: AwsClients, settings: AwsSettings, region: str,
 
 def _owned(inst: dict, job_name: str, conn_id: str) -> bool:
     """Do the instance's tags say it is ``job_name``'s of connection ``conn_id``?"""
-    tags = {t["Key"]: t["Value"] for t in inst.get("Tags") or []}
+    tags = tags_of(inst)
     return tags.get(TAG_JOB) == job_name and tags.get(TAG_CONN) == conn_id
 
 
@@ -410,7 +411,7 @@ def terminate(clients: AwsClients, region: str, job_name: str, conn_id: str,
     described = found + [shown[iid] for iid in others if iid in shown]
     foreign = sorted(
         {i["InstanceId"] for i in described if i["InstanceId"] in known_ids
-        and {t["Key"]: t["Value"] for t in i.get("Tags") or []}.get(TAG_JOB) == job_name
+        and tags_of(i).get(TAG_JOB) == job_name
         and not _owned(i, job_name, conn_id)
         and (i.get("State") or {}).get("Name") not in ("terminated", "shutting-down")})
     if not alive:
