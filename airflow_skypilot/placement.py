@@ -180,50 +180,48 @@ def rank(
     return Placement(chosen=chosen, rows=ranked_rows + rest, policy=policy, ranked=viable)
 
 
+#: the ranking key's elements, in order, per (policy, ordered): :func:`_key` sorts by them and
+#: the explanations name the first one in which two offers differ (:func:`_decided_by`)
+_KEY_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
+    ("fastest", True): ("preferred", "not_free", "index", "wait", "depth", "gpu_taker",
+                        "price", "spare", "tie"),
+    ("fastest", False): ("preferred", "not_free", "wait", "depth", "gpu_taker", "price",
+                         "spare", "tie"),
+    ("cheapest", True): ("preferred", "index", "price", "not_free", "wait", "depth",
+                         "gpu_taker", "spare", "tie"),
+    ("cheapest", False): ("preferred", "price", "not_free", "wait", "depth", "gpu_taker",
+                          "spare", "tie"),
+}
+
+
+def _key_parts(o: Offer, prefer: str | None) -> dict[str, Any]:
+    """Every element the ranking may sort ``o`` by, by name."""
+    return {
+        "preferred": 0 if (prefer and o.place_key == prefer and o.free_now) else 1,
+        "not_free": 0 if o.free_now else 1,
+        "index": o.request.index,
+        "wait": math.inf if o.wait_seconds is None else o.wait_seconds,
+        # queues alike (both "unknown", say): the least work ahead per GPU (or node)
+        "depth": _depth(o) if not o.free_now else 0.0,
+        # a CPU-only job that would sit on GPU nodes goes elsewhere when elsewhere is as
+        # good: the GPUs stay free for the jobs that need them
+        "gpu_taker": 1 if o.details.get("gpu_place") else 0,
+        "price": o.price_per_hour,
+        "spare": -(o.gpus_free or 0),
+        "tie": (o.connection, o.location, o.request.index),
+    }
+
+
 def _key(o: Offer, policy: str, ordered: bool, prefer: str | None) -> tuple[Any, ...]:
-    wait = o.wait_seconds
-    wait_key = math.inf if wait is None else wait
-    not_free = 0 if o.free_now else 1
-    preferred = 0 if (prefer and o.place_key == prefer and o.free_now) else 1
-    spare = -(o.gpus_free or 0)
-    # a CPU-only job that would sit on GPU nodes goes elsewhere when elsewhere is as good:
-    # the GPUs stay free for the jobs that need them
-    gpu_taker = 1 if o.details.get("gpu_place") else 0
-    # queues alike (both "unknown", say): the one with the least work ahead per GPU (or node)
-    depth = _depth(o) if not o.free_now else 0.0
-    tie = (o.connection, o.location, o.request.index)
-    if policy == "fastest":
-        if ordered:
-            return (preferred, not_free, o.request.index, wait_key, depth, gpu_taker,
-                    o.price_per_hour, spare, tie)
-        return (preferred, not_free, wait_key, depth, gpu_taker, o.price_per_hour, spare, tie)
-    if ordered:
-        return (preferred, o.request.index, o.price_per_hour, not_free, wait_key, depth,
-                gpu_taker, spare, tie)
-    return (preferred, o.price_per_hour, not_free, wait_key, depth, gpu_taker, spare, tie)
-
-
-def _key_names(policy: str, ordered: bool) -> tuple[str, ...]:
-    """What each element of :func:`_key` is, in its order: the explanations name the first
-    one in which two offers differ, the one that decided between them."""
-    if policy == "fastest":
-        if ordered:
-            return ("preferred", "not_free", "index", "wait", "depth", "gpu_taker", "price",
-                    "spare", "tie")
-        return ("preferred", "not_free", "wait", "depth", "gpu_taker", "price", "spare", "tie")
-    if ordered:
-        return ("preferred", "index", "price", "not_free", "wait", "depth", "gpu_taker",
-                "spare", "tie")
-    return ("preferred", "price", "not_free", "wait", "depth", "gpu_taker", "spare", "tie")
+    parts = _key_parts(o, prefer)
+    return tuple(parts[name] for name in _KEY_ORDER[(policy, ordered)])
 
 
 def _decided_by(o: Offer, chosen: Offer, policy: str, ordered: bool,
                 prefer: str | None) -> str:
     """The element of the ranking key that put ``chosen`` before ``o``."""
-    names = _key_names(policy, ordered)
-    mine, theirs = _key(o, policy, ordered, prefer), _key(chosen, policy, ordered, prefer)
-    assert len(names) == len(mine), "_key_names must follow _key"
-    return next((n for n, a, b in zip(names, mine, theirs, strict=True) if a != b), "tie")
+    mine, theirs = _key_parts(o, prefer), _key_parts(chosen, prefer)
+    return next((n for n in _KEY_ORDER[(policy, ordered)] if mine[n] != theirs[n]), "tie")
 
 
 def _depth(o: Offer) -> float:
