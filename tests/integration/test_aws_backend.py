@@ -520,6 +520,44 @@ def test_a_launch_whose_answer_was_lost_is_not_called_gone_while_ec2_may_not_lis
                                                                    "terminated"}
 
 
+def test_a_launch_in_doubt_that_made_nothing_leaves_no_secret_once_called_none(box):
+    """RunInstances never reached EC2 and no answer came: the launch is in doubt, its secrets
+    are kept for instances that may boot. Once ``launch_grace`` is past and EC2 lists none,
+    "none" is the answer, and the secrets (and the launch's objects) go with it."""
+    from botocore.exceptions import ReadTimeoutError
+
+    from airflow_skypilot.exceptions import BackendUnreachable
+
+    backend = AwsBackend(CONN)
+    task = load_task({"run": "true", "resources": {"cpus": "2+"},
+                      "secrets": {"HF_TOKEN": "hf_never_launched"}})
+    offer = _offer(backend, task)
+    name = _name("doubt-none")
+
+    def unsent(**_):  # the request never reaches EC2
+        raise ReadTimeoutError(endpoint_url=box.endpoint_url())
+
+    backend._clients.client("ec2", offer.details["region"], attempts=1).meta.events.register(
+        "before-call.ec2.RunInstances", unsent)
+    with pytest.raises(BackendUnreachable, match="may have been launched"):
+        backend.submit(task, offer, name, {})
+    assert _instances(box, name) == []
+    ssm = _client(box, "ssm")
+    path = f"/airflow-skypilot/{name}"
+    assert [p["Name"] for p in ssm.get_parameters_by_path(Path=path)["Parameters"]] == \
+        [f"{path}/HF_TOKEN"]  # kept while in doubt
+    with pytest.raises(BackendUnreachable, match="may still show up"):
+        backend.find(name)
+    assert len(ssm.get_parameters_by_path(Path=path)["Parameters"]) == 1
+    backend.settings.launch_grace = 0.0  # the grace is past
+    assert backend.find(name) is None
+    assert ssm.get_parameters_by_path(Path=path)["Parameters"] == []
+    keys = _client(box, "s3").list_objects_v2(
+        Bucket=BUCKET, Prefix=backend.settings.job_prefix(name)).get("Contents", [])
+    assert keys == []
+    assert backend.find(name) is None  # and "none" stays the answer
+
+
 def test_a_cancel_moments_after_a_launch_that_ec2_does_not_show_yet_is_not_confirmed(box):
     from airflow_skypilot.exceptions import BackendUnreachable
 

@@ -200,12 +200,25 @@ class AwsBackend(Backend):
     def _not_in_doubt(self, job_name: str) -> None:
         """Raise while a launch of ``job_name`` whose answer was lost may still have instances
         EC2 does not list yet (DescribeInstances is eventually consistent): "none listed" is
-        "none" only ``launch_grace`` seconds after it was begun."""
-        began = launch_intent(self._clients, self.settings, job_name)
-        if began is not None and time.time() - began < self.settings.launch_grace:
+        "none" only ``launch_grace`` seconds after it was begun. Then nothing was launched,
+        and what the launch left for its instances goes: its secrets in SSM above all (kept
+        while in doubt: the instances read them at boot), the staged payload, the intent."""
+        intent = launch_intent(self._clients, self.settings, job_name)
+        if intent is None:
+            return
+        began, region = intent
+        if time.time() - began < self.settings.launch_grace:
             raise BackendUnreachable(
                 f"{self.conn_id}: a launch of {job_name} began {time.time() - began:.0f}s ago "
                 "and no instance of it is listed yet; it may still show up")
+        s = self.settings
+        for where in [region] if region else s.regions:
+            launch.delete_secrets(self._clients, s, where, job_name)
+        for key in (launch.PAYLOAD_OBJECT, INTENT_OBJECT):
+            if error := launch.s3_delete(self._clients, s, s.job_prefix(job_name) + key):
+                self.log.warning("%s", error)
+        self.log.info("A launch of %s on %s got no answer and made no instance: its secrets "
+                      "and objects are removed", job_name, self.conn_id)
 
     def find_all(self, prefix: str) -> list[JobHandle]:
         found: dict[str, JobHandle] = {}

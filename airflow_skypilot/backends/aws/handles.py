@@ -109,15 +109,19 @@ def stored_job_names(clients: AwsClients, settings: AwsSettings, prefix: str) ->
     return names
 
 
-def launch_intent(clients: AwsClients, settings: AwsSettings, job_name: str) -> float | None:
-    """When a launch of ``job_name`` was begun (its intent object), None when none was."""
+def launch_intent(clients: AwsClients, settings: AwsSettings, job_name: str
+                  ) -> tuple[float, str | None] | None:
+    """When a launch of ``job_name`` was begun and in which region (its intent object), None
+    when none was."""
     body = _job_object(clients, settings, job_name, INTENT_OBJECT)
     if body is None:
         return None
     try:
-        return float(json.loads(body)["at"])
-    except (ValueError, KeyError, TypeError):
-        return 0.0  # unreadable: as old as can be
+        intent = json.loads(body)
+        region = intent.get("region")
+        return float(intent["at"]), region if isinstance(region, str) and region else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 0.0, None  # unreadable: as old as can be, region unknown
 
 
 def _job_object(clients: AwsClients, settings: AwsSettings, job_name: str,
