@@ -131,10 +131,14 @@ class Earlier:
     adopt_status: Any = None  # its JobStatus
     stop: list[tuple[JobHandle, str]] = None  # type: ignore[assignment]
     ignore: list[tuple[JobHandle, str]] = None  # type: ignore[assignment]
+    #: the ended jobs of the adopted job's try that came before it, oldest first, each with
+    #: its status: the failovers and restarts its try already made (they still count)
+    before: list[tuple[JobHandle, Any]] = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         self.stop = self.stop or []
         self.ignore = self.ignore or []
+        self.before = self.before or []
 
 
 def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
@@ -143,10 +147,12 @@ def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
 
     Adoptable: same clear, submitted after the run started, alive or succeeded; the newest such
     job is adopted (the highest try, then attempt). Every other live job of the prefix is to be
-    stopped; finished ones are left alone.
+    stopped; finished ones are left alone. The ended jobs of the adopted one's try that came
+    before it are its history (``before``): the try goes on with their failovers and restarts.
     """
     out = Earlier()
     candidates: list[tuple[tuple[int, int], JobHandle, Any]] = []
+    ended: list[tuple[NameParts, JobHandle, Any]] = []  # of this clear, since the run began
     seen: set[tuple[str, str, str]] = set()
     for handle, status in found:
         # two connections to one cluster list the same job twice (their infra names may
@@ -174,13 +180,18 @@ def classify(found: Iterable[tuple[JobHandle, Any]], *, prefix: str, clear: int,
             continue
         elif up:
             why = "an earlier try's job that ended with part of its allocation still up"
+            ended.append((parts, handle, status))
         else:
             out.ignore.append((handle, "an earlier try's job that ended"))
+            if status is not None:
+                ended.append((parts, handle, status))
             continue
         (out.stop if up else out.ignore).append((handle, why))
     candidates.sort(key=lambda c: c[0])
     if candidates:
-        _, out.adopt, out.adopt_status = candidates.pop()
+        (try_number, attempt), out.adopt, out.adopt_status = candidates.pop()
+        out.before = [(h, st) for parts, h, st in sorted(ended, key=lambda e: e[0].attempt)
+                      if parts.try_number == try_number and parts.attempt < attempt]
     for _, handle, status in candidates:
         if status.up:
             out.stop.append((handle, "an older copy than the one adopted"))

@@ -13,10 +13,12 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from airflow_skypilot import identity, placement, sweeps
+from airflow_skypilot import identity, placement, recovery, sweeps
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus, Offer
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.exceptions import SubmissionError
@@ -63,9 +65,12 @@ class Placer:
         self.submitting: tuple[str, str] | None = None
 
     # --- earlier tries --------------------------------------------------------------------------
-    def reconcile(self, run: RunState, run_started_at: float | None
+    def reconcile(self, run: RunState, run_started_at: float | None,
+                  job_recovery: Mapping[str, Any] | None = None,
                   ) -> tuple[JobHandle | None, JobStatus | None]:
         """The jobs earlier tries of this task instance left: adopt one, stop the live rest.
+        An adopted job's try goes on with the failovers and restarts it made before
+        (``recovery.replay`` under ``job_recovery``).
 
         A connection that cannot be listed now gets a sweep (its live jobs of this task are
         stopped as soon as it answers). On a retry or a clear, an earlier try's job may run
@@ -102,6 +107,16 @@ class Placer:
         self.log.info("Adopting job %s (%s) on %s, %s: an earlier run of this task submitted it",
                       handle.job_id, handle.job_name, handle.connection,
                       earlier.adopt_status.state.value)
+        before = []
+        for old, status in earlier.before:
+            attempt = Attempt.from_handle(old)
+            attempt.close(status)
+            before.append(attempt)
+        recovery.replay(run, before, job_recovery or {}, self.cooldown)
+        if before:
+            self.log.info("Its try placed it after %d earlier attempt(s), which still count: %d "
+                          "failover(s), %d restart(s)", len(before), run.failovers,
+                          run.restarts + run.code_restarts)
         run.record(handle)
         return handle, earlier.adopt_status
 

@@ -179,6 +179,21 @@ def decide(run: RunState, ended: Attempt, job_recovery: Mapping[str, Any], max_f
                          f"{tail}")
 
 
+def replay(run: RunState, before: Sequence[Attempt], job_recovery: Mapping[str, Any],
+           cooldown: float | None = None) -> None:
+    """A new try adopts a job its try placed again after earlier attempts ended (the worker
+    died meanwhile): ``before``, closed and oldest first, go into the run's history, and what
+    each was placed again for counts as when it happened (its failover or restart counter,
+    its place blocked from its end), so ``max_restarts_on_errors`` and ``max_failovers`` hold
+    across the worker's death. An ending that placed nothing again (cancelled: a move, a
+    submission cut short) counts nothing."""
+    for ended in before:
+        run.attempts.append(ended)
+        verdict = decide(run, ended, job_recovery, max_failovers=1 << 30, now=ended.ended_at)
+        if verdict.action == AGAIN:
+            record(run, verdict, cooldown)
+
+
 def record(run: RunState, verdict: Verdict, cooldown: float | None = None) -> None:
     """The accounting of a placement again: its counter, the blocked place (lapsing after
     ``cooldown`` seconds; None: for the rest of the run), where to try first and last, and

@@ -268,7 +268,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
     def execute(self, context: Context) -> Any:
         task = self.load(context)
         run = self._run_state = self._new_run(context)
-        handle, status = self._reconcile(context, run)
+        handle, status = self._reconcile(context, run, task)
         if status is not None and status.state.terminal:  # an earlier try's job had succeeded
             result = self._job_ended(context, lambda: task, run, handle, status, "")
             if result is not None:
@@ -317,10 +317,11 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
                       confirm_timeout=self.confirm_timeout, log=self.log,
                       ledger=PlacementLedger(ledger_path()), silence=self._silence)
 
-    def _reconcile(self, context: Context, run: RunState
+    def _reconcile(self, context: Context, run: RunState, task: Task
                    ) -> tuple[JobHandle | None, JobStatus | None]:
         started = getattr(context.get("dag_run"), "start_date", None)
-        handle, status = self._placer.reconcile(run, started.timestamp() if started else None)
+        handle, status = self._placer.reconcile(run, started.timestamp() if started else None,
+                                                task.job_recovery)
         self._handle = handle or self._handle
         return handle, status
 

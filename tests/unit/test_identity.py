@@ -61,6 +61,24 @@ def test_a_new_try_adopts_the_newest_live_job_of_the_same_clear_and_stops_older_
     assert [(h, why) for h, why in out.stop] == [(older, "an older copy than the one adopted")]
 
 
+def test_the_adopted_jobs_history_is_the_ended_jobs_of_its_try_before_it():
+    a1 = _h(KEY.job_name(0, 1, 1))  # listed out of order
+    a0 = _h(KEY.job_name(0, 1, 0))
+    adopted = _h(KEY.job_name(0, 1, 2))
+    other_try = _h(KEY.job_name(0, 2, 0))  # a later try's: not this try's history
+    other_clear = _h(KEY.job_name(1, 1, 0))
+    stale = _h(KEY.job_name(0, 1, 1), submitted_at=10.0, job_id="old")  # a deleted run's
+    unknown = _h(KEY.job_name(0, 1, 0), job_id="unknown")  # no status: nothing to count
+    out = classify([(a1, _s(JobState.PREEMPTED)), (adopted, _s(JobState.RUNNING)),
+                    (a0, _s(JobState.FAILED)), (other_try, _s(JobState.FAILED)),
+                    (other_clear, _s(JobState.FAILED)), (stale, _s(JobState.FAILED)),
+                    (unknown, None)],
+                   prefix=KEY.prefix, clear=0, run_started_at=900.0)
+    assert out.adopt is adopted
+    assert [(h, st.state) for h, st in out.before] == [(a0, JobState.FAILED),
+                                                       (a1, JobState.PREEMPTED)]
+
+
 def test_a_succeeded_job_is_adopted_and_a_failed_one_left_alone():
     ok = _h(KEY.job_name(0, 1, 0))
     failed = _h(KEY.job_name(0, 2, 0))

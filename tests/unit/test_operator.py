@@ -240,6 +240,44 @@ def test_a_new_try_adopts_the_live_job_of_the_try_before():
     assert second.kwargs["state"]["attempts"][0]["adopted"]
 
 
+def test_a_new_try_that_adopts_a_restarted_job_goes_on_with_its_restarts():
+    """Try 1's job failed and was restarted (max_restarts_on_errors: 1); the worker died. Try 2
+    adopts the restart: the restart made counts, so its failure is the end, not a third run
+    of the user code; the attempts show the first job too."""
+    recovery = {"max_restarts_on_errors": 1}
+    deferred, ti = _start(_op(recovery))
+    event, state = _event(deferred, JobState.FAILED, exit_code=1)
+    with pytest.raises(TaskDeferred) as info:
+        _op(recovery).execute_complete({"ti": ti}, event, state)
+    restart = info.value.trigger.handle
+    second, ti2 = _start(_op(recovery), TI(try_number=2))  # the worker died; Airflow retried
+    assert second.trigger.handle["job_id"] == restart["job_id"]
+    state = second.kwargs["state"]
+    assert state["restarts"] == 1
+    assert [(a["job_id"], a["state"]) for a in state["attempts"]] == \
+        [(deferred.trigger.handle["job_id"], "failed"), (restart["job_id"], "pending")]
+    event, state = _event(second, JobState.FAILED, exit_code=1)
+    with pytest.raises(AirflowException, match=r"failed after 1 restart"):
+        _op(recovery).execute_complete({"ti": ti2}, event, state)
+    assert len(FakeBackend.jobs) == 2
+
+
+def test_a_new_try_that_adopts_a_failed_over_job_goes_on_with_its_failovers():
+    FakeBackend.offers = {"c1": [offer("c1", "p"), offer("c1", "r")]}
+    deferred, ti = _start(_op(max_failovers=1))
+    event, state = _event(deferred, JobState.LOST, reason="vanished")
+    with pytest.raises(TaskDeferred):
+        _op(max_failovers=1).execute_complete({"ti": ti}, event, state)
+    second, ti2 = _start(_op(max_failovers=1), TI(try_number=2))
+    state = second.kwargs["state"]
+    assert state["failovers"] == 1
+    assert [b["place"] for b in state["blocked"]] == ["c1/p"]  # still blocked for this run
+    event, state = _event(second, JobState.LOST, reason="vanished again")
+    with pytest.raises(AirflowException, match=r"gave up \(max_failovers=1\)"):
+        _op(max_failovers=1).execute_complete({"ti": ti2}, event, state)
+    assert len(FakeBackend.jobs) == 2
+
+
 def test_a_new_try_after_the_earlier_job_failed_submits_under_its_own_name():
     first, ti = _start(_op(), TI(try_number=1))
     _end(first.trigger.handle["job_id"], JobState.FAILED, exit_code=1)
