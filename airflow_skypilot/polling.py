@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from airflow_skypilot.backends.base import SILENCE, Backend, JobHandle, JobState, JobStatus
+from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus
 from airflow_skypilot.exceptions import BackendError
 from airflow_skypilot.triggers.skypilot import LOG_TAIL_LINES
 
@@ -59,9 +59,7 @@ def until_done(backend: Backend, handle: JobHandle, *, poll_interval: float, sil
             if silent < silence:
                 time.sleep(poll_interval)
                 continue
-            return JobStatus(JobState.LOST, raw_state=SILENCE, reason=(
-                f"no answer about the job from {handle.connection} for {silent:.0f}s "
-                f"(unreachable_timeout): {status.reason}")), "", offset
+            return JobStatus.silent(handle.connection, silent, status.reason), "", offset
         silent_since = None
         if stream_logs:
             offset = stream(backend, handle, offset, log)

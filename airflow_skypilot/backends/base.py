@@ -88,6 +88,14 @@ class JobStatus:
         data["state"] = JobState(data["state"])
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
+    @classmethod
+    def silent(cls, connection: str, seconds: float, why: str) -> JobStatus:
+        """LOST concluded from ``seconds`` without an answer (``unreachable_timeout``): no
+        backend said the job ended, so a retry may still find it (``raw_state`` SILENCE)."""
+        return cls(JobState.LOST, raw_state=SILENCE, reason=(
+            f"no answer about the job from {connection} for {seconds:.0f}s "
+            f"(unreachable_timeout): {why}"))
+
 
 @dataclass
 class JobHandle:

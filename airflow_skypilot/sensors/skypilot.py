@@ -98,11 +98,12 @@ class SkyPilotJobSensor(BaseSensorOperator):
                              handle.connection, now - self._silent_since, status.reason)
             if now - self._silent_since < self._silence:
                 return False
-            status = JobStatus(JobState.LOST, reason=(
-                f"no answer about the job from {handle.connection} for "
-                f"{now - self._silent_since:.0f}s (unreachable_timeout): {status.reason}"))
-        else:
-            self._silent_since = None
+            # a retry may find the job (not final), and its log is not asked of a backend
+            # silent this long (an SSH read would wait out its own timeout first)
+            status = JobStatus.silent(handle.connection, now - self._silent_since,
+                                      status.reason)
+            return PokeReturnValue(is_done=True, xcom_value=self._finish(handle, status, ""))
+        self._silent_since = None
         if not status.state.terminal:
             return False
         try:

@@ -29,7 +29,6 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_skypilot import rebalance, sweeps
 from airflow_skypilot.backends.base import (
-    SILENCE,
     Backend,
     JobHandle,
     JobState,
@@ -332,9 +331,7 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                                      handle.job_id, handle.connection, now - silent_since,
                                      self.unreachable_timeout, why)
                     if now - silent_since >= self.unreachable_timeout:
-                        status = JobStatus(JobState.LOST, raw_state=SILENCE, reason=(
-                            f"no answer about the job from {handle.connection} for "
-                            f"{now - silent_since:.0f}s (unreachable_timeout): {why}"))
+                        status = JobStatus.silent(handle.connection, now - silent_since, why)
                         yield TriggerEvent(self._event(handle, status, "", offset))
                         return
                     continue

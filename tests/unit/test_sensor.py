@@ -142,8 +142,10 @@ def test_poke_mode_silence_longer_than_the_limit_fails(handle, monkeypatch):
     assert sensor.poke({}) is False
     clock[0] += 1
     with pytest.raises(AirflowException, match="infrastructure failure: no answer about the "
-                                               "job from c1 for 30s .*down"):
+                                               "job from c1 for 30s .*down") as info:
         sensor.poke({})
+    # as deferred: a silence is not an end the backend reported; a retry may find the job
+    assert not isinstance(info.value, AirflowFailException)
 
 
 def test_poke_mode_an_answer_ends_the_silence(handle, monkeypatch):
