@@ -132,6 +132,15 @@ def slash_problems(spec: TaskSpec, src: Source, env: Mapping[str, str]) -> list[
     return out
 
 
+class SecretDict(dict):
+    """A dict whose repr never shows values: secrets must not reach logs by accident."""
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
+
+    __str__ = __repr__
+
+
 def masked(text: str, values: Iterable[str]) -> str:
     """``text`` with each of ``values`` (secrets) replaced by ``***``: as written, and as
     repr() quotes it (a backslash or a quote is escaped there)."""

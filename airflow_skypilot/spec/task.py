@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import yaml
@@ -20,7 +20,9 @@ from airflow_skypilot.spec import checks, instance_types
 from airflow_skypilot.spec import fields as f
 from airflow_skypilot.spec.errors import Problem, TaskValidationError
 from airflow_skypilot.spec.fill import (
+    SecretDict,
     local_path_problems,
+    masked,
     redacted,
     service_problems,
     slash_problems,
@@ -131,15 +133,6 @@ class ResourceRequest:
         }
 
 
-class _SecretDict(dict):
-    """A dict whose repr never shows values: secrets must not reach logs by accident."""
-
-    def __repr__(self) -> str:
-        return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
-
-    __str__ = __repr__
-
-
 @dataclass
 class Task:
     """A validated SkyPilot task, with every override applied."""
@@ -149,7 +142,7 @@ class Task:
     candidates: list[ResourceRequest]
     ordered: bool = False
     envs: dict[str, str] = field(default_factory=dict)
-    secrets: dict[str, str] = field(default_factory=_SecretDict)
+    secrets: dict[str, str] = field(default_factory=SecretDict)
     #: secrets the YAML names without a value; they must be supplied before the task runs
     missing_secrets: list[str] = field(default_factory=list)
     workdir: str | dict[str, Any] | None = None
@@ -163,8 +156,12 @@ class Task:
     warnings: list[Problem] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.secrets, _SecretDict):
-            self.secrets = _SecretDict(self.secrets)
+        if not isinstance(self.secrets, SecretDict):
+            self.secrets = SecretDict(self.secrets)
+
+    def __repr__(self) -> str:  # a secret filled into a path (SkyPilot does) stays out of logs
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return masked(f"Task({shown})", self.secrets.values())
 
     @property
     def job_recovery(self) -> Mapping[str, Any]:
@@ -375,7 +372,7 @@ def _build(src: Source, env_over: Mapping[str, Any], sec_over: Mapping[str, Any]
         candidates=candidates,
         ordered=ordered,
         envs={k: v for k, v in envs.items() if v is not None},
-        secrets=_SecretDict({k: v for k, v in secrets.items() if v is not None}),
+        secrets=SecretDict({k: v for k, v in secrets.items() if v is not None}),
         missing_secrets=sorted(k for k, v in secrets.items() if v is None),
         workdir=substitute(workdir, substitutions),
         file_mounts=substitute(dict(spec.file_mounts or {}), substitutions),

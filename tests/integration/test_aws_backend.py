@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import hashlib
 import json
 import os
@@ -352,6 +353,34 @@ def test_large_workdir_is_staged_in_s3(box, tmp_path):
         Bucket=BUCKET, Prefix=f"jobs/{handle.job_name}/").get("Contents", [])]
     assert f"jobs/{handle.job_name}/payload.tgz" not in keys
     assert f"jobs/{handle.job_name}/rank-0/log" in keys
+
+
+def test_a_secret_filled_into_a_file_mount_reaches_the_node_but_not_user_data(box, tmp_path):
+    """SkyPilot fills secrets into file_mounts: mounts.sh names the secret, the node reads it
+    from SSM (secrets.sh) before it puts the mounts in place."""
+    (tmp_path / "cfg.txt").write_text("from a secret path\n")
+    backend = AwsBackend(CONN)
+    task = load_task({"run": 'cat ~/cfg-"$KEY"/app.txt', "secrets": {"KEY": "s3cr3tval"},
+                      "resources": {"cpus": "2+"},
+                      "file_mounts": {"~/cfg-$KEY/app.txt": str(tmp_path / "cfg.txt")}})
+    handle = backend.submit(task, _offer(backend, task), _name("secret-mount"), {})
+    (inst,) = _instances(box, handle.job_name)
+    raw = _client(box, "ec2").describe_instance_attribute(
+        InstanceId=inst["InstanceId"], Attribute="userData")["UserData"]["Value"]
+    boot = base64.b64decode(raw).decode()
+    if handle.extra.get("payload_staged"):
+        payload = _client(box, "s3").get_object(
+            Bucket=BUCKET, Key=f"jobs/{handle.job_name}/payload.tgz")["Body"].read()
+    else:  # inline, between the heredoc's lines
+        inline = boot.split("<<'AIRFLOW_SKYPILOT_PAYLOAD'\n", 1)[1].split(
+            "\nAIRFLOW_SKYPILOT_PAYLOAD\n", 1)[0]
+        payload = base64.b64decode("".join(inline.split()))
+    files = gzip.decompress(payload)  # the tar's bytes: mounts.sh among them
+    assert b"mounts.sh" in files and b'cfg-"${KEY}"' in files
+    assert "s3cr3tval" not in boot and b"s3cr3tval" not in files
+    assert _wait(backend, handle).state == JobState.SUCCEEDED
+    assert "from a secret path" in backend.read_log(handle)[0]
+    backend.cleanup(handle)
 
 
 def test_polling_is_batched_one_describe_per_region(box):

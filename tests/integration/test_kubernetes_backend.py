@@ -468,6 +468,23 @@ def test_workdir_and_file_mounts_reach_the_pod(k8s, tmp_path):
     assert not offer.fits and "a Secret takes at most" in offer.reason
 
 
+def test_a_secret_filled_into_a_mount_path_reaches_the_pod_as_a_reference(k8s, kube,
+                                                                          tmp_path):
+    """SkyPilot fills secrets into file_mounts; main.sh, in the ConfigMap, names the secret
+    and the pod expands it from its env (the task's Secret)."""
+    (tmp_path / "cfg.txt").write_text("from a secret path\n")
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"secrets": {"KEY": "s3cr3tval"},
+                               "file_mounts": {"~/cfg-$KEY/app.txt": str(tmp_path / "cfg.txt")},
+                               "run": 'cat ~/cfg-"$KEY"/app.txt'})
+    assert _terminal(backend, handle).state == JobState.SUCCEEDED
+    text, _ = backend.read_log(handle)
+    assert "from a secret path" in text
+    cm = _core(kube).read_namespaced_config_map(names.configmap_name(handle.job_name), NS)
+    assert cm.data["main.sh"] and "s3cr3tval" not in json.dumps(cm.data)
+    backend.cleanup(handle)
+
+
 def test_operator_side_status_has_no_event_loop_per_call(k8s):
     """``status`` is the sync path (the worker): it must work inside a running event loop's
     thread too, where ``asyncio.run`` would fail."""

@@ -1072,10 +1072,50 @@ def test_a_lost_allocation_decides_before_an_exit_code_it_caused():
     assert st.state == JobState.FAILED
 
 
+def test_a_secret_filled_into_a_file_mount_is_not_in_the_payload_in_clear(tmp_path):
+    """SkyPilot fills secrets into file_mounts; mounts.sh (in user-data or an S3 object) names
+    the secret instead, read from secrets.sh on the node."""
+
+    from airflow_skypilot.backends.aws.userdata import mounts_script
+    from airflow_skypilot.spec import load_task
+
+    (tmp_path / "f.txt").write_text("x")
+    task = load_task({"run": "x", "secrets": {"KEY": None},
+                      "file_mounts": {"/s3/$KEY": "s3://team-$KEY/data",
+                                      "dir-$KEY/f.txt": str(tmp_path / "f.txt")}},
+                     secrets={"KEY": "s3cr3t value"})
+    script, local = mounts_script(task)
+    assert "s3cr3t" not in script
+    assert 's3://team-"${KEY}"/data /s3/"${KEY}"' in script
+    home = _run_mounts(tmp_path, script, local, skip="/s3/",
+                       secrets_sh="export KEY='s3cr3t value'\n")
+    assert (home / "dir-s3cr3t value" / "f.txt").read_text() == "x"
+
+
+def _run_mounts(tmp_path, script: str, local, skip: str, secrets_sh: str = ""):
+    """Run mounts.sh with the payload laid out as the bootstrap unpacks it (each local
+    source holding "x"), its lines naming ``skip`` left out; the home it filled."""
+    import subprocess
+
+    home, job = tmp_path / "home", tmp_path / "job"
+    home.mkdir()
+    job.mkdir()
+    if secrets_sh:
+        (job / "secrets.sh").write_text(secrets_sh)
+    for _, name in local:
+        (job / name).parent.mkdir(parents=True, exist_ok=True)
+        (job / name).write_text("x")
+    kept = "\n".join(line for line in script.splitlines() if skip not in line)
+    done = subprocess.run(["bash", "-c", kept], env={"HOME": str(home), "JOB_DIR": str(job),
+                                                     "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return home
+
+
 def test_a_relative_file_mount_lands_under_the_home_as_on_slurm_and_kubernetes(tmp_path):
     """It landed in the job's dir (~/.airflow-skypilot/<job>/data), run's cwd being the
     workdir: neither where the other backends put it nor where the task looks."""
-    import subprocess
 
     from airflow_skypilot.backends.aws.userdata import mounts_script
     from airflow_skypilot.spec import load_task
@@ -1085,16 +1125,5 @@ def test_a_relative_file_mount_lands_under_the_home_as_on_slurm_and_kubernetes(t
                                                   "/abs/g": str(tmp_path / "f.txt")}})
     script, local = mounts_script(task)
     assert '"$HOME"/data/f.txt' in script and " /abs/g" in script
-    home, job = tmp_path / "home", tmp_path / "job"
-    home.mkdir()
-    job.mkdir()
-    # run it with the payload laid out as the bootstrap unpacks it, /abs/g left out
-    for _, name in local:
-        (job / name).parent.mkdir(parents=True, exist_ok=True)
-        (job / name).write_text((tmp_path / "f.txt").read_text())
-    only_home = "\n".join(line for line in script.splitlines() if "/abs/g" not in line)
-    done = subprocess.run(["bash", "-c", only_home], env={"HOME": str(home),
-                          "JOB_DIR": str(job), "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr
+    home = _run_mounts(tmp_path, script, local, skip="/abs/g")
     assert (home / "data" / "f.txt").read_text() == "x"

@@ -50,3 +50,27 @@ def test_job_names_are_deterministic_short_and_dns_safe():
     assert a.startswith("sky-my-dag-train-step-") and a.endswith("-t2-a1")
     assert len(jobscript.job_name("d" * 200, "t" * 200, "r", 1, 10)) <= 63
     assert jobscript.job_name("d", "t", "r1", 1) != jobscript.job_name("d", "t", "r2", 1)
+
+
+def test_a_secret_in_a_shell_word_is_a_reference_expanded_on_the_node():
+    """SkyPilot fills secrets into file_mounts: a mount's path in a generated script names
+    the secret, and bash gives back the text exactly (quotes and all)."""
+    secrets = {"KEY": "s3cr3t'$(x)", "SHORT": "s3", "EMPTY": ""}
+    for text in ["s3://team-s3cr3t'$(x)/data", "s3cr3t'$(x)", "/a b/s3cr3t'$(x)s3cr3t'$(x)",
+                 "no secret here", "", "s3://s3/x"]:
+        word = jobscript.node_word(text, secrets)
+        assert "s3cr3t" not in word
+        done = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True,
+                              text=True, env={"KEY": secrets["KEY"], "SHORT": "s3",
+                                              "PATH": "/usr/bin:/bin"}, timeout=10)
+        assert done.returncode == 0 and done.stdout == text, (text, word, done.stderr)
+    # every occurrence, even of a short value inside other text: expanded, it is the same
+    assert jobscript.node_word("s3://s3/x", secrets) == '"${SHORT}"://"${SHORT}"/x'
+    assert jobscript.node_word("plain", {}) == "plain"
+
+
+def test_a_task_repr_masks_a_secret_filled_into_its_mounts():
+    task = load_task({"run": "x", "secrets": {"K": None},
+                      "file_mounts": {"/d-$K": "s3://team-$K/data"}}, secrets={"K": "s3cr3tv"})
+    assert task.file_mounts == {"/d-s3cr3tv": "s3://team-s3cr3tv/data"}  # as SkyPilot fills
+    assert "s3cr3tv" not in repr(task) and "s3://team-***/data" in repr(task)

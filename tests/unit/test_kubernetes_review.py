@@ -72,6 +72,19 @@ def test_file_mounts_travel_in_a_secret_never_in_the_configmap(tmp_path):
     assert any(m["name"] == "skypilot-bundle" for m in pod["containers"][0]["volumeMounts"])
 
 
+def test_a_secret_filled_into_a_mount_path_is_not_in_the_configmap(tmp_path):
+    """main.sh (ConfigMap, readable with the view role) unpacks into the mount's path: a
+    secret SkyPilot filled into it is written as a reference to the pod's env."""
+    (tmp_path / "f.txt").write_text("x")
+    task = load_task({"run": "true", "secrets": {"KEY": None},
+                      "file_mounts": {"/data-$KEY/f.txt": str(tmp_path / "f.txt")}},
+                     secrets={"KEY": "s3cr3tval"})
+    _, deps = _objects(task)
+    [cm] = [d for d in deps if d["kind"] == "ConfigMap"]
+    assert "s3cr3tval" not in json.dumps(cm)
+    assert '"$ROOT"/data-"${KEY}"' in cm["data"]["main.sh"]
+
+
 def test_a_task_without_files_has_no_bundle_secret():
     job, deps = _objects(load_task({"run": "true"}))
     assert [d["kind"] for d in deps] == ["ConfigMap"]

@@ -96,17 +96,20 @@ def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
     as (local path, name in the payload). ``s3://`` sources are fetched with the AWS CLI."""
     lines = ["#!/bin/bash", "# airflow-skypilot: put file_mounts in place (generated)", "set -e",
              'cd "$JOB_DIR"']
+    if task.secrets:  # a secret filled into a mount is written as a reference to it
+        lines.append('. "$JOB_DIR/secrets.sh"')
     local: list[tuple[str, str]] = []
     for i, (dst, src) in enumerate(sorted(task.file_mounts.items())):
         target = dst
         if target == "~" or target.startswith("~/"):
-            target_word = '"$HOME"' + (shlex.quote(target[1:]) if len(target) > 1 else "")
+            target_word = '"$HOME"' + (jobscript.node_word(target[1:], task.secrets)
+                                       if len(target) > 1 else "")
         elif not target.startswith("/"):  # under the home, as on Slurm (SFTP) and Kubernetes
-            target_word = '"$HOME"/' + shlex.quote(target)
+            target_word = '"$HOME"/' + jobscript.node_word(target, task.secrets)
         else:
-            target_word = shlex.quote(target)
+            target_word = jobscript.node_word(target, task.secrets)
         if isinstance(src, str) and src.startswith("s3://"):
-            quoted = shlex.quote(src)
+            quoted = jobscript.node_word(src, task.secrets)
             lines.append(f"mkdir -p \"$(dirname {target_word})\"")
             lines.append(f"aws s3 cp --only-show-errors {quoted} {target_word} 2>/dev/null || "
                          f"aws s3 sync --only-show-errors {quoted} {target_word}")

@@ -31,6 +31,26 @@ def exports(env: Mapping[str, str]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def node_word(text: str, secrets: Mapping[str, str]) -> str:
+    """``text`` as one bash word, each secret value in it written ``"${NAME}"``: expanded on
+    the node from the job's secrets (loaded by then), never in a generated script in clear.
+    SkyPilot fills secrets into file_mounts (``s3://team-${KEY}/data``), so a mount's path or
+    URI may hold one."""
+    names = {value: name for name, value in secrets.items() if value}
+    if not names:
+        return shlex.quote(text)
+    pattern = re.compile("|".join(re.escape(v) for v in sorted(names, key=len, reverse=True)))
+    parts, pos = [], 0
+    for match in pattern.finditer(text):
+        if match.start() > pos:
+            parts.append(shlex.quote(text[pos:match.start()]))
+        parts.append(f'"${{{names[match.group(0)]}}}"')
+        pos = match.end()
+    if pos < len(text) or not parts:
+        parts.append(shlex.quote(text[pos:]))
+    return "".join(parts)
+
+
 def gpus_per_node(count: float) -> int:
     """SkyPilot exports the ceiling of the (possibly fractional) accelerator count."""
     return int(math.ceil(count)) if count else 0

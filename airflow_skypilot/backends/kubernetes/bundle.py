@@ -14,11 +14,13 @@ from __future__ import annotations
 import base64
 import io
 import os
-import shlex
 import tarfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from airflow_skypilot.backends.common.jobscript import node_word
 from airflow_skypilot.backends.common.workdir import local_source, walk
+from airflow_skypilot.spec.fill import masked
 from airflow_skypilot.spec.task import Task
 
 #: the bundle Secret's payload limit (the API server refuses objects over 1 MiB in all)
@@ -69,15 +71,16 @@ def _tree(local: str) -> list[tuple[str, str]]:
     return [(path, rel) for path, rel, _ in walk(local)]
 
 
-def _dest_dir_word(dst: str) -> str:
-    """A bash word for a file mount's destination directory inside the pod."""
+def _dest_dir_word(dst: str, secrets: Mapping[str, str]) -> str:
+    """A bash word for a file mount's destination directory inside the pod (main.sh, in the
+    ConfigMap: a secret filled into it is a reference to the pod's env from the Secret)."""
     if dst in ("~", "~/"):
         return '"$HOME"'
     if dst.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(dst[2:])
+        return '"$HOME"/' + node_word(dst[2:], secrets)
     if dst.startswith("/"):
-        return '"$ROOT"' + shlex.quote(dst)
-    return '"$HOME"/' + shlex.quote(dst)
+        return '"$ROOT"' + node_word(dst, secrets)
+    return '"$HOME"/' + node_word(dst, secrets)
 
 
 def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
@@ -95,14 +98,15 @@ def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
         key = f"mount-{i}.tgz.b64"
         if os.path.isdir(path):
             out.data[key] = _tar_b64(_tree(path), raw_limit)
-            out.targets.append((key, _dest_dir_word(dst.rstrip("/") or "/")))
+            out.targets.append((key, _dest_dir_word(dst.rstrip("/") or "/", task.secrets)))
         elif os.path.isfile(path):
             out.data[key] = _tar_b64([(path, os.path.basename(dst.rstrip("/")))], raw_limit)
             parent = os.path.dirname(dst.rstrip("/")) or ("~" if not dst.startswith("/")
                                                            else "/")
-            out.targets.append((key, _dest_dir_word(parent)))
+            out.targets.append((key, _dest_dir_word(parent, task.secrets)))
         else:
-            raise BundleTooLarge(f"file_mounts {dst}: {src} does not exist")
+            raise BundleTooLarge(masked(f"file_mounts {dst}: {src} does not exist",
+                                        task.secrets.values()))
         if out.size > limit:
             break
     if out.size > limit:
