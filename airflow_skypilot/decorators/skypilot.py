@@ -16,7 +16,10 @@ task is needed once more (a failover, a restart, a new probe); a different answe
 Merge rule: a returned field replaces the base's; a mapping field in both (``envs``,
 ``secrets``, ``resources``, ``file_mounts``, ``config``...) is merged one level: each returned
 key replaces the base's (``resources: {accelerators: ...}`` replaces the base's accelerators and
-keeps its ``cpus``). The result is not a Jinja template (``{{`` in a script stays as it is).
+keeps its ``cpus``). A key replaces its aliases and alternatives too (``gpus`` the base's
+``accelerators``, ``ordered`` its ``any_of``, ``infra`` its ``cloud``/``region``/``zone``, ``pool``
+its ``service``: :data:`airflow_skypilot.spec.model.REPLACES`). The result is not a Jinja
+template (``{{`` in a script stays as it is).
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ from airflow_skypilot.operators.skypilot import SkyPilotOperator
 from airflow_skypilot.runstate import RunState
 from airflow_skypilot.spec import Task, TaskValidationError, load_task
 from airflow_skypilot.spec.errors import Problem
+from airflow_skypilot.spec.model import REPLACES
 from airflow_skypilot.spec.secrets import secret_values
-from airflow_skypilot.spec.source import Source, load_yaml
+from airflow_skypilot.spec.source import Source, dotted, load_yaml
 from airflow_skypilot.spec.task import read_task_text
 
 if TYPE_CHECKING:
@@ -65,15 +69,29 @@ def merge_task(base: Mapping[str, Any], returned: Any, name: str = "the function
             raise AirflowFailException(f"{name}() returned an empty run script; {USAGE}")
         return {**base, "run": returned}
     if isinstance(returned, Mapping):
-        merged = dict(base)
+        merged = _over(base, returned, "")
         for key, value in returned.items():
-            old = merged.get(key)
-            merged[key] = {**old, **value} if isinstance(old, Mapping) and isinstance(
-                value, Mapping) else value
+            old = base.get(key)
+            if isinstance(old, Mapping) and isinstance(value, Mapping):
+                merged[key] = _over(old, value, key)
         return merged
     what = "None (did it forget to return?)" if returned is None else \
         f"a {type(returned).__name__}"
     raise AirflowFailException(f"{name}() returned {what}; {USAGE}")
+
+
+def _over(base: Mapping[str, Any], returned: Mapping[str, Any], section: str) -> dict:
+    """``returned``'s keys over ``base``'s, one level; a key also drops the base's aliases and
+    alternatives of it (returned ``gpus`` drops ``accelerators``), which would clash."""
+    replaces = REPLACES.get(section, {})
+    dropped = {k for key in returned if isinstance(key, str) for k in replaces.get(key, ())}
+    return {**{k: v for k, v in base.items() if k not in dropped or k in returned}, **returned}
+
+
+def _within(path: str, field: tuple[Any, ...]) -> bool:
+    """Is the dotted ``path`` the field's, or below it?"""
+    prefix = dotted(field)
+    return path == prefix or path.startswith((f"{prefix}.", f"{prefix}["))
 
 
 def _path_keys(path: str) -> tuple[str, str]:
@@ -224,10 +242,9 @@ class SkyPilotDecoratedOperator(DecoratedOperator, SkyPilotOperator):
             mine = any(rest == k or rest.startswith((f"{k}.", f"{k}[")) for k in returned[top])
         if mine or base is None or problem.file != label:
             return problem
-        sub = next((k for k in (base.data or {}).get(top) or {}
-                    if rest == k or rest.startswith((f"{k}.", f"{k}["))), None) \
-            if isinstance((base.data or {}).get(top), Mapping) else None
-        where = (top,) if sub is None else (top, sub)
+        # the deepest field of the base YAML the path is in (``envs.BAD-NAME``'s own line)
+        where = max((p for p in base.lines if p and p[0] == top and _within(problem.path, p)),
+                    key=len, default=(top,))
         return Problem(path=problem.path, message=problem.message, file=base.file,
                        line=base.line_of(where) if top else None)
 

@@ -7,14 +7,21 @@ sky/utils/resources_utils.py, sky/utils/infra_utils.py); where we are stricter i
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from airflow_skypilot.spec import accelerators as acc
 
 
 class FieldError(ValueError):
-    """A single field's value is wrong; the caller knows the field path."""
+    """A single field's value is wrong; the caller knows the field path. ``where`` is the
+    entry of a mapping or list value at fault (``("H100",)``), so the error names its line."""
+
+    def __init__(self, message: str, where: tuple[str | int, ...] = ()):
+        super().__init__(message)
+        self.where = where
 
 
 _MEMORY_UNITS = {"kb": 2**-20, "ki": 2**-20, "mb": 2**-10, "mi": 2**-10, "gb": 1, "gi": 1,
@@ -131,19 +138,21 @@ def parse_ports(value: Any) -> tuple[str, ...]:
         return ()
     items = value if isinstance(value, list) else [value]
     ports: set[int] = set()
-    for item in items:
+    for i, item in enumerate(items):
+        at = (i,) if isinstance(value, list) else ()
         if isinstance(item, bool) or not isinstance(item, (int, str)):
-            raise FieldError(f"a port must be a number or 'from-to'; got {item!r}")
+            raise FieldError(f"a port must be a number or 'from-to'; got {item!r}", at)
         for token in str(item).split(","):
             text = token.strip()
             parts = text.split("-")
             if len(parts) > 2 or not all(p.isdigit() for p in parts):
-                raise FieldError(f"a port must be a number or a range 'from-to'; got {text!r}")
+                raise FieldError(f"a port must be a number or a range 'from-to'; got {text!r}",
+                                 at)
             if not all(1 <= int(p) <= 65535 for p in parts):
-                raise FieldError(f"a port must be between 1 and 65535; got {text!r}")
+                raise FieldError(f"a port must be between 1 and 65535; got {text!r}", at)
             low, high = int(parts[0]), int(parts[-1])
             if low > high:
-                raise FieldError(f"port range {text!r} ends before it starts")
+                raise FieldError(f"port range {text!r} ends before it starts", at)
             ports.update(range(low, high + 1))
     out: list[str] = []
     for port in sorted(ports):
@@ -168,7 +177,7 @@ def parse_labels(value: Any) -> dict[str, str]:
         raise FieldError(f"must be a mapping of label names to strings; got {value!r}")
     for key, val in value.items():
         if not isinstance(val, str):
-            raise FieldError(f"label {key!r} must be a string; got {val!r}")
+            raise FieldError(f"label {key!r} must be a string; got {val!r}", (key,))
     return {str(k): v for k, v in value.items()}
 
 
@@ -198,16 +207,19 @@ def parse_autostop(value: Any) -> dict[str, Any] | None:
         allowed = {"idle_minutes", "down", "wait_for", "hook", "hook_timeout"}
         unknown = sorted(set(value) - allowed)
         if unknown:
-            raise FieldError(f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+                raise FieldError(f"unknown key {unknown[0]!r}; allowed: "
+                             f"{', '.join(sorted(allowed))}", (unknown[0],))
         idle = value.get("idle_minutes")
         if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int) or idle < 0):
-            raise FieldError(f"idle_minutes must be a whole number >= 0; got {idle!r}")
+            raise FieldError(f"idle_minutes must be a whole number >= 0; got {idle!r}",
+                             ("idle_minutes",))
         down = value.get("down")
         if down is not None and not isinstance(down, bool):
-            raise FieldError(f"down must be true or false; got {down!r}")
+            raise FieldError(f"down must be true or false; got {down!r}", ("down",))
         wait_for = value.get("wait_for")
         if wait_for is not None and str(wait_for).lower() not in ("jobs_and_ssh", "jobs", "none"):
-            raise FieldError(f"wait_for must be jobs_and_ssh, jobs or none; got {wait_for!r}")
+            raise FieldError(f"wait_for must be jobs_and_ssh, jobs or none; got {wait_for!r}",
+                             ("wait_for",))
         return {"enabled": True, **value}
     raise FieldError(f"must be true/false, minutes, a duration or a mapping; got {value!r}")
 
@@ -223,7 +235,7 @@ def parse_image_id(value: Any) -> str | dict[str, str] | None:
     if isinstance(value, dict):
         for key, val in value.items():
             if not isinstance(val, str):
-                raise FieldError(f"image for {key!r} must be a string; got {val!r}")
+                raise FieldError(f"image for {key!r} must be a string; got {val!r}", (key,))
         return {str(k): v for k, v in value.items()}
     raise FieldError(f"must be a string or a mapping of region to image; got {value!r}")
 
@@ -324,6 +336,15 @@ def infra_matches(wanted: str | None, offered: str) -> bool:
 # --- accelerators -------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _at(key: str | int) -> Iterator[None]:
+    """A FieldError raised inside names the entry ``key`` (of a mapping or list value)."""
+    try:
+        yield
+    except FieldError as exc:
+        raise FieldError(str(exc), (key, *exc.where)) from None
+
+
 def _count(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FieldError(f"count of {name!r} must be a positive number; got {value!r}")
@@ -398,21 +419,23 @@ def parse_accelerators(value: Any, *, single: bool = False,
             raise FieldError("inside any_of/ordered, name one accelerator per entry")
         for name, count in value.items():
             if not isinstance(name, str):
-                raise FieldError(f"accelerator names must be strings; got {name!r}")
-            if count is None:
-                pairs.extend(_one_accelerator(name))
-            else:
-                for dev, _ in _one_accelerator(name):
-                    pairs.append((dev, _count(count, name)))
+                raise FieldError(f"accelerator names must be strings; got {name!r}", (name,))
+            with _at(name):
+                if count is None:
+                    pairs.extend(_one_accelerator(name))
+                else:
+                    for dev, _ in _one_accelerator(name):
+                        pairs.append((dev, _count(count, name)))
     elif isinstance(value, list):
         if single:
             raise FieldError("inside any_of/ordered, name one accelerator per entry, not a list")
         if not value:
             raise FieldError("must name at least one accelerator")
-        for item in value:
+        for i, item in enumerate(value):
             if not isinstance(item, str):
-                raise FieldError(f"list items must be strings like 'A100:1'; got {item!r}")
-            pairs.extend(_one_accelerator(item))
+                raise FieldError(f"list items must be strings like 'A100:1'; got {item!r}", (i,))
+            with _at(i):
+                pairs.extend(_one_accelerator(item))
     else:
         raise FieldError(
             f"must be 'NAME', 'NAME:COUNT', a mapping {{NAME: COUNT}} or a list; got {value!r}")
@@ -437,28 +460,35 @@ def parse_job_recovery(value: Any) -> dict[str, Any]:
     default = {"strategy": None, "max_restarts_on_errors": 0, "recover_on_exit_codes": []}
     if value is None:
         return default
+    mapping = isinstance(value, dict)
     if isinstance(value, str):
         value = {"strategy": value}
     if not isinstance(value, dict):
         raise FieldError(f"must be a strategy name or a mapping; got {value!r}")
+
+    def at(key: str) -> tuple[str, ...]:  # the key's own line, when the YAML has the key
+        return (key,) if mapping else ()
+
     allowed = {"strategy", "max_restarts_on_errors", "recover_on_exit_codes"}
     unknown = sorted(set(value) - allowed)
     if unknown:
-        raise FieldError(f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+        raise FieldError(f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}",
+                         (unknown[0],))
     strategy = value.get("strategy")
     if strategy is not None:
         if not isinstance(strategy, str):
-            raise FieldError(f"strategy must be a string; got {strategy!r}")
+            raise FieldError(f"strategy must be a string; got {strategy!r}", at("strategy"))
         if strategy == "none":
             return default  # SkyPilot: exactly "none" drops the whole setting to the default
         if strategy.upper() not in RECOVERY_STRATEGIES:
             raise FieldError(f"unknown recovery strategy {strategy!r}; "
-                             f"expected one of {', '.join(RECOVERY_STRATEGIES)}")
+                             f"expected one of {', '.join(RECOVERY_STRATEGIES)}", at("strategy"))
         else:
             strategy = strategy.upper()
     restarts = value.get("max_restarts_on_errors", 0)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-        raise FieldError(f"max_restarts_on_errors must be a whole number >= 0; got {restarts!r}")
+        raise FieldError(f"max_restarts_on_errors must be a whole number >= 0; got {restarts!r}",
+                         at("max_restarts_on_errors"))
     codes = value.get("recover_on_exit_codes", [])
     if codes is None:
         codes = []
@@ -467,8 +497,8 @@ def parse_job_recovery(value: Any) -> dict[str, Any]:
     if not isinstance(codes, list) or any(
             isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 255 for c in codes):
         raise FieldError("recover_on_exit_codes must be an exit code 0-255 or a list of them; "
-                         f"got {value.get('recover_on_exit_codes')!r}")
+                         f"got {value.get('recover_on_exit_codes')!r}", at("recover_on_exit_codes"))
     if len(set(codes)) != len(codes):
-        raise FieldError("recover_on_exit_codes has repeated codes")
+        raise FieldError("recover_on_exit_codes has repeated codes", at("recover_on_exit_codes"))
     return {"strategy": strategy, "max_restarts_on_errors": restarts,
             "recover_on_exit_codes": list(codes)}

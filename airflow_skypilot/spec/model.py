@@ -11,6 +11,7 @@ import re
 from typing import Any, ClassVar
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -18,18 +19,30 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, ValidationError
 
 from airflow_skypilot.spec import fields as f
 
 _ENV_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
+_Entry = tuple[tuple[Any, ...], str]
+
+
+def _at(errors: list[_Entry], value: Any) -> ValidationError:
+    """``(loc, message)`` problems found inside a field's value, to raise from its validator.
+    Pydantic puts the field's path in front of each ``loc`` (an entry's key, as written), so a
+    problem names the entry and its line (``envs.BAD-NAME``), not the field's first line."""
+    return ValidationError.from_exception_data("skypilot", [
+        {"type": PydanticCustomError("skypilot", message), "loc": loc, "input": value}
+        for loc, message in errors])
+
+
 def _wrap(parser, value: Any, **kwargs: Any) -> Any:
     try:
         return parser(value, **kwargs)
     except f.FieldError as exc:
-        raise PydanticCustomError("skypilot", str(exc)) from None
+        raise _at([(exc.where, str(exc))], value) from None
 
 
 _PARSERS = {
@@ -61,7 +74,10 @@ class ResourceFields(_Strict):
     infra: str | None = None
     cpus: Any = None
     memory: Any = None
-    accelerators: Any = None
+    # SkyPilot's RESOURCE_CONFIG_ALIASES: ``gpus`` is ``accelerators``; an error names the
+    # key as written
+    accelerators: Any = Field(default=None,
+                              validation_alias=AliasChoices("accelerators", "gpus"))
     instance_type: str | None = None
     use_spot: bool | None = None
     job_recovery: Any = None
@@ -93,16 +109,12 @@ class ResourceFields(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, data: Any) -> Any:
-        # SkyPilot's RESOURCE_CONFIG_ALIASES: ``gpus`` is ``accelerators``.
         if isinstance(data, dict) and "hooks" in data:
             raise PydanticCustomError(
                 "skypilot", "lifecycle hooks live under the top-level 'config.hooks', not "
                             "'resources.hooks'")
-        if isinstance(data, dict) and "gpus" in data:
-            if "accelerators" in data:
-                raise PydanticCustomError("skypilot", "cannot give both 'gpus' and 'accelerators'")
-            data = dict(data)
-            data["accelerators"] = data.pop("gpus")
+        if isinstance(data, dict) and "gpus" in data and "accelerators" in data:
+            raise PydanticCustomError("skypilot", "cannot give both 'gpus' and 'accelerators'")
         return data
 
     @field_validator("cloud", mode="before")
@@ -244,6 +256,13 @@ def _enable_docker(value: Any) -> str | None:
             f"got {value!r}")
 
 
+def _type_name(want: type | tuple[type, ...]) -> str:
+    names = {bool: "true or false", int: "a whole number", str: "a string", dict: "a mapping",
+             list: "a list"}
+    wants = want if isinstance(want, tuple) else (want,)
+    return " or ".join(names.get(w, w.__name__) for w in wants)
+
+
 #: leaves of ``config`` with a check of their own: (section, key) -> what is wrong, or None
 CONFIG_CHECKS = {("kubernetes", "enable_docker"): _enable_docker}
 
@@ -296,11 +315,12 @@ class TaskSpec(_Strict):
         if v is None or isinstance(v, str):
             return v
         if isinstance(v, dict):
-            unknown = sorted(set(v) - {"url", "ref"})
-            if unknown or not isinstance(v.get("url"), str) or not isinstance(
-                    v.get("ref", ""), str):
-                raise PydanticCustomError(
-                    "skypilot", f"a git workdir is {{url, ref}} with string values; got {v!r}")
+            unknown = sorted(set(v) - {"url", "ref"}, key=str)
+            bad = [k for k in ("url", "ref") if k in v and not isinstance(v[k], str)]
+            if unknown or bad or "url" not in v:
+                why = f"unknown key {unknown[0]!r}; " if unknown else ""
+                raise _at([(tuple((unknown or bad)[:1]), f"{why}a git workdir is {{url, ref}} "
+                                                         f"with string values; got {v!r}")], v)
             return v
         raise PydanticCustomError(
             "skypilot", f"must be a local directory or a mapping {{url, ref}}; got {v!r}")
@@ -310,30 +330,34 @@ class TaskSpec(_Strict):
     def _config(cls, v: Any) -> Any:
         if not isinstance(v, dict):
             return v
+        errors: list[_Entry] = []
         for section, body in v.items():
             if section not in CONFIG_KEYS:
-                raise PydanticCustomError(
-                    "skypilot", f"config section {section!r} cannot be set by a task; allowed: "
-                                f"{', '.join(CONFIG_KEYS)}")
+                errors.append(((section,), f"config section {section!r} cannot be set by a "
+                                           f"task; allowed: {', '.join(CONFIG_KEYS)}"))
+                continue
             leaves = CONFIG_KEYS[section]
             if leaves is None:
                 continue
             if not isinstance(body, dict):
-                raise PydanticCustomError("skypilot", f"config.{section} must be a mapping")
+                errors.append(((section,), f"must be a mapping; got {body!r}"))
+                continue
             for key, value in body.items():
+                where = (section, key)
                 if key not in leaves:
-                    raise PydanticCustomError(
-                        "skypilot", f"config.{section}.{key} cannot be set by a task; allowed: "
-                                    f"{', '.join(leaves)}")
+                    errors.append((where, f"{key!r} cannot be set by a task; allowed: "
+                                          f"{', '.join(leaves)}"))
+                    continue
                 check = CONFIG_CHECKS.get((section, key))
                 why = check(value) if check else None
-                if why:
-                    raise PydanticCustomError("skypilot", f"config.{section}.{key} {why}")
                 want = leaves[key]
-                if want is not None and (isinstance(value, bool) and want is int
-                                         or not isinstance(value, want)):
-                    raise PydanticCustomError(
-                        "skypilot", f"config.{section}.{key} has the wrong type: {value!r}")
+                if why:
+                    errors.append((where, why))
+                elif want is not None and (isinstance(value, bool) and want is int
+                                           or not isinstance(value, want)):
+                    errors.append((where, f"must be {_type_name(want)}; got {value!r}"))
+        if errors:
+            raise _at(errors, v)
         return v
 
     @field_validator("inputs", "outputs")
@@ -355,41 +379,45 @@ class TaskSpec(_Strict):
     def _envs(cls, v: Any) -> Any:
         if not isinstance(v, dict):
             return v
-        out = {}
-        for key, value in v.items():
-            if not isinstance(key, str) or not _ENV_NAME.match(key):
-                raise PydanticCustomError(
-                    "skypilot", f"{key!r} is not a valid environment variable name")
-            out[key] = _env_value(value)
-        return out
+        errors: list[_Entry] = [((key,), f"{key!r} is not a valid environment variable name")
+                               for key in v if not isinstance(key, str) or not _ENV_NAME.match(key)]
+        if errors:
+            raise _at(errors, v)
+        return {key: _env_value(value) for key, value in v.items()}
 
     @field_validator("secrets", mode="before")
     @classmethod
     def _secrets(cls, v: Any) -> Any:
         """Dict form ``{NAME: value | null}``; references ``secrets:NAME`` (null value) or the
         list form ``[secrets:NAME]`` name secrets supplied when the task runs."""
+        errors: list[_Entry] = []
         if isinstance(v, dict):
             out = {}
-            for key, val in v.items():
-                key = str(key)
-                if key.startswith(SECRET_REF) and val is not None:
-                    raise PydanticCustomError(
-                        "skypilot", f"{key!r}: a secret reference must have a null value")
+            for raw, val in v.items():
+                key = str(raw)
                 name = secret_ref_name(key)
-                if not _ENV_NAME.match(name):
-                    raise PydanticCustomError(
-                        "skypilot", f"secret {name!r} is not a valid environment variable name")
+                if key.startswith(SECRET_REF) and val is not None:
+                    errors.append(((raw,), f"{key!r}: a secret reference must have a null "
+                                           "value"))
+                elif not _ENV_NAME.match(name):
+                    errors.append(((raw,), f"secret {name!r} is not a valid environment "
+                                           "variable name"))
                 out[name] = _env_value(val)
+            if errors:
+                raise _at(errors, v)
             return out
         if isinstance(v, list):
             out = {}
-            for item in v:
+            for i, item in enumerate(v):
                 if not isinstance(item, str) or not item.startswith(SECRET_REF):
                     # not quoted: it may be a secret's value written in the wrong place
-                    raise PydanticCustomError(
-                        "skypilot", "list items must be references like 'secrets:HF_TOKEN'; "
-                                    f"got a {type(item).__name__} that is not one")
+                    errors.append(((i,), "list items must be references like "
+                                         f"'secrets:HF_TOKEN'; got a {type(item).__name__} "
+                                         "that is not one"))
+                    continue
                 out[secret_ref_name(item)] = None
+            if errors:
+                raise _at(errors, v)
             return out
         if v is not None:  # the value is not quoted: it may be a secret
             raise PydanticCustomError(
@@ -401,24 +429,24 @@ class TaskSpec(_Strict):
     @classmethod
     def _file_mounts(cls, v: Any) -> Any:
         if isinstance(v, dict):
+            errors: list[_Entry] = []
             for dst, src in v.items():
                 if not isinstance(dst, str) or not dst:
-                    raise PydanticCustomError("skypilot", f"mount path {dst!r} must be a string")
-                if dst.endswith("/") and dst != "/":
-                    raise PydanticCustomError(
-                        "skypilot", f"mount path {dst!r} must not end with a slash")
+                    errors.append(((dst,), f"mount path {dst!r} must be a string"))
+                elif dst.endswith("/") and dst != "/":
+                    errors.append(((dst,), f"mount path {dst!r} must not end with a slash"))
                 # a storage mapping is checked once envs are filled in (storage_problem), as
                 # SkyPilot builds its Storage only after filling envs into file_mounts
-                if not isinstance(src, (dict, str)):
-                    raise PydanticCustomError(
-                        "skypilot",
-                        f"{dst}: source must be a path/URL or a storage mapping; got {src!r}")
+                elif not isinstance(src, (dict, str)):
+                    errors.append(((dst,), "source must be a path/URL or a storage mapping; "
+                                           f"got {src!r}"))
                 # SkyPilot's _validate_path refuses it at launch, cloud URLs ('s3://b/') and
                 # '/' included; a source that ends in '/' only once envs are filled in is
                 # checked then (fill.local_path_problems)
-                if isinstance(src, str) and src.endswith("/"):
-                    raise PydanticCustomError(
-                        "skypilot", f"{dst}: source {src!r} must not end with a slash")
+                elif isinstance(src, str) and src.endswith("/"):
+                    errors.append(((dst,), f"source {src!r} must not end with a slash"))
+            if errors:
+                raise _at(errors, v)
         return v
 
 
@@ -465,3 +493,38 @@ def storage_problem(spec: dict[str, Any]) -> str | None:
                                    and all(isinstance(x, str) for x in source)):
         return f"source must be a path/URL or a list of them; got {source!r}"
     return None
+
+
+def _replaces(*groups: tuple[frozenset[str], ...]) -> dict[str, frozenset[str]]:
+    """key -> the keys of the other sides of its group."""
+    out: dict[str, frozenset[str]] = {}
+    for sides in groups:
+        for side in sides:
+            others = frozenset().union(*(s for s in sides if s is not side))
+            for key in side:
+                out[key] = out.get(key, frozenset()) | others
+    return out
+
+
+def _alias_groups(model: type[BaseModel]) -> list[tuple[frozenset[str], ...]]:
+    """A field and its alias (``_metadata``/``metadata``: populate_by_name takes both)."""
+    return [(frozenset({name}), frozenset({info.alias})) for name, info in
+            model.model_fields.items() if info.alias and info.alias != name]
+
+
+#: Keys that give the same thing as others, or that SkyPilot refuses beside them (aliases,
+#: alternatives), by section ("" is the top level). Merging a task's fields over a base
+#: (``@task.skypilot``), a key given drops the base's others, as it replaces its own. A
+#: ``region``/``zone`` alone does not drop the base's ``infra`` (that would widen the cloud):
+#: both stay, and the task is refused with a clear error.
+REPLACES: dict[str, dict[str, frozenset[str]]] = {
+    "": _replaces(*_alias_groups(TaskSpec),
+                  (frozenset({"service"}), frozenset({"pool"}))),
+    "resources": {
+        **_replaces(*_alias_groups(ResourcesSpec),
+                    (frozenset({"accelerators"}), frozenset({"gpus"})),
+                    (frozenset({"any_of"}), frozenset({"ordered"})),
+                    (frozenset({"cloud"}), frozenset({"infra"}))),
+        "infra": frozenset({"cloud", "region", "zone"}),
+    },
+}

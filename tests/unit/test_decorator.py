@@ -102,6 +102,58 @@ def test_merge_rule():
     assert merge_task({"envs": {"A": "1"}}, {"envs": "nope"}) == {"envs": "nope"}
 
 
+@pytest.mark.parametrize("base, returned, merged", [
+    ({"accelerators": "A100:1", "cpus": 2}, {"gpus": "H100:8"}, {"cpus": 2, "gpus": "H100:8"}),
+    ({"gpus": "A100:1", "cpus": 2}, {"accelerators": "H100:8"},
+     {"cpus": 2, "accelerators": "H100:8"}),
+    ({"any_of": [{"infra": "aws"}], "cpus": 2}, {"ordered": [{"infra": "k8s"}]},
+     {"cpus": 2, "ordered": [{"infra": "k8s"}]}),
+    ({"ordered": [{"infra": "aws"}]}, {"any_of": [{"infra": "k8s"}]},
+     {"any_of": [{"infra": "k8s"}]}),
+    ({"cloud": "aws", "region": "us-east-1", "cpus": 2}, {"infra": "k8s"},
+     {"cpus": 2, "infra": "k8s"}),
+    ({"infra": "aws/us-east-1"}, {"cloud": "gcp"}, {"cloud": "gcp"}),
+    # a region alone keeps the base's infra: refused, rather than widened to any cloud
+    ({"infra": "aws"}, {"region": "us-west-2"}, {"infra": "aws", "region": "us-west-2"}),
+    # both given by the function: both kept, and the task refused as it would be anyway
+    ({"cpus": 2}, {"gpus": "H100", "accelerators": "A100"},
+     {"cpus": 2, "gpus": "H100", "accelerators": "A100"}),
+])
+def test_a_returned_key_replaces_the_bases_aliases_and_alternatives(base, returned, merged):
+    """``gpus`` is ``accelerators``: replacing one by the other must not clash."""
+    assert merge_task({"resources": base}, {"resources": returned}) == {"resources": merged}
+
+
+def test_returned_gpus_replace_the_base_yamls_accelerators(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("resources:\n  cpus: 2\n  accelerators: A100:1\n  any_of:\n"
+                    "    - infra: aws\nrun: echo\n")
+    op = _decorated(lambda: {"resources": {"gpus": "H100:8", "ordered": [{"infra": "k8s"}]}},
+                    task=str(base))
+    (cand,) = op.load({"ti": TI()}).candidates
+    assert (cand.accelerator, cand.accelerator_count, cand.infra, cand.cpus) == \
+        ("H100", 8, "kubernetes", "2")
+
+
+def test_top_level_aliases_and_alternatives_are_replaced_too():
+    assert merge_task({"service": {"replicas": 1}, "run": "r"}, {"pool": {"workers": 1}}) == \
+        {"run": "r", "pool": {"workers": 1}}
+    assert merge_task({"_metadata": {"a": 1}}, {"metadata": {"b": 2}}) == {"metadata": {"b": 2}}
+
+
+def test_a_bad_entry_of_the_base_yaml_names_its_own_line(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("name: base\nenvs:\n  OK: 1\n  A: 2\n  BAD-NAME: 3\nconfig:\n"
+                    "  kubernetes:\n    provision_timeout: 10\n    pod_config: 3\nrun: echo\n")
+    op = _decorated(lambda: {"envs": {"B": "2"}}, task=str(base))
+    with pytest.raises(AirflowFailException) as info:
+        op.execute({"ti": TI()})
+    text = str(info.value)
+    assert f"{base}:5: envs.BAD-NAME: 'BAD-NAME' is not a valid" in text, text
+    assert f"{base}:9: config.kubernetes.pod_config: must be a mapping; got 3" in text, text
+    assert FakeBackend.jobs == {}
+
+
 def test_no_base_task_takes_the_function_alone():
     loaded = _decorated(lambda: {"resources": {"accelerators": "A100:1"}, "run": "go"}).load(
         {"ti": TI()})

@@ -651,11 +651,12 @@ ERRORS = [
      "t.yaml:3: resources.any_of[0].accelerators: inside any_of/ordered, name one accelerator"),
     ("resources:\n  gpus: A100\n  accelerators: A100\n", "cannot give both 'gpus' and "
                                                          "'accelerators'"),
-    ("envs:\n  1BAD: x\n", "t.yaml:1: envs: '1BAD' is not a valid environment variable name"),
+    ("envs:\n  1BAD: x\n", "t.yaml:2: envs.1BAD: '1BAD' is not a valid environment variable "
+                           "name"),
     ("envs: [A]\n", "t.yaml:1: envs: input should be a valid dictionary"),
     ("envs:\n  A: null\n", "t.yaml:2: envs.A: has no value: supply it as an override (--env "
                            "A=VALUE"),
-    ("secrets: [T]\n", "t.yaml:1: secrets: list items must be references like "
+    ("secrets: [T]\n", "t.yaml:1: secrets[0]: list items must be references like "
                         "'secrets:HF_TOKEN'; got a str that is not one"),
     ("secrets:\n  secrets:T: x\n", "a secret reference must have a null value"),
     ("secrets:\n  my-token: x\n", "secret 'my-token' is not a valid environment variable"),
@@ -678,9 +679,9 @@ ERRORS = [
                                              " does not exist"),
     ("file_mounts:\n  /data/: s3://b\n", "mount path '/data/' must not end with a slash"),
     # SkyPilot's launch refuses a source ending in '/' too, a bucket's or '/' included
-    ("file_mounts:\n  /d: s3://b/\n", "t.yaml:1: file_mounts: /d: source 's3://b/' must not "
+    ("file_mounts:\n  /d: s3://b/\n", "t.yaml:2: file_mounts./d: source 's3://b/' must not "
                                         "end with a slash"),
-    ("file_mounts:\n  /d: /\n", "t.yaml:1: file_mounts: /d: source '/' must not end with a "
+    ("file_mounts:\n  /d: /\n", "t.yaml:2: file_mounts./d: source '/' must not end with a "
                                   "slash"),
     ("file_mounts:\n  /d: $DIR\nenvs:\n  DIR: /tmp/\n", "t.yaml:2: file_mounts./d: source "
      "'$DIR' (once envs are filled in: '/tmp/') must not end with a slash"),
@@ -696,22 +697,23 @@ ERRORS = [
     ("file_mounts:\n  /d:\n    persistent: maybe\n", "persistent must be true or false"),
     ("config:\n  jobs: {}\n", "config section 'jobs' cannot be set by a task"),
     ("config:\n  kubernetes:\n    provision_timeout: soon\n",
-     "config.kubernetes.provision_timeout has the wrong type"),
+     "t.yaml:3: config.kubernetes.provision_timeout: must be a whole number; got 'soon'"),
     ("service: {replicas: 1}\npool: {workers: 1}\n", "cannot set both 'service' and 'pool'"),
     ("workdir: 3\n", "t.yaml:1: workdir: must be a local directory or a mapping {url, ref}"),
-    ("file_mounts:\n  /x: 3\n", "t.yaml:1: file_mounts: /x: source must be a path/URL"),
+    ("file_mounts:\n  /x: 3\n", "t.yaml:2: file_mounts./x: source must be a path/URL"),
     ("- a\n- b\n", "t.yaml:1: a task must be a mapping of fields"),
     ("name: a\n---\nname: b\n", "t.yaml:3: multi-document YAML (a SkyPilot pipeline) is not "
                                 "supported"),
     ("name: [a\n", "t.yaml:2:1: YAML syntax error:"),
     ("resources:\n  cpus: 1\n   memory: 2\n", "t.yaml:3:"),
     ("config:\n  kubernetes:\n    enable_docker: build\n",
-     "config.kubernetes.enable_docker must be true, false, ALL, BUILD or {mode: ALL|BUILD, "
+     "t.yaml:3: config.kubernetes.enable_docker: must be true, false, ALL, BUILD or {mode: "
+     "ALL|BUILD, "
      "cache_volume: NAME}; got 'build'"),
     ("config:\n  kubernetes:\n    enable_docker: {cache_volume: v}\n",
-     "config.kubernetes.enable_docker mode must be ALL or BUILD; got None"),
+     "t.yaml:3: config.kubernetes.enable_docker: mode must be ALL or BUILD; got None"),
     ("config:\n  kubernetes:\n    enable_docker: {mode: ALL, size: 1}\n",
-     "config.kubernetes.enable_docker unknown key 'size'"),
+     "t.yaml:3: config.kubernetes.enable_docker: unknown key 'size'"),
     ("config:\n  kubernetes:\n    enable_docker: {mode: ALL, cache_volume: 3}\n",
      "cache_volume must be a volume name; got 3"),
 ]
@@ -759,3 +761,72 @@ def test_secret_wins_over_env_of_the_same_name():
 def test_invalid_env_override_name():
     assert "override '1X' is not a valid environment variable name" in "\n".join(
         _errors("run: x\n", envs={"1X": "a"}))
+
+
+# --- a bad entry of a mapping or list names its own line and key, not the section's ---------
+
+ENTRY_ERRORS = [
+    ("envs:\n  OK: 1\n  A: 2\n  'BAD-NAME': 2\n",
+     "t.yaml:5: envs.BAD-NAME: 'BAD-NAME' is not a valid environment variable name"),
+    ("secrets:\n  OK: 1\n  A: 2\n  my-token: x\n",
+     "t.yaml:5: secrets.my-token: secret 'my-token' is not a valid environment variable name"),
+    ("secrets:\n  OK: 1\n  A: 2\n  secrets:T: x\n",
+     "t.yaml:5: secrets.secrets:T: 'secrets:T': a secret reference must have a null value"),
+    ("secrets:\n  - secrets:A\n  - secrets:B\n  - T\n",
+     "t.yaml:5: secrets[2]: list items must be references"),
+    ("file_mounts:\n  /ok: s3://a\n  /ok2: s3://c\n  /bad/: s3://b\n",
+     "t.yaml:5: file_mounts./bad/: mount path '/bad/' must not end with a slash"),
+    ("file_mounts:\n  /ok: s3://a\n  /ok2: s3://c\n  /bad: 3\n",
+     "t.yaml:5: file_mounts./bad: source must be a path/URL or a storage mapping; got 3"),
+    ("file_mounts:\n  /ok: s3://a\n  /ok2: s3://c\n  /bad: s3://b/\n",
+     "t.yaml:5: file_mounts./bad: source 's3://b/' must not end with a slash"),
+    ("config:\n  kubernetes:\n    provision_timeout: 10\n    pod_config: 3\n",
+     "t.yaml:5: config.kubernetes.pod_config: must be a mapping; got 3"),
+    ("config:\n  docker: {}\n  kubernetes:\n    provision_timeout: 10\n    podconfig: {}\n",
+     "t.yaml:6: config.kubernetes.podconfig: 'podconfig' cannot be set by a task"),
+    ("config:\n  docker: {}\n  nvidia_gpus: {}\n  jobs: {}\n",
+     "t.yaml:5: config.jobs: config section 'jobs' cannot be set by a task"),
+    ("config:\n  docker: {}\n  nvidia_gpus: {}\n  kubernetes: 3\n",
+     "t.yaml:5: config.kubernetes: must be a mapping; got 3"),
+    ("config:\n  kubernetes:\n    provision_timeout: 10\n    enable_docker: build\n",
+     "t.yaml:5: config.kubernetes.enable_docker: must be true, false, ALL, BUILD"),
+    ("resources:\n  cpus: 2\n  labels:\n    a: b\n    c: 1\n",
+     "t.yaml:6: resources.labels.c: label 'c' must be a string; got 1"),
+    ("resources:\n  cpus: 2\n  accelerators:\n    A100: 8\n    H100: -1\n",
+     "t.yaml:6: resources.accelerators.H100: count of 'H100' must be a positive number"),
+    ("resources:\n  cpus: 2\n  gpus:\n    A100: 8\n    H100: -1\n",
+     "t.yaml:6: resources.gpus.H100: count of 'H100' must be a positive number"),
+    ("resources:\n  cpus: 2\n  accelerators:\n    - A100:8\n    - H100:x\n",
+     "t.yaml:6: resources.accelerators[1]: 'H100:x' should be <name> or <name>:<count>"),
+    ("resources:\n  cpus: 2\n  ports:\n    - 80\n    - 0\n",
+     "t.yaml:6: resources.ports[1]: a port must be between 1 and 65535; got '0'"),
+    ("resources:\n  cpus: 2\n  job_recovery:\n    strategy: FAILOVER\n"
+     "    max_restarts_on_errors: -1\n",
+     "t.yaml:6: resources.job_recovery.max_restarts_on_errors: max_restarts_on_errors must be"),
+    ("resources:\n  cpus: 2\n  job_recovery:\n    strategy: FAILOVER\n    stratgy: x\n",
+     "t.yaml:6: resources.job_recovery.stratgy: unknown key 'stratgy'"),
+    ("resources:\n  cpus: 2\n  autostop:\n    idle_minutes: 5\n    down: maybe\n",
+     "t.yaml:6: resources.autostop.down: down must be true or false"),
+    ("resources:\n  cpus: 2\n  image_id:\n    us-east-1: ami-1\n    us-west-2: 3\n",
+     "t.yaml:6: resources.image_id.us-west-2: image for 'us-west-2' must be a string"),
+    ("resources:\n  cpus: 2\n  any_of:\n    - cpus: 4\n    - labels:\n        a: b\n        c: 1\n",
+     "t.yaml:8: resources.any_of[1].labels.c: label 'c' must be a string"),
+    ("resources:\n  cpus: 2\n  volumes:\n    - {path: /a}\n    - 3\n",
+     "t.yaml:6: resources.volumes[1]: input should be a valid dictionary"),
+    ("workdir:\n  url: https://x/y.git\n  ref: main\n  branch: y\n",
+     "t.yaml:5: workdir.branch: unknown key 'branch'"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), ENTRY_ERRORS)
+def test_a_bad_entry_names_its_own_line_and_key(text, expected):
+    """Pydantic's field validators see a whole mapping; the entry's key must reach the path."""
+    errors = _errors("name: a\n" + text + "run: x\n")
+    assert any(e.startswith(expected) for e in errors), errors
+
+
+def test_every_bad_entry_of_a_mapping_is_reported_at_once():
+    with pytest.raises(TaskValidationError) as info:
+        _load("envs:\n  1A: x\n  OK: y\n  2B: z\nfile_mounts:\n  /a/: s3://a\n  /b: 3\nrun: x\n")
+    assert [(p.line, p.path) for p in info.value.problems] == [
+        (2, "envs.1A"), (4, "envs.2B"), (6, "file_mounts./a/"), (7, "file_mounts./b")]
