@@ -36,17 +36,32 @@ def probe_timeout() -> float:
     return max(1.0, min(configured, CAPACITY_MAX_TIMEOUT))
 
 
+#: a refresh this soon after an answer gets that answer: "probe again" clicked twice probes once
+REFRESH_AFTER = 5.0
+
+
+class _Probe:
+    """A probe under way, which requests for the same connections wait for."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.answer: tuple[list[dict[str, Any]], float, float] | None = None
+
+
 class CapacityProbes(LoggingMixin):
     """``show-gpus`` rows per set of connections, cached for ``ttl`` seconds.
 
-    Concurrent requests for the same connections share one probe.
+    Concurrent requests for the same connections share one probe, refreshes too: a refresh
+    joins the probe under way, and one within ``refresh_after`` seconds of the last answer gets
+    that answer (else each click of "probe again" would queue a probe of its own behind it).
     """
 
-    def __init__(self, ttl: float = CAPACITY_TTL):
+    def __init__(self, ttl: float = CAPACITY_TTL, refresh_after: float = REFRESH_AFTER):
         super().__init__()
         self.ttl = ttl
+        self.refresh_after = refresh_after
         self._cache: dict[tuple[str, ...], tuple[float, list[dict[str, Any]], float]] = {}
-        self._locks: dict[tuple[str, ...], threading.Lock] = {}
+        self._running: dict[tuple[str, ...], _Probe] = {}
         self._guard = threading.Lock()
 
     def probe(self, conn_ids: list[str], timeout: float, refresh: bool = False
@@ -54,24 +69,43 @@ class CapacityProbes(LoggingMixin):
         """Rows, when they were probed, and how long it took (blocking: run it in a thread)."""
         key = tuple(conn_ids)
         with self._guard:
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
             cached = self._cache.get(key)
-            if cached and not refresh and time.time() - cached[0] < self.ttl:
+            if cached and time.time() - cached[0] < (self.refresh_after if refresh else self.ttl):
                 return cached[1], cached[0], cached[2]
-            from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+            running = self._running.get(key)
+            mine = running is None
+            if mine:
+                running = self._running[key] = _Probe()
+        if not mine:
+            # the hook bounds the probe by the timeout; this bound frees the thread regardless
+            if running.done.wait(timeout + 10) and running.answer is not None:
+                return running.answer
+            return ([{"connection": c, "location": "", "accelerator": None,
+                      "error": f"no answer within {timeout:g}s"} for c in conn_ids],
+                    time.time(), 0.0)
+        try:
+            running.answer = self._probe(conn_ids, timeout)
+            with self._guard:
+                self._cache[key] = running.answer[1], running.answer[0], running.answer[2]
+            return running.answer
+        finally:
+            with self._guard:
+                self._running.pop(key, None)
+            running.done.set()
 
-            start = time.monotonic()
-            try:
-                rows = [r.to_json() for r in SkyPilotCapacityHook(conn_ids, timeout=timeout)
-                        .capacity()]
-            except Exception as exc:  # the hook reports per connection; this is a last resort
-                self.log.exception("Capacity probe failed")
-                rows = [{"connection": c, "location": "", "accelerator": None,
-                         "error": f"{type(exc).__name__}: {exc}"} for c in conn_ids]
-            seconds = time.monotonic() - start
-            self._cache[key] = (time.time(), rows, seconds)
-            return rows, self._cache[key][0], seconds
+    def _probe(self, conn_ids: list[str], timeout: float
+               ) -> tuple[list[dict[str, Any]], float, float]:
+        from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
+
+        start = time.monotonic()
+        try:
+            rows = [r.to_json() for r in SkyPilotCapacityHook(conn_ids, timeout=timeout)
+                    .capacity()]
+        except Exception as exc:  # the hook reports per connection; this is a last resort
+            self.log.exception("Capacity probe failed")
+            rows = [{"connection": c, "location": "", "accelerator": None,
+                     "error": f"{type(exc).__name__}: {exc}"} for c in conn_ids]
+        return rows, time.time(), time.monotonic() - start
 
 
 #: the API server's shared cache

@@ -197,24 +197,29 @@ def _job_summary(ti: Any, xcoms: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+#: task instances per XCom query: 4 bind parameters each, under SQLite's old limit of 999
+XCOM_CHUNK = 200
+
+
 def _load_xcoms(session: Any, keys: Iterable[tuple[str, str, str, int]]
                 ) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    """The SkyPilot XComs of exactly these task instances: matching on dag_id and run_id alone
+    would read every task's ``return_value`` in those runs (any size, any operator) and every
+    sibling's of a mapped one. A row-value IN works on SQLite, Postgres and MySQL alike."""
     from airflow.models.xcom import XComModel
-    from sqlalchemy import select
+    from sqlalchemy import select, tuple_
 
-    wanted = set(keys)
-    if not wanted:
-        return {}
-    dag_ids = {k[0] for k in wanted}
-    run_ids = {k[1] for k in wanted}
-    stmt = select(XComModel).where(
-        XComModel.key.in_((XCOM_HANDLE, XCOM_PLACEMENT, XCOM_RESULT, XCOM_WATCH)),
-        XComModel.dag_id.in_(dag_ids), XComModel.run_id.in_(run_ids))
+    wanted = sorted(set(keys))
     out: dict[tuple[str, str, str, int], dict[str, Any]] = {k: {} for k in wanted}
-    for row in session.scalars(stmt):
-        key = (row.dag_id, row.run_id, row.task_id, row.map_index)
-        if key in out:
-            out[key][row.key] = xcom_value(row)
+    ti_key = tuple_(XComModel.dag_id, XComModel.run_id, XComModel.task_id, XComModel.map_index)
+    for i in range(0, len(wanted), XCOM_CHUNK):
+        stmt = select(XComModel).where(
+            XComModel.key.in_((XCOM_HANDLE, XCOM_PLACEMENT, XCOM_RESULT, XCOM_WATCH)),
+            ti_key.in_(wanted[i:i + XCOM_CHUNK]))
+        for row in session.scalars(stmt):
+            key = (row.dag_id, row.run_id, row.task_id, row.map_index)
+            if key in out:
+                out[key][row.key] = xcom_value(row)
     return out
 
 
@@ -299,18 +304,34 @@ def sweep_summary(members: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _siblings(session: Any, ti: Any) -> list[dict[str, Any]]:
-    """The other instances of a mapped task in its run (its sweep), in map-index order."""
+#: map indexes either side of a mapped job that its page links (a sweep may have thousands)
+SIBLINGS_NEAR = 10
+
+
+def _siblings(session: Any, ti: Any) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The instances of a mapped task in its run (its sweep) near this one, in map-index
+    order, and the whole sweep's size, states and first and last map index (counted in SQL)."""
     from airflow.models.taskinstance import TaskInstance as TI
-    from sqlalchemy import select
+    from sqlalchemy import func, select
 
     if ti.map_index is None or ti.map_index < 0:
-        return []
+        return [], None
+    where = (TI.dag_id == ti.dag_id, TI.run_id == ti.run_id, TI.task_id == ti.task_id,
+             TI.map_index >= 0)
+    counts = session.execute(select(TI.state, func.count(), func.min(TI.map_index),
+                                    func.max(TI.map_index)).where(*where).group_by(TI.state))
+    states: Counter[str] = Counter()
+    ends: list[int] = []
+    for state, n, low, high in counts:
+        states[str(getattr(state, "value", state) or "none")] += n
+        ends += [low, high]
     rows = session.execute(select(TI.map_index, TI.state).where(
-        TI.dag_id == ti.dag_id, TI.run_id == ti.run_id, TI.task_id == ti.task_id,
-        TI.map_index >= 0).order_by(TI.map_index))
-    return [{"map_index": index, "state": str(getattr(state, "value", state) or "none")}
+        *where, TI.map_index.between(ti.map_index - SIBLINGS_NEAR, ti.map_index + SIBLINGS_NEAR))
+        .order_by(TI.map_index))
+    near = [{"map_index": index, "state": str(getattr(state, "value", state) or "none")}
             for index, state in rows]
+    return near, {"size": sum(states.values()), "states": sorted(states.items()),
+                  "first": min(ends, default=None), "last": max(ends, default=None)}
 
 
 def _attempts_and_looks(ti: Any, xcoms: Mapping[str, Any]
@@ -323,19 +344,66 @@ def _attempts_and_looks(ti: Any, xcoms: Mapping[str, Any]
     return attempts, source, seen
 
 
-def load_sweep(dag_id: str, run_id: str, task_id: str) -> dict[str, Any] | None:
-    """Every mapped instance of one task in one run (a sweep), side by side: each one's row of
-    the jobs list with its attempts and looks, and the sweep's summary; None if it has none."""
+#: mapped instances on one page of a sweep, each a lane of its timeline
+SWEEP_PAGE = 200
+
+
+def _sweep_totals(session: Any, tis: Sequence[Any]) -> dict[str, Any]:
+    """The summary of a whole sweep, from light rows of all its task instances and only their
+    small XComs: the result and the handle (not the placement, whose rows can be large); where
+    neither says the connection, the job has no place in the counts yet."""
+    from airflow.models.xcom import XComModel
+    from sqlalchemy import select
+
+    first = tis[0]
+    stmt = select(XComModel.map_index, XComModel.key, XComModel.value).where(
+        XComModel.dag_id == first.dag_id, XComModel.run_id == first.run_id,
+        XComModel.task_id == first.task_id, XComModel.map_index >= 0,
+        XComModel.key.in_((XCOM_HANDLE, XCOM_RESULT)))
+    xcoms: dict[int, dict[str, Any]] = {}
+    for row in session.execute(stmt):
+        xcoms.setdefault(row.map_index, {})[row.key] = xcom_value(row)
+    members = []
+    for ti in tis:
+        values = xcoms.get(ti.map_index, {})
+        handle = values.get(XCOM_HANDLE) if isinstance(values.get(XCOM_HANDLE), Mapping) else {}
+        result = values.get(XCOM_RESULT)
+        result = result if isinstance(result, Mapping) and "attempts" in result else {}
+        attempts, _ = attempts_of(result, handle, ti.next_kwargs)
+        members.append({
+            "dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id,
+            "map_index": ti.map_index, "attempts": len(attempts),
+            "state": str(getattr(ti.state, "value", ti.state) or "none"),
+            "start_date": ti.start_date.isoformat() if ti.start_date else None,
+            "connection": result.get("connection") or handle.get("connection"),
+            "gpu_hours": result.get("gpu_hours"), "cost": result.get("cost")})
+    return sweep_summary(members)
+
+
+def load_sweep(dag_id: str, run_id: str, task_id: str, start: int = 0,
+               limit: int = SWEEP_PAGE) -> dict[str, Any] | None:
+    """One page of the mapped instances of one task in one run (a sweep), side by side, from
+    map index ``start``: each one's row of the jobs list with its attempts and looks; and the
+    whole sweep's summary (a sweep may have thousands). None if it has none."""
+    from bisect import bisect_left
+
     from airflow.models.taskinstance import TaskInstance as TI
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
+    where = (TI.dag_id == dag_id, TI.run_id == run_id, TI.task_id == task_id, TI.map_index >= 0)
     with create_session() as session:
-        tis = list(session.scalars(select(TI).where(
-            TI.dag_id == dag_id, TI.run_id == run_id, TI.task_id == task_id,
-            TI.map_index >= 0).order_by(TI.map_index)))
-        if not tis:
+        light = session.execute(select(
+            TI.dag_id, TI.run_id, TI.task_id, TI.map_index, TI.state, TI.start_date,
+            TI.next_kwargs).where(*where).order_by(TI.map_index)).all()
+        if not light:
             return None
+        indexes = [ti.map_index for ti in light]
+        pos = bisect_left(indexes, start)
+        pos = pos if pos < len(indexes) else max(0, len(indexes) - limit)
+        shown = indexes[pos:pos + limit]
+        tis = list(session.scalars(select(TI).where(
+            *where, TI.map_index.between(shown[0], shown[-1])).order_by(TI.map_index)))
         keys = [(t.dag_id, t.run_id, t.task_id, t.map_index) for t in tis]
         xcoms = _load_xcoms(session, keys)
         members = []
@@ -343,7 +411,11 @@ def load_sweep(dag_id: str, run_id: str, task_id: str) -> dict[str, Any] | None:
             attempts, source, seen = _attempts_and_looks(ti, xcoms[key])
             members.append({**_job_summary(ti, xcoms[key]), "attempt_list": attempts,
                             "looks": seen["looks"]})
-        return {"members": members, "sweep": sweep_summary(members)}
+        page = {"start": shown[0], "limit": limit, "first": pos + 1, "last": pos + len(shown),
+                "total": len(indexes),
+                "previous": indexes[max(0, pos - limit)] if pos > 0 else None,
+                "next": indexes[pos + limit] if pos + limit < len(indexes) else None}
+        return {"members": members, "sweep": _sweep_totals(session, light), "page": page}
 
 
 def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str, Any] | None:
@@ -367,6 +439,7 @@ def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str
         result = result if isinstance(result, Mapping) and "attempts" in result else None
         attempts, source = attempts_of(result, handle, ti.next_kwargs)
         attempts, seen = watch_view(attempts, source, xcoms.get(XCOM_WATCH), ti.next_kwargs)
+        near, counts = _siblings(session, ti)
         return {
             "task_instance": summary,
             "handle": {k: handle.get(k) for k in _HANDLE_FIELDS} if handle else None,
@@ -379,7 +452,8 @@ def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str
             "looks_total": seen["looks_total"],
             "watch": seen["seen"],
             "waiting": summary["waiting"],
-            "sweep": _siblings(session, ti),
+            "sweep": near,
+            "sweep_counts": counts,
         }
 
 

@@ -3,7 +3,8 @@
 ``/skypilot/jobs``                                    recent SkyPilot task instances, newest first
 ``/skypilot/jobs/{dag_id}/{run_id}/{task_id}[/{map_index}]``  one task instance: placement table,
                                                       job handle, attempts
-``/skypilot/sweeps/{dag_id}/{run_id}/{task_id}``       a sweep's jobs side by side
+``/skypilot/sweeps/{dag_id}/{run_id}/{task_id}[?start=N]``  a sweep's jobs side by side, a page
+                                                      of them from map index N
 ``/skypilot/capacity[?conn=ID...]``                    live GPUs per connection/location/accelerator
 ``/skypilot/usage[?days=7]``                           GPU-hours and cost per DAG and connection
 ``/skypilot/api/...``                                  the JSON forms of each
@@ -31,6 +32,7 @@ from airflow_skypilot.plugins.auth import UserDep, can_read_job, team_names, use
 from airflow_skypilot.plugins.capacity import capacity_for, requested_connections
 from airflow_skypilot.plugins.formatting import TEMPLATES
 from airflow_skypilot.plugins.jobs import (
+    SWEEP_PAGE,
     group_sweeps,
     list_jobs,
     load_job,
@@ -63,9 +65,11 @@ def _job_path(request: Request, dag_id: str, run_id: str, task_id: str, map_inde
     return _ui_base(request) + job_path(dag_id, run_id, task_id, map_index)
 
 
-def _sweep_path(request: Request, dag_id: str, run_id: str, task_id: str) -> str:
+def _sweep_path(request: Request, dag_id: str, run_id: str, task_id: str,
+                start: int | None = None) -> str:
     ids = [quote(str(x), safe="") for x in (dag_id, run_id, task_id)]
-    return f"{_prefix(request)}/sweeps/{ids[0]}/{ids[1]}/{ids[2]}"
+    path = f"{_prefix(request)}/sweeps/{ids[0]}/{ids[1]}/{ids[2]}"
+    return path if not start else f"{path}?start={start}"
 
 
 def parse_map_index(value: str | int | None) -> int:
@@ -205,7 +209,8 @@ def job_page(request: Request, user: UserDep, dag_id: str, run_id: str, task_id:
     return _render(request, "job.html", title=f"{task_id} · {dag_id}", page="job", job=job,
                    ti=ti, user_name=user_name(user), groups=groups,
                    timeline=charts.timeline(attempt_lanes(job["attempts"], job["looks"])),
-                   sweep_url=_sweep_path(request, dag_id, run_id, task_id),
+                   sweep_url=_sweep_path(request, dag_id, run_id, task_id,
+                                         index_ - index_ % SWEEP_PAGE if index_ >= 0 else None),
                    json_url=f"{_prefix(request)}/api"
                             + job_path(dag_id, run_id, task_id, index_)[len(PLUGIN_PREFIX):])
 
@@ -339,37 +344,48 @@ def _closest(lanes: list[dict[str, Any]], look: dict[str, Any]) -> int:
     return len(lanes) - 1
 
 
+SweepStart = Annotated[int, Query(ge=0)]
+SweepLimit = Annotated[int, Query(ge=1, le=500)]
+
+
 @app.get("/api/sweeps/{dag_id}/{run_id}/{task_id}")
-def api_sweep(request: Request, user: UserDep, dag_id: str, run_id: str,
-              task_id: str) -> JSONResponse:
-    sweep = _sweep_or_error(user, dag_id, run_id, task_id)
+def api_sweep(request: Request, user: UserDep, dag_id: str, run_id: str, task_id: str,
+              start: SweepStart = 0, limit: SweepLimit = SWEEP_PAGE) -> JSONResponse:
+    sweep = _sweep_or_error(user, dag_id, run_id, task_id, start, limit)
     for member in sweep["members"]:
         member.update(_with_links(request, member))
     return JSONResponse(sweep)
 
 
 @app.get("/sweeps/{dag_id}/{run_id}/{task_id}", response_class=HTMLResponse)
-def sweep_page(request: Request, user: UserDep, dag_id: str, run_id: str,
-               task_id: str) -> HTMLResponse:
-    sweep = _sweep_or_error(user, dag_id, run_id, task_id)
+def sweep_page(request: Request, user: UserDep, dag_id: str, run_id: str, task_id: str,
+               start: SweepStart = 0, limit: SweepLimit = SWEEP_PAGE) -> HTMLResponse:
+    sweep = _sweep_or_error(user, dag_id, run_id, task_id, start, limit)
     lanes = []
     for member in sweep["members"]:
         member.update(_with_links(request, member))
         lanes.append({"label": f"[{member['map_index']}]", "url": member["job_url"],
                       "sublabel": f"{member['state']} · {member.get('connection') or '-'}",
                       "attempts": member["attempt_list"], "looks": member["looks"]})
+    page = sweep["page"]
+    more = "" if limit == SWEEP_PAGE else f"&limit={limit}"
+    here = _sweep_path(request, dag_id, run_id, task_id)
+    for way in ("previous", "next"):
+        page[f"{way}_url"] = None if page[way] is None else f"{here}?start={page[way]}{more}"
     return _render(request, "sweep.html", title=f"{task_id} sweep · {dag_id}", page="jobs",
                    sweep=sweep, s=sweep["sweep"], timeline=charts.timeline(lanes),
-                   user_name=user_name(user),
+                   user_name=user_name(user), pg=page,
                    json_url=f"{_prefix(request)}/api/sweeps/" + "/".join(
-                       quote(x, safe="") for x in (dag_id, run_id, task_id)))
+                       quote(x, safe="") for x in (dag_id, run_id, task_id))
+                   + f"?start={page['start']}{more}")
 
 
-def _sweep_or_error(user: Any, dag_id: str, run_id: str, task_id: str) -> dict[str, Any]:
+def _sweep_or_error(user: Any, dag_id: str, run_id: str, task_id: str, start: int = 0,
+                    limit: int = SWEEP_PAGE) -> dict[str, Any]:
     teams = team_names([dag_id])
     if not can_read_job(user, dag_id, teams.get(dag_id)):
         raise HTTPException(403, f"You may not read task instances and XComs of DAG {dag_id!r}.")
-    sweep = load_sweep(dag_id, run_id, task_id)
+    sweep = load_sweep(dag_id, run_id, task_id, start, limit)
     if sweep is None:
         raise HTTPException(404, f"No mapped task instances of {dag_id} / {run_id} / {task_id}.")
     return sweep

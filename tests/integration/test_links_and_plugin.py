@@ -185,7 +185,7 @@ def test_capacity_probe_runs_off_the_loop_with_deadline_and_cache(monkeypatch):
     monkeypatch.setattr(capacity, "backend_for_connection", _Backend)
     monkeypatch.setattr(plugin_capacity, "can_read_connection", lambda user, c: c != "secret")
     monkeypatch.setattr(plugin_capacity, "probe_timeout", lambda: 0.5)
-    monkeypatch.setattr(plugin_capacity, "PROBES", plugin_capacity.CapacityProbes())
+    monkeypatch.setattr(plugin_capacity, "PROBES", plugin_capacity.CapacityProbes(refresh_after=0))
     conns = ["ok", "hung", "secret", "down", "empty"]
     start = time.monotonic()
     data = anyio.run(plugin_capacity.capacity_for, object(), conns, False)
