@@ -232,14 +232,16 @@ class Placer:
         pending = [w for w in run.pending_sweeps if w.before_next]
         if pending:
             self.sweep_pending(run)
-        # a connection unlisted for a retry, a submission cut short unanswered: waited for
-        # long enough (a move's waiting copy, known healthy, waits until it is confirmed)
+        # a connection unlisted for a retry, a submission cut short unanswered, a copy still
+        # stopping: waited for long enough (a move's waiting copy, known healthy, waits until
+        # it is confirmed)
         for w in run.pending_sweeps:
-            if w.before_next and not w.handle and self.silence is not None and \
+            if w.before_next and (not w.handle or w.lapses) and self.silence is not None and \
                     time.time() - w.since >= self.silence:
                 w.before_next = False
-                self.log.warning("%s has not answered for %.0fs: placing the job all the same; "
-                                 "it is still swept", w.connection, time.time() - w.since)
+                self.log.warning("%s has not confirmed %s dead for %.0fs: placing the job all "
+                                 "the same; it is still swept", w.connection, w.what,
+                                 time.time() - w.since)
         waiting = "; ".join(w.describe() for w in run.pending_sweeps if w.before_next)
         if waiting:
             run.last_plan = f"an earlier copy is not confirmed dead yet: {waiting}"

@@ -109,8 +109,12 @@ class Sweep:
     done_at: float | None = None
     outcome: str = ""  # how it ended: "confirmed dead", "cancelled", "nothing there"...
     #: no new copy is submitted while this one is pending: a move's waiting copy whose
-    #: cancel was not confirmed (it was healthy: it may start meanwhile)
+    #: cancel was not confirmed (it was healthy: it may start meanwhile), or a copy whose
+    #: backend answers that it, or part of it, still runs
     before_next: bool = False
+    #: ``before_next`` lapses after the operator's ``unreachable_timeout`` (a copy still
+    #: stopping: a node's processes that do not die); a move's waiting copy's never does
+    lapses: bool = False
 
     @property
     def what(self) -> str:

@@ -74,6 +74,7 @@ def stop_copy(run: RunState, handle: JobHandle, why: str, *, confirm_timeout: fl
         try:
             if step(sweep, backend_for_handle(handle)):
                 break
+            error = ""  # answered: still up
         except Exception as exc:  # silent: keep trying until the deadline
             error = f"{type(exc).__name__}: {exc}"
         if time.monotonic() >= deadline:
@@ -83,10 +84,16 @@ def stop_copy(run: RunState, handle: JobHandle, why: str, *, confirm_timeout: fl
         attempt.confirmed_dead = sweep.done_at is not None
     if sweep.done_at is not None:
         log.info("Old copy confirmed dead: %s", sweep.describe())
+    elif not error:
+        # its backend says it still runs: a new copy now would be a second live one. A silent
+        # backend is another matter (its place failed: the copy is stopped when it answers)
+        sweep.before_next = sweep.lapses = True
+        log.error("Old copy still running after its cancel; no new copy is placed until %s "
+                  "confirms it dead (or for unreachable_timeout): %s", handle.connection,
+                  sweep.describe())
     else:
         log.error("Old copy NOT confirmed dead (%s); it is cancelled again until %s confirms "
-                  "it: %s", error or "it, or part of it, still runs or stops",
-                  handle.connection, sweep.describe())
+                  "it: %s", error, handle.connection, sweep.describe())
     return sweep
 
 

@@ -512,6 +512,59 @@ def test_a_failed_job_with_part_of_it_still_up_is_stopped_before_its_restart():
     assert [s["outcome"] for s in again.value.trigger.state["sweeps"]] == ["failed"]
 
 
+def test_a_restart_waits_while_the_backend_says_the_failed_copy_still_runs(monkeypatch):
+    """The cancel does not take (pods in a long termination grace, a Slurm job COMPLETING past
+    KillWait): its backend answers that part of it runs. No restart beside it until that
+    ends; only a silent backend (its place failed) lets the next copy go first."""
+    stuck = {"on": True}
+    cancel = FakeBackend.cancel
+    monkeypatch.setattr(FakeBackend, "cancel",
+                        lambda self, h: None if stuck["on"] else cancel(self, h))
+    op = _op(task={"resources": {"accelerators": "A100:1",
+                                 "job_recovery": {"max_restarts_on_errors": 1}}, "run": "t"},
+             unreachable_timeout=600)
+    ctx = _ctx()
+    first = _defer(op, ctx)
+    handle = first.trigger.handle
+    _still_up(handle["job_id"], JobState.FAILED, exit_code=1)
+    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
+             "state": first.trigger.state,
+             "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict()}
+    with pytest.raises(TaskDeferred) as waiting:
+        op.execute_complete(ctx, event, first.kwargs["state"])
+    assert isinstance(waiting.value.trigger, SkyPilotWaitTrigger), "no copy beside it"
+    assert len(FakeBackend.jobs) == 1
+    run = RunState.from_dict(waiting.value.trigger.state)
+    assert "not confirmed dead" in run.last_plan
+    stuck["on"] = False  # its rest ends: confirmed dead, then the restart
+    event = {"status": "reprobe", "state": waiting.value.trigger.state}
+    with pytest.raises(TaskDeferred) as placed:
+        _op(unreachable_timeout=600).execute_complete(_ctx(), event)
+    assert placed.value.trigger.handle["job_id"] != handle["job_id"]
+    assert not FakeBackend.jobs[handle["job_id"]]["status"].up
+    assert _alive() == [placed.value.trigger.handle["job_name"]]
+
+
+def test_a_copy_that_never_stops_holds_the_restart_for_unreachable_timeout(monkeypatch):
+    monkeypatch.setattr(FakeBackend, "cancel", lambda self, h: None)  # a node that never dies
+    op = _op(task={"resources": {"accelerators": "A100:1",
+                                 "job_recovery": {"max_restarts_on_errors": 1}}, "run": "t"},
+             unreachable_timeout=0)
+    ctx = _ctx()
+    first = _defer(op, ctx)
+    handle = first.trigger.handle
+    _still_up(handle["job_id"], JobState.FAILED, exit_code=1)
+    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
+             "state": first.trigger.state,
+             "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict()}
+    with pytest.raises(TaskDeferred) as again:
+        op.execute_complete(ctx, event, first.kwargs["state"])
+    assert again.value.trigger.handle["job_id"] != handle["job_id"]  # placed all the same
+    run = RunState.from_dict(again.value.trigger.state)
+    assert [w.what for w in run.pending_copies] == [f"job {handle['job_id']} "
+                                                     f"({handle['job_name']})"]  # still swept
+
+
 def test_a_new_try_stops_an_earlier_tries_ended_job_that_is_still_partly_up():
     old = _defer(_op(), _ctx(try_number=1)).trigger.handle
     _still_up(old["job_id"], JobState.PREEMPTED)
