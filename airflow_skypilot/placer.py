@@ -113,6 +113,7 @@ class Placer:
             attempt.close(status)
             before.append(attempt)
         recovery.replay(run, before, job_recovery or {}, self.cooldown)
+        run.prefer = run.avoid = None  # they steered the placement of the job adopted now
         if before:
             self.log.info("Its try placed it after %d earlier attempt(s), which still count: %d "
                           "failover(s), %d restart(s)", len(before), run.failovers,

@@ -4,11 +4,13 @@ Infrastructure failures (the allocation is gone: node failure, preemption, lost)
 again, up to the operator's ``max_failovers``, following ``job_recovery.strategy``:
 
 ``EAGER_NEXT_REGION`` (SkyPilot's default)
-    block the place that failed for the rest of this run and move elsewhere at once; its
-    whole region (an AWS region's other zones) is tried last, as SkyPilot tries the other
-    regions before the failed region's other zones.
+    move elsewhere at once: the failed place's region (an AWS region; a Slurm or Kubernetes
+    cluster, SkyPilot's region for them) is tried last while another place can start the job
+    now, as SkyPilot blocks it for one launch and then retries everywhere. Not blocked: with
+    nowhere else to go, the job goes back at once rather than wait out a cooldown.
 ``FAILOVER``
-    try the same place first (if it can start the job now); block it only when it fails again.
+    try the same place first (if it can start the job now); block it (for ``block_cooldown``)
+    only when it fails again.
 
 User-code failures (the allocation was fine, the program exited non-zero) are restarted only
 as ``job_recovery`` allows: an exit code of any rank listed in ``recover_on_exit_codes``
@@ -50,10 +52,11 @@ class Decision:
 
 def region_of(attempt: Attempt) -> str:
     """The place pattern of ``attempt``'s region: ``conn/<region>/*`` for an AWS zone, else
-    its place (a Slurm partition or a Kubernetes namespace is its own region)."""
+    its connection's (a Slurm cluster is SkyPilot's region, its partitions the zones; a
+    Kubernetes cluster likewise)."""
     if attempt.backend == "aws" and "/" in attempt.location:
         return f"{attempt.connection}/{attempt.location.split('/', 1)[0]}/*"
-    return attempt.place
+    return f"{attempt.connection}/*"
 
 
 class EagerNextRegion:
@@ -62,8 +65,7 @@ class EagerNextRegion:
     def on_infra_failure(self, ended: Attempt, what: str, history: Sequence[Attempt],
                          at: float) -> Decision:
         return Decision(True, f"{what} at {ended.place}: moving elsewhere (EAGER_NEXT_REGION)",
-                        block=Blocked(ended.place, what, at), counts_as="failover",
-                        avoid=region_of(ended))
+                        counts_as="failover", avoid=region_of(ended))
 
     def on_restart(self, ended: Attempt) -> Decision:
         return Decision(True, "elsewhere first (EAGER_NEXT_REGION)", avoid=region_of(ended))

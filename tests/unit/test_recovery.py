@@ -35,16 +35,18 @@ def test_success():
 
 
 @pytest.mark.parametrize("state", [JobState.INFRA_FAILED, JobState.PREEMPTED, JobState.LOST])
-def test_infra_failure_blocks_the_place_and_cancels_the_old_copy(state):
+def test_infra_failure_moves_elsewhere_first_and_cancels_the_old_copy(state):
+    """EAGER_NEXT_REGION: the failed place's cluster is tried last, not blocked (SkyPilot
+    blocks the region for one launch, then retries everywhere: a deployment with one cluster
+    goes back at once rather than wait out a cooldown)."""
     run = RunState(prefix="x-")
     verdict = _decide(run, _ended(run, state, reason="node failure"))
     assert verdict.action == AGAIN and verdict.cancel and verdict.counts_as == "failover"
-    assert verdict.block.place == "c1/p" and verdict.block.at == 5.0
+    assert verdict.block is None and verdict.avoid == "c1/*"
     assert "moving elsewhere (EAGER_NEXT_REGION)" in verdict.message
     recovery.record(run, verdict, cooldown=600)
-    assert (run.failovers, run.attempt, run.prefer) == (1, 1, None)
-    assert [(b.place, b.until) for b in run.blocked] == [("c1/p", 605.0)]
-    assert run.blocked[0].active(now=604.0) and not run.blocked[0].active(now=605.0)
+    assert (run.failovers, run.attempt, run.prefer, run.avoid) == (1, 1, None, "c1/*")
+    assert run.blocked == []
     assert run.job_name == "x-c0-t1-a1"
 
 
@@ -85,7 +87,7 @@ def test_max_restarts_on_errors_counts_restarts():
     job_recovery = {"max_restarts_on_errors": 1}
     verdict = _decide(run, _ended(run, JobState.FAILED, exit_code=1), job_recovery)
     # SkyPilot's default strategy recovers a restart elsewhere first; the place is not blocked
-    assert verdict.action == AGAIN and verdict.avoid == "c1/p" and not verdict.cancel
+    assert verdict.action == AGAIN and verdict.avoid == "c1/*" and not verdict.cancel
     assert verdict.prefer is None and verdict.block is None
     assert "restart 1 of 1" in verdict.message and "EAGER_NEXT_REGION" in verdict.message
     recovery.record(run, verdict)
@@ -145,7 +147,7 @@ def test_any_ranks_exit_code_in_recover_on_exit_codes_restarts():
 
 def test_eager_next_region_tries_the_failed_aws_region_last():
     """SkyPilot's order after a preemption in us-east-1a: another region first, and only then
-    the same region's other zones (the failed zone itself stays blocked)."""
+    the same region's zones (tried last, not blocked: with nowhere else to go it goes back)."""
     from airflow_skypilot import placement
     from tests.fakes import offer
 
@@ -156,19 +158,18 @@ def test_eager_next_region_tries_the_failed_aws_region_last():
     ended = run.close(handle, JobStatus(JobState.PREEMPTED, reason="spot reclaimed"),
                       now=100.0)
     verdict = _decide(run, ended)
-    assert verdict.block.place == "aws1/us-east-1/us-east-1a"
-    assert verdict.avoid == "aws1/us-east-1/*"
+    assert verdict.block is None and verdict.avoid == "aws1/us-east-1/*"
     recovery.record(run, verdict)
     zones = [offer("aws1", z) for z in ("us-east-1/us-east-1a", "us-east-1/us-east-1b",
                                         "us-west-2/us-west-2a")]
     zones[2].price_per_hour = 9.0  # dearer: the region, not the price, decides here
     plan = placement.rank(zones, blocked=run.blocked, avoid=run.avoid, now=200.0)
     assert plan.chosen.location == "us-west-2/us-west-2a"
-    assert [r.verdict for r in plan.rows] == ["chosen", "candidate", "blocked"]
-    assert "tried last" in plan.rows[1].reason
-    # nothing else: the same region's other zone after all (a soft preference, not a block)
+    assert [r.verdict for r in plan.rows] == ["chosen", "candidate", "candidate"]
+    assert all("tried last" in r.reason for r in plan.rows[1:])
+    # nothing else: the same region after all (a soft preference, not a block)
     plan = placement.rank(zones[:2], blocked=run.blocked, avoid=run.avoid, now=200.0)
-    assert plan.chosen.location == "us-east-1/us-east-1b"
+    assert plan.chosen.location.startswith("us-east-1/")
     # nor does a queue elsewhere win over it: SkyPilot falls back rather than wait elsewhere
     queued = offer("aws1", "us-west-2/us-west-2a", gpus_free=0, nodes_free=0, est_in=36000)
     plan = placement.rank([zones[1], queued], blocked=run.blocked, avoid=run.avoid, now=200.0)
