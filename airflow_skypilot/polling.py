@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus
 from airflow_skypilot.exceptions import BackendError
-from airflow_skypilot.triggers.skypilot import LOG_TAIL_LINES
+from airflow_skypilot.triggers.skypilot import last_lines
 
 
 def stream(backend: Backend, handle: JobHandle, offset: int, log: logging.Logger) -> int:
@@ -28,13 +28,12 @@ def stream(backend: Backend, handle: JobHandle, offset: int, log: logging.Logger
     return offset
 
 
-def tail(backend: Backend, handle: JobHandle, offset: int) -> str:
-    """The last lines of the job's output (quoted when the job failed)."""
+def tail(backend: Backend, handle: JobHandle) -> str:
+    """The last lines of the job's output (quoted when the job failed), streamed or not."""
     try:
-        text, _ = backend.read_log(handle, max(0, offset - 32768))
+        return last_lines(backend.read_tail(handle))
     except Exception as exc:
         return f"(log unavailable: {exc})"
-    return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
 
 
 def until_done(backend: Backend, handle: JobHandle, *, poll_interval: float, silence: float,
@@ -64,6 +63,6 @@ def until_done(backend: Backend, handle: JobHandle, *, poll_interval: float, sil
         if stream_logs:
             offset = stream(backend, handle, offset, log)
         if status.state.terminal:
-            return status, tail(backend, handle, offset), offset
+            return status, tail(backend, handle), offset
         between(status)
         time.sleep(poll_interval)

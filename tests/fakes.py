@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from airflow_skypilot.backends.base import (
+    TAIL_BYTES,
     Backend,
     CapacityRow,
     JobHandle,
     JobState,
     JobStatus,
     Offer,
+    tail_text,
 )
 from airflow_skypilot.exceptions import BackendUnreachable, SubmissionError
 from airflow_skypilot.spec.task import ResourceRequest, Task
@@ -123,10 +125,32 @@ class FakeBackend(Backend):
         """Batched, as the real backends do (one request per connection)."""
         return {h.job_id: self.read_log(h, o) for h, o in requests}
 
+    #: what one read returns at most, as the real backends' (about 1 MiB there)
+    read_limit = 1 << 20
+
+    def _log(self, handle: JobHandle) -> bytes:
+        return self.jobs.get(handle.job_id, {}).get("log", "").encode()
+
     def read_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
-        text = self.jobs.get(handle.job_id, {}).get("log", "")
-        return text[offset:], len(text)
+        """Bytes from ``offset``, at most :attr:`read_limit` of them (ASCII logs here)."""
+        data = self._log(handle)[offset:offset + self.read_limit]
+        return data.decode(), offset + len(data)
+
+    def read_tail(self, handle: JobHandle, max_bytes: int = TAIL_BYTES) -> str:
+        data = self._log(handle)
+        return tail_text([(0, data[-(max_bytes + 1):], len(data) <= max_bytes)], max_bytes)
 
     @classmethod
     def reset(cls) -> None:
         cls.offers, cls.down, cls.refusing, cls.delay, cls.jobs = {}, set(), set(), {}, {}
+
+
+def registered() -> Iterator[type[FakeBackend]]:
+    """The body of a test module's fixture: the fake backend registered, clean before and
+    after the test."""
+    from airflow_skypilot.backends import registry
+
+    registry.register_backend(FakeBackend)
+    FakeBackend.reset()
+    yield FakeBackend
+    FakeBackend.reset()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.utils.log.logging_mixin import LoggingMixin
 
 from airflow_skypilot.backends.common.features import Feature, unsupported_reason
+from airflow_skypilot.backends.common.logs import join_logs
 from airflow_skypilot.spec.task import ResourceRequest, request_from_json
 
 if TYPE_CHECKING:
@@ -49,6 +50,40 @@ class JobState(str, Enum):
 
 #: ``raw_state`` of a LOST concluded from silence (no backend said the job ended)
 SILENCE = "(no answer)"
+#: bytes of a job's output read for the tail quoted when it fails
+TAIL_BYTES = 32768
+#: reads the default :meth:`Backend.read_tail` follows (a longer log: the end of that part)
+DEFAULT_TAIL_READS = 8
+
+
+def tail_text(ends: list[tuple[int, bytes, bool]], max_bytes: int = TAIL_BYTES) -> str:
+    """The end of a job's text (as :meth:`Backend.read_log` gives it) from the ends of its
+    ranks' logs: ``(rank, the end of its log, whether that is all of it)``, rank order (a
+    job of one node, or whose text is still rank 0's alone, has one). At most ``max_bytes``
+    bytes, whole lines when the start was cut, never half a UTF-8 character.
+
+    The other ranks follow rank 0 in the text, each line prefixed, so the end of the text is
+    the last rank's end, then the one before... A rank read only in part ends what is before
+    it: the ranks before it would not join up with it.
+    """
+    kept: list[tuple[int, bytes]] = []
+    cut = False
+    for rank, data, whole in reversed(ends):
+        kept.insert(0, (rank, data))
+        if not whole:
+            cut = True
+            break
+    if kept and kept[0][0] != 0:  # no rank 0 in it: no unprefixed part
+        kept.insert(0, (0, b""))
+    data = join_logs(kept, True)
+    if len(data) > max_bytes:  # cut inside a line unless the byte before the cut ends one
+        data, cut = data[-max_bytes:], data[-max_bytes - 1] != ord("\n")
+    newline = data.find(b"\n")
+    if cut and 0 <= newline < len(data) - 1:  # a line cut at its start is not shown
+        data = data[newline + 1:]
+    while data and data[0] & 0xC0 == 0x80:  # a character cut at the start
+        data = data[1:]
+    return data.decode("utf-8", "replace")
 
 
 @dataclass
@@ -352,6 +387,26 @@ class Backend(LoggingMixin, ABC):
         import asyncio
 
         return await asyncio.to_thread(self.read_log, handle, offset)
+
+    def read_tail(self, handle: JobHandle, max_bytes: int = TAIL_BYTES) -> str:
+        """The end of the job's output (at most ``max_bytes`` bytes, whole lines where its
+        start is cut): what a failure quotes. Reading from an offset cannot give it: a read
+        returns at most its limit (about 1 MiB) from there, and a job not streamed has no
+        offset near its end. Backends override it to read only the end; this default reads
+        the first :data:`DEFAULT_TAIL_READS` reads' worth and keeps the end of that."""
+        data, offset = b"", 0
+        for _ in range(DEFAULT_TAIL_READS):
+            text, nxt = self.read_log(handle, offset)
+            if nxt == offset:
+                break
+            data, offset = (data + text.encode())[-(max_bytes + 1):], nxt
+        return tail_text([(0, data, len(data) <= max_bytes)], max_bytes)
+
+    async def aread_tail(self, handle: JobHandle, max_bytes: int = TAIL_BYTES) -> str:
+        """:meth:`read_tail` for the triggerer, off its event loop."""
+        import asyncio
+
+        return await asyncio.to_thread(self.read_tail, handle, max_bytes)
 
     async def aread_logs(self, requests: list[tuple[JobHandle, int]]
                               ) -> dict[str, tuple[str, int]]:

@@ -15,16 +15,13 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from airflow_skypilot import polling
 from airflow_skypilot.backends.base import SILENCE, JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.operators._args import as_mapping, check
 from airflow_skypilot.operators.skypilot import default_deferrable
 from airflow_skypilot.runstate import Attempt
-from airflow_skypilot.triggers.skypilot import (
-    DEFAULT_UNREACHABLE_TIMEOUT,
-    LOG_TAIL_LINES,
-    SkyPilotJobTrigger,
-)
+from airflow_skypilot.triggers.skypilot import DEFAULT_UNREACHABLE_TIMEOUT, SkyPilotJobTrigger
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -106,11 +103,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
         self._silent_since = None
         if not status.state.terminal:
             return False
-        try:
-            text, _ = backend.read_log(handle, 0)
-            tail = "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
-        except Exception as exc:
-            tail = f"(log unavailable: {exc})"
+        tail = polling.tail(backend, handle)  # its end, however long (it was not streamed)
         return PokeReturnValue(is_done=True, xcom_value=self._finish(handle, status, tail))
 
     def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:

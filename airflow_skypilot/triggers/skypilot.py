@@ -45,6 +45,11 @@ WATCH_WRITE_EVERY = 300.0
 DEFAULT_UNREACHABLE_TIMEOUT = 300.0
 
 
+def last_lines(text: str) -> str:
+    """The lines a failure quotes, of the end of a job's output."""
+    return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+
+
 def _state_dict(state: RunState | dict[str, Any] | None) -> dict[str, Any] | None:
     """Triggers are serialized to JSON: a RunState travels as its dict."""
     return state.to_dict() if isinstance(state, RunState) else state
@@ -355,7 +360,7 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                 if item.status.state.terminal:
                     if self.stream_logs:  # output written after the final poll
                         offset = await self._astream(poller.backend, handle, offset)
-                    tail = await self._atail(poller.backend, handle, offset)
+                    tail = await self._atail(poller.backend, handle)
                     yield TriggerEvent(self._event(handle, item.status, tail, offset))
                     return
         except Exception as exc:  # never crash the triggerer: report instead
@@ -421,12 +426,13 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
             self.log.info("[%s] %s", handle.job_id, line)
         return offset
 
-    async def _atail(self, backend: Backend, handle: JobHandle, offset: int) -> str:
+    async def _atail(self, backend: Backend, handle: JobHandle) -> str:
+        """The end of the job's output, streamed or not: a read from the offset would give
+        the start of a long log that was not streamed (the offset is still 0)."""
         try:
-            text, _ = await backend.aread_log(handle, max(0, offset - 32768))
+            return last_lines(await backend.aread_tail(handle))
         except Exception as exc:
             return f"(log unavailable: {exc})"
-        return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
 
     def _event(self, handle: JobHandle, status: JobStatus, tail: str,
                offset: int) -> dict[str, Any]:

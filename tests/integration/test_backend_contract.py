@@ -419,6 +419,34 @@ def test_logs_of_several_jobs_in_one_call(target):
                      handles[1].job_id: ("", got[handles[1].job_id][1])}
 
 
+def test_read_tail_gives_the_end_of_a_log_longer_than_a_read(target):
+    """A failure quotes the end of the output: with streaming off there is no offset near
+    it, and a read from 0 gives only the first MiB (about 2.6 MB here)."""
+    backend = target.backend()
+    handle, _ = _submit(target, backend, _task(
+        target, "seq 1 400000; echo ct-tail-marker; exit 1"))
+    status = _wait(target, backend, handle)
+    assert status.state == JobState.FAILED, status
+    head, _ = backend.read_log(handle, 0)
+    assert "\n1000\n" in head and "ct-tail-marker" not in head  # a read is not the whole log
+
+    def is_the_end(tail: str, max_bytes: int) -> None:
+        lines = tail.splitlines()
+        assert "ct-tail-marker" in lines, tail[-300:]
+        end = lines.index("ct-tail-marker")
+        assert lines[end - 1] == "400000", tail[-300:]
+        # after the job's last line, only what the job's wrapper says of its end
+        assert all(line.startswith("airflow-skypilot:") for line in lines[end + 1:]), lines
+        assert len(tail.encode()) <= max_bytes and "\n1000\n" not in tail, tail[:200]
+        first = tail.splitlines()[0]  # whole lines: its first is a number after a cut
+        assert first.isdigit() and int(first) > 390000, tail[:200]
+
+    is_the_end(backend.read_tail(handle), 32768)
+    is_the_end(backend.read_tail(handle, 200), 200)
+    reader = target.backend()  # the triggerer's: a fresh backend, on its event loop
+    is_the_end(_async(reader, lambda: reader.aread_tail(handle)), 32768)
+
+
 # --- cleanup, nodes, secrets --------------------------------------------------------------------
 
 

@@ -13,8 +13,9 @@ submit
 status
     one ``DescribeInstances`` per region and one S3 listing per bucket for every watched job,
     whatever their number (:mod:`.status`); logs are S3 range reads (:mod:`.logs`), rank 0
-    while a job runs and every rank once it has ended. The triggerer's log read reuses what the
-    poll just before it listed (:attr:`AwsBackend.SEEN_MAX_AGE`).
+    while a job runs and every rank once it has ended; a failure's tail reads their ends. The
+    triggerer's log read reuses what the poll just before it listed
+    (:attr:`AwsBackend.SEEN_MAX_AGE`).
 
 S3 layout, under ``s3://<s3_bucket>/<s3_prefix><job name>/``: ``handle.json`` (written at
 submit: lets a retried worker find the job even after EC2 forgot its instances),
@@ -449,21 +450,40 @@ class AwsBackend(Backend):
             return seen[1]
         return None
 
+    def _log_view(self, handle: JobHandle) -> logs.JobView | None:
+        """What a log read knows of the job: the last poll's view, else (several nodes: is
+        their text final?) a fresh one."""
+        view = self._view(handle)
+        if view is None and handle.num_nodes > 1:
+            view = self._fresh_view(handle)
+        return view
+
+    async def _alog_view(self, handle: JobHandle) -> logs.JobView | None:
+        view = self._view(handle)
+        if view is None and handle.num_nodes > 1:
+            view = await self._afresh_view(handle)
+        return view
+
     def read_log(self, handle: JobHandle, offset: int = 0,
                  limit: int = logs.LOG_LIMIT) -> tuple[str, int]:
         """The job's output from byte ``offset`` (:mod:`.logs`: rank 0 while it runs, then
         every rank)."""
-        view = self._view(handle)
-        if view is None and handle.num_nodes > 1:
-            view = self._fresh_view(handle)
-        return logs.read_log(self._clients, self.settings, handle, offset, limit, view)
+        return logs.read_log(self._clients, self.settings, handle, offset, limit,
+                             self._log_view(handle))
 
     async def aread_log(self, handle: JobHandle, offset: int = 0,
                              limit: int = logs.LOG_LIMIT) -> tuple[str, int]:
-        view = self._view(handle)
-        if view is None and handle.num_nodes > 1:
-            view = await self._afresh_view(handle)
-        return await logs.aread_log(self._clients, self.settings, handle, offset, limit, view)
+        return await logs.aread_log(self._clients, self.settings, handle, offset, limit,
+                                    await self._alog_view(handle))
+
+    def read_tail(self, handle: JobHandle, max_bytes: int = logs.TAIL_BYTES) -> str:
+        """The end of the job's output: suffix ranges of its ranks' logs (:mod:`.logs`)."""
+        return logs.read_tail(self._clients, self.settings, handle, max_bytes,
+                              self._log_view(handle))
+
+    async def aread_tail(self, handle: JobHandle, max_bytes: int = logs.TAIL_BYTES) -> str:
+        return await logs.aread_tail(self._clients, self.settings, handle, max_bytes,
+                                     await self._alog_view(handle))
 
     def _fresh_view(self, handle: JobHandle) -> logs.JobView:
         """The instances first, then the listing: a job whose instances are gone has written

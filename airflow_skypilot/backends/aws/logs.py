@@ -24,11 +24,13 @@ triggerer's case: no extra request), else, for a job of several nodes, its insta
 its listing (instances first: a job whose instances are gone has written everything it will
 before its listing is read). A read that ends inside a UTF-8 character leaves that character's
 bytes for the next read. No object yet (or nothing after the offset) is no new output, not an
-error.
+error. A failure's tail is the end of that text, read with suffix ranges (``bytes=-N``) of the
+ranks' logs, however long they are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,7 @@ from airflow_skypilot.backends.aws.ec2 import InstanceView, newest_reservation
 from airflow_skypilot.backends.aws.handles import job_objects
 from airflow_skypilot.backends.aws.settings import AwsSettings
 from airflow_skypilot.backends.aws.status import Markers
-from airflow_skypilot.backends.base import JobHandle
+from airflow_skypilot.backends.base import TAIL_BYTES, JobHandle, tail_text
 from airflow_skypilot.backends.common.logs import join_logs, slice_log
 
 LOG_LIMIT = 1 << 20
@@ -98,6 +100,42 @@ def _failed(clients: AwsClients, exc: Exception, bucket: str, key: str) -> bytes
     raise clients.error(exc, f"reading s3://{bucket}/{key}") from exc
 
 
+def _getter(clients: AwsClients, settings: AwsSettings, bucket: str
+            ) -> Callable[..., bytes]:
+    """``get(key, byte_range=None)``: an object's bytes (b"" for none yet, or none there)."""
+    s3 = clients.client("s3", settings.s3_region)
+
+    def get(key: str, byte_range: str | None = None) -> bytes:
+        call: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if byte_range:
+            call["Range"] = byte_range
+        try:
+            return s3.get_object(**call)["Body"].read()
+        except Exception as exc:
+            return _failed(clients, exc, bucket, key)
+
+    return get
+
+
+async def _agetter(clients: AwsClients, settings: AwsSettings, bucket: str
+                   ) -> Callable[..., Awaitable[bytes]]:
+    """:func:`_getter` with aiobotocore (the triggerer's)."""
+    s3 = await clients.aclient("s3", settings.s3_region)
+
+    async def get(key: str, byte_range: str | None = None) -> bytes:
+        call: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if byte_range:
+            call["Range"] = byte_range
+        try:
+            resp = await s3.get_object(**call)
+            async with resp["Body"] as stream:
+                return await stream.read()
+        except Exception as exc:
+            return _failed(clients, exc, bucket, key)
+
+    return get
+
+
 class _Plan:
     """The reads of one call and how their bytes become (text, next offset)."""
 
@@ -149,17 +187,7 @@ def read_log(clients: AwsClients, settings: AwsSettings, handle: JobHandle, offs
     bucket, prefix = job_objects(settings, handle)
     if not bucket:
         return "", offset
-    s3 = clients.client("s3", settings.s3_region)
-
-    def get(key: str, byte_range: str | None = None) -> bytes:
-        call: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if byte_range:
-            call["Range"] = byte_range
-        try:
-            return s3.get_object(**call)["Body"].read()
-        except Exception as exc:
-            return _failed(clients, exc, bucket, key)
-
+    get = _getter(clients, settings, bucket)
     plan = _Plan(handle, prefix, offset, limit, view)
     first = plan.first()
     data = get(*first) if first else b""
@@ -176,19 +204,7 @@ async def aread_log(clients: AwsClients, settings: AwsSettings, handle: JobHandl
     bucket, prefix = job_objects(settings, handle)
     if not bucket:
         return "", offset
-    s3 = await clients.aclient("s3", settings.s3_region)
-
-    async def get(key: str, byte_range: str | None = None) -> bytes:
-        call: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if byte_range:
-            call["Range"] = byte_range
-        try:
-            resp = await s3.get_object(**call)
-            async with resp["Body"] as stream:
-                return await stream.read()
-        except Exception as exc:
-            return _failed(clients, exc, bucket, key)
-
+    get = await _agetter(clients, settings, bucket)
     plan = _Plan(handle, prefix, offset, limit, view)
     first = plan.first()
     data = await get(*first) if first else b""
@@ -196,3 +212,37 @@ async def aread_log(clients: AwsClients, settings: AwsSettings, handle: JobHandl
     if answer is not None:
         return answer
     return plan.join(data, [(r, await get(key)) for r, key in plan.others()])
+
+
+def _tail_reads(handle: JobHandle, prefix: str, max_bytes: int,
+                view: JobView | None) -> list[tuple[int, str, str]]:
+    """(rank, key, range) of the ends to read: rank 0's, and every rank's once the job is
+    final (its text then ends with the other ranks); one byte more than ``max_bytes`` says
+    whether a rank's start was cut."""
+    final = handle.num_nodes > 1 and view is not None and view.final(handle.num_nodes)
+    return [(r, _key(prefix, r), f"bytes=-{int(max_bytes) + 1}")
+            for r in range(handle.num_nodes if final else 1)]
+
+
+def read_tail(clients: AwsClients, settings: AwsSettings, handle: JobHandle,
+              max_bytes: int = TAIL_BYTES, view: JobView | None = None) -> str:
+    """The end of the job's text (what :func:`read_log` would give last): a suffix range of
+    each rank's log, never the whole object."""
+    bucket, prefix = job_objects(settings, handle)
+    if not bucket:
+        return ""
+    get = _getter(clients, settings, bucket)
+    ends = [(r, get(key, rng)) for r, key, rng in _tail_reads(handle, prefix, max_bytes, view)]
+    return tail_text([(r, data, len(data) <= max_bytes) for r, data in ends], max_bytes)
+
+
+async def aread_tail(clients: AwsClients, settings: AwsSettings, handle: JobHandle,
+                     max_bytes: int = TAIL_BYTES, view: JobView | None = None) -> str:
+    """The same as :func:`read_tail` with aiobotocore."""
+    bucket, prefix = job_objects(settings, handle)
+    if not bucket:
+        return ""
+    get = await _agetter(clients, settings, bucket)
+    ends = [(r, await get(key, rng))
+            for r, key, rng in _tail_reads(handle, prefix, max_bytes, view)]
+    return tail_text([(r, data, len(data) <= max_bytes) for r, data in ends], max_bytes)

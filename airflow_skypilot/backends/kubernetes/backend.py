@@ -17,7 +17,8 @@ status / poll
     for every watched job; the same mapping sync and async.
 logs
     :mod:`.logs`: rank 0 while the job runs, then the other ranks. The triggerer's batched read
-    reuses the pod list of the poll just before it, so it costs one log request per job.
+    reuses the pod list of the poll just before it, so it costs one log request per job. A
+    failure's tail asks the pods for their last lines only.
 """
 
 from __future__ import annotations
@@ -278,6 +279,15 @@ class KubernetesBackend(Backend):
     async def aread_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
         """As :meth:`read_log`; the pods come from the last poll when it was just now."""
         return (await self.aread_logs([(handle, offset)]))[handle.job_id]
+
+    def read_tail(self, handle: JobHandle, max_bytes: int = logs.TAIL_BYTES) -> str:
+        """The end of the job's output: the last lines of the pods it needs (:mod:`.logs`)."""
+        return logs.read_tail(self.client, self._namespace(handle), handle, max_bytes,
+                              self._cached_pods(handle))
+
+    async def aread_tail(self, handle: JobHandle, max_bytes: int = logs.TAIL_BYTES) -> str:
+        return await logs.aread_tail(self.client, self._namespace(handle), handle, max_bytes,
+                                     self._cached_pods(handle))
 
     async def aread_logs(self, requests: list[tuple[JobHandle, int]]
                               ) -> dict[str, tuple[str, int]]:

@@ -177,11 +177,13 @@ class KubeClient(LoggingMixin):
             raise api_error(self.conn_id, status, body)
         return json.loads(body) if body else {}
 
-    def pod_log(self, core: Any, namespace: str, pod: str, limit: int | None = None) -> bytes:
-        """The job container's log of ``pod`` (at most ``limit`` bytes); b"" if it has none."""
+    def pod_log(self, core: Any, namespace: str, pod: str, limit: int | None = None,
+                tail_lines: int | None = None) -> bytes:
+        """The job container's log of ``pod`` (at most ``limit`` bytes, or its last
+        ``tail_lines`` lines); b"" if it has none."""
         from kubernetes.client.exceptions import ApiException
 
-        kwargs: dict[str, Any] = {"limit_bytes": limit} if limit else {}
+        kwargs = _log_kwargs(limit, tail_lines)
         try:  # kubernetes 36's sync client mangles logs unless the raw response is read
             resp = core.read_namespaced_pod_log(pod, namespace, container=CONTAINER,
                                                 _preload_content=False,
@@ -193,10 +195,10 @@ class KubeClient(LoggingMixin):
         except Exception as exc:
             raise BackendUnreachable(f"{self.conn_id}: {type(exc).__name__}: {exc}") from exc
 
-    async def apod_log(self, core: Any, namespace: str, pod: str,
-                       limit: int | None = None) -> bytes:
+    async def apod_log(self, core: Any, namespace: str, pod: str, limit: int | None = None,
+                       tail_lines: int | None = None) -> bytes:
         """As :meth:`pod_log` on the async client; any failure is "nothing new to show"."""
-        kwargs: dict[str, Any] = {"limit_bytes": limit} if limit else {}
+        kwargs = _log_kwargs(limit, tail_lines)
         try:
             resp = await core.read_namespaced_pod_log(
                 pod, namespace, container=CONTAINER, _preload_content=False,
@@ -210,3 +212,11 @@ class KubeClient(LoggingMixin):
             self.log.debug("No log for pod %s: %s", pod, exc)
             return b""
         return body if ok else b""
+
+
+def _log_kwargs(limit: int | None, tail_lines: int | None) -> dict[str, Any]:
+    """The log API's bounds: ``limitBytes`` from the start, or ``tailLines`` from the end."""
+    kwargs: dict[str, Any] = {"limit_bytes": limit} if limit else {}
+    if tail_lines:
+        kwargs["tail_lines"] = tail_lines
+    return kwargs

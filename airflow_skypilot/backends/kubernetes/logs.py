@@ -18,7 +18,12 @@ Two things break the "only ever grows" rule, and a read recovers from each (:fun
   included: a rank's bytes are never read as rank 0's. While rank 0 is gone and another rank
   still runs nothing is read; once the remaining pods have all ended, their logs (the failed
   rank's among them) follow a :data:`RANK0_GONE` line, at offsets from :data:`GONE_BASE` on, so
-  a later read (the failure tail reads 32 KiB back) finds them again and never repeats them.
+  a later read finds them again and never repeats them.
+
+A failure's tail (:func:`read_tail`) is the end of that text without reading it from the start:
+the log API gives a pod's last lines (``tailLines``; it has no "last bytes"), so each pod it
+needs is asked for its last lines, and :func:`~airflow_skypilot.backends.base.tail_text` joins
+them and keeps at most the bytes asked for.
 """
 
 from __future__ import annotations
@@ -27,15 +32,15 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from airflow_skypilot.backends.base import JobHandle
+from airflow_skypilot.backends.base import TAIL_BYTES, JobHandle, tail_text
 from airflow_skypilot.backends.common.logs import LOG_CHUNK, join_logs, slice_log
 from airflow_skypilot.backends.kubernetes.client import KubeClient
 from airflow_skypilot.backends.kubernetes.cluster import TERMINAL
 from airflow_skypilot.backends.kubernetes.names import LABEL_JOB
 from airflow_skypilot.backends.kubernetes.status import PodView, pods_of
 
-__all__ = ["GONE_BASE", "LOG_CHUNK", "aread_many", "join_logs", "log_plan", "read",
-           "slice_log"]
+__all__ = ["GONE_BASE", "LOG_CHUNK", "TAIL_BYTES", "aread_many", "aread_tail", "join_logs",
+           "log_plan", "read", "read_tail", "slice_log"]
 
 #: offsets at and past this count in the other ranks' logs of a job whose rank-0 pod is gone
 GONE_BASE = 1 << 40
@@ -88,14 +93,19 @@ def _assemble(mode: str, logs: list[tuple[int, bytes]], offset: int,
     return slice_log(data, offset, final, LOG_CHUNK)
 
 
+def _list_pods(client: KubeClient, core: Any, namespace: str,
+               handle: JobHandle) -> list[dict[str, Any]]:
+    found = client.call(core.list_namespaced_pod, namespace,
+                        label_selector=f"{LABEL_JOB}={handle.job_name}")
+    return pods_of(handle.job_name, found.get("items") or [], handle.extra.get("uid"))
+
+
 def read(client: KubeClient, namespace: str, handle: JobHandle, offset: int,
          pods: list[dict[str, Any]] | None) -> tuple[str, int]:
     """The job's text from byte ``offset`` on the sync client; ``pods`` None: list them."""
     core, _ = client.apis()
     if pods is None:
-        found = client.call(core.list_namespaced_pod, namespace,
-                            label_selector=f"{LABEL_JOB}={handle.job_name}")
-        pods = pods_of(handle.job_name, found.get("items") or [], handle.extra.get("uid"))
+        pods = _list_pods(client, core, namespace, handle)
     plan, final = log_plan(pods, handle.num_nodes)
     mode, plan = _to_read(plan, final)
     if mode == "wait":
@@ -167,3 +177,53 @@ async def aread_many(client: KubeClient, requests: list[tuple[JobHandle, int]],
 
         await asyncio.gather(*(one(h, o) for h, o in requests))
     return out
+
+
+#: the log API cuts a tail by lines only: one line asked for per this many bytes of a tail
+#: (longer lines are cut to the bytes asked for after)
+TAIL_LINE_BYTES = 64
+
+
+def _tail_plan(pods: list[dict[str, Any]], num_nodes: int,
+               max_bytes: int) -> tuple[list[PodView], list[tuple[int, bytes, bool]], int]:
+    """(the pods whose ends make the text's end, the parts known without reading, lines to
+    ask each for). Rank 0's pod gone: the text starts with :data:`RANK0_GONE`."""
+    plan, final = log_plan(pods, num_nodes)
+    mode, plan = _to_read(plan, final)
+    known = [(0, RANK0_GONE.encode(), True)] if mode == "gone" else []
+    # rank 0 alone until every rank has ended (the text is then final)
+    return (plan if mode == "gone" or final else plan[:1]), known, \
+        max(1, max_bytes // TAIL_LINE_BYTES)
+
+
+def _tail(known: list[tuple[int, bytes, bool]], ends: list[tuple[int, bytes]], lines: int,
+          max_bytes: int) -> str:
+    """One line more than ``lines`` was asked for: a pod with more has lost its start."""
+    return tail_text([*known, *((rank, data, len(data.splitlines()) <= lines)
+                                for rank, data in ends)], max_bytes)
+
+
+def read_tail(client: KubeClient, namespace: str, handle: JobHandle, max_bytes: int,
+              pods: list[dict[str, Any]] | None) -> str:
+    """The end of the job's text (at most ``max_bytes`` bytes); ``pods`` None: list them."""
+    core, _ = client.apis()
+    if pods is None:
+        pods = _list_pods(client, core, namespace, handle)
+    views, known, lines = _tail_plan(pods, handle.num_nodes, max_bytes)
+    ends = [(v.rank, client.pod_log(core, namespace, v.name, tail_lines=lines + 1)
+             if _started(v) else b"") for v in views]
+    return _tail(known, ends, lines, max_bytes)
+
+
+async def aread_tail(client: KubeClient, namespace: str, handle: JobHandle, max_bytes: int,
+                     pods: list[dict[str, Any]] | None) -> str:
+    """As :func:`read_tail` on the async client."""
+    async with client.asession() as (core, _batch):
+        if pods is None:
+            found = await client.acall(core.list_namespaced_pod, namespace,
+                                       label_selector=f"{LABEL_JOB}={handle.job_name}")
+            pods = pods_of(handle.job_name, found.get("items") or [], handle.extra.get("uid"))
+        views, known, lines = _tail_plan(pods, handle.num_nodes, max_bytes)
+        ends = [(v.rank, await client.apod_log(core, namespace, v.name, tail_lines=lines + 1)
+                 if _started(v) else b"") for v in views]
+    return _tail(known, ends, lines, max_bytes)

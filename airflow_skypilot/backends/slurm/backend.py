@@ -13,8 +13,9 @@ submit / find / cancel / cleanup
 poll / status
     one command for all watched jobs (:mod:`.status`); squeue that did not answer is
     "could not ask" (UNKNOWN), never "gone".
-read_log / aread_logs
-    byte offsets into each job's ``slurm.log``, many jobs per command (:mod:`.logs`).
+read_log / aread_logs / read_tail
+    byte offsets into each job's ``slurm.log``, many jobs per command; a failure's tail from
+    the file's end (:mod:`.logs`).
 
 The SSH side (paramiko in the worker, asyncssh in the triggerer) is :mod:`.remote`. Every
 Slurm command runs under ``timeout`` (``slurm_timeout``, default 20 s) and every SSH command
@@ -250,3 +251,11 @@ class SlurmBackend(Backend):
             return {}
         rc, out, err = await self.remote.arun(logs.logs_script(requests, limit))
         return logs.split_logs(out, requests)
+
+    def read_tail(self, handle: JobHandle, max_bytes: int = logs.TAIL_BYTES) -> str:
+        rc, out, err = self.remote.run(logs.tail_script(handle, max_bytes))
+        return logs.split_tail(out, max_bytes)
+
+    async def aread_tail(self, handle: JobHandle, max_bytes: int = logs.TAIL_BYTES) -> str:
+        rc, out, err = await self.remote.arun(logs.tail_script(handle, max_bytes))
+        return logs.split_tail(out, max_bytes)

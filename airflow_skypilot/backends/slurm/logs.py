@@ -3,6 +3,8 @@
 The bytes come back base64-encoded after an ``@@log`` line, so the offset counts bytes (not
 decoded characters) and a multi-byte character cut at the read limit is not lost. The triggerer
 reads every streamed job of a connection in one command, one ``@@log <job id>`` frame each.
+A failure's tail is read from the file's end (``tail -c``), however long the log: every rank
+writes into that one file (``srun --label``), so its end is the job's end.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import base64
 import shlex
 from collections.abc import Sequence
 
-from airflow_skypilot.backends.base import JobHandle
+from airflow_skypilot.backends.base import TAIL_BYTES, JobHandle, tail_text
 
 #: what one read returns at most: one job (worker side), each job of a batch (triggerer side)
 READ_LIMIT = 1 << 20
@@ -27,6 +29,22 @@ def _read(handle: JobHandle, offset: int, limit: int) -> str:
 def log_script(handle: JobHandle, offset: int, limit: int = READ_LIMIT) -> str:
     """Read one job's log from ``offset``."""
     return f"echo @@log; {_read(handle, offset, limit)}"
+
+
+def tail_script(handle: JobHandle, max_bytes: int = TAIL_BYTES) -> str:
+    """Read the last ``max_bytes`` bytes of one job's log, and one more: whether its start
+    was cut (:func:`split_tail`)."""
+    path = shlex.quote(handle.extra.get("log", ""))
+    return f"echo @@log; tail -c {int(max_bytes) + 1} {path} 2>/dev/null | base64 -w0; echo"
+
+
+def split_tail(out: str, max_bytes: int = TAIL_BYTES) -> str:
+    """:func:`tail_script`'s output -> the end of the job's text ("" when nothing was read)."""
+    head, _, body = out.partition("\n")
+    if head.strip() != "@@log":
+        return ""
+    data = base64.b64decode(body.strip() or b"")
+    return tail_text([(0, data, len(data) <= max_bytes)], max_bytes)
 
 
 def split_log(out: str, offset: int) -> tuple[str, int]:
