@@ -2,7 +2,8 @@
 #   make demo   - installs everything, starts the local sandbox, runs the example pipeline with
 #                 a node failure under the training job, prints the placements and the result
 #   make test   - installs everything, runs ruff and the whole test suite against the sandbox
-# Both set themselves up (Debian packages, venv, pip) and stop the sandbox they started.
+# Both set themselves up (Debian packages, venv, pip) and stop the sandbox they started, also
+# when interrupted (Ctrl-C, SIGTERM).
 
 SHELL := /bin/bash
 # Debian's own Python where there is one (python3-venv is installed for it); else python3
@@ -41,9 +42,11 @@ system-deps:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-# Installed with the versions the suite last ran green with (.ci/constraints.txt).
-$(STAMP): pyproject.toml .ci/constraints.txt
-	@$(MAKE) --no-print-directory system-deps
+# Installed with the versions the suite last ran green with (.ci/constraints.txt). The Debian
+# packages are checked on every run (system-deps: a dpkg-query per package, no apt when none is
+# missing), before the venv, not only when the venv is made: a package added to DEBS gets
+# installed where a venv exists already.
+$(STAMP): pyproject.toml .ci/constraints.txt | system-deps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test]" -c .ci/constraints.txt
@@ -74,13 +77,14 @@ sandbox-status: venv
 
 # Two shards at once, each on sandboxes of its own, stopped whatever pytest says
 # (tests/run_suite.sh); `make test PYTEST_ARGS=tests/unit` runs just those, on one sandbox set.
+# Both exec their runner, so the SIGTERM make passes on reaches it; each stops the sandbox
+# itself on its end, an error, Ctrl-C or SIGTERM.
 test: venv lint
-	@PY=$(PY) tests/run_suite.sh $(PYTEST_ARGS)
+	@export PY=$(PY); exec tests/run_suite.sh $(PYTEST_ARGS)
 
+# tests/sandbox/demo.py --sandbox: up, the demo, down (in a finally)
 demo: venv
-	@$(PY) -m tests.sandbox up || { $(PY) -m tests.sandbox down; exit 1; }; \
-	$(PY) -m tests.sandbox.demo; rc=$$?; \
-	$(PY) -m tests.sandbox down; exit $$rc
+	@exec $(PY) -m tests.sandbox.demo --sandbox
 
 clean: sandbox-down
 	rm -rf $(VENV) .sandbox .sandbox-b .pytest_cache .ruff_cache *.egg-info

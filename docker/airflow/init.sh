@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The compose service "init": one-shot set-up of the Airflow side, run as root (for chown) by
 # the official image's /entrypoint, after postgres and both Slurm clusters are healthy.
-#   1. ownership of the shared volumes for the Airflow user (AIRFLOW_UID:0)
+#   1. ownership of the shared volumes for the Airflow user (AIRFLOW_UID:0): logs, scratch and
+#      the Celery workers' shared placement ledger ([skypilot] placement_ledger)
 #   2. secrets generated once into the auth volume: fernet key, JWT secret, API secret key
 #      (the other services read them through AIRFLOW__..._CMD, see docker-compose.yml)
 #   3. airflow db migrate
@@ -17,6 +18,7 @@ airflow_uid="${AIRFLOW_UID:-50000}"
 auth_dir="${AIRFLOW_AUTH_DIR:-/opt/airflow/auth}"
 logs_dir="${AIRFLOW_LOGS_DIR:-/opt/airflow/logs}"
 scratch_dir="${SKYPILOT_SCRATCH_DIR:-}"
+ledger="${AIRFLOW__SKYPILOT__PLACEMENT_LEDGER:-}"
 users="${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS:-admin:admin}"
 admin_user="${users%%:*}"     # the first USER:ROLE of SimpleAuthManager's users
 work="$(mktemp -d)"
@@ -36,6 +38,13 @@ if [ -n "$scratch_dir" ]; then
     install -d "$scratch_dir"
     chown "${airflow_uid}:0" "$scratch_dir"
     chmod 1777 "$scratch_dir"
+fi
+if [ -n "$ledger" ]; then
+    # Both workers create, lock and rewrite the ledger file here (mode 0600, as AIRFLOW_UID):
+    # a fresh volume's mount point is root's.
+    ledger_dir="$(dirname "$ledger")"
+    install -d -m 0770 -o "$airflow_uid" -g 0 "$ledger_dir"
+    find "$ledger_dir" ! -user "$airflow_uid" -exec chown "${airflow_uid}:0" {} +
 fi
 
 # 2. secrets ------------------------------------------------------------------------------------

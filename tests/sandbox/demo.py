@@ -5,13 +5,20 @@ up. When the training job is running, it kills what it runs on: the node's slurm
 the pod's node on Kubernetes, a spot interruption on AWS. The operator places the job again
 elsewhere; training resumes from its checkpoint (same SKYPILOT_TASK_ID). At the end it prints
 each step's placement and the result.
+
+``python -m tests.sandbox.demo --sandbox`` (``make demo``) also starts the sandboxes first and
+stops them when it ends, whatever ends it: the demo's own end, an error, Ctrl-C or SIGTERM (a
+signal stops the demo's ``airflow dags test`` too). Without ``--sandbox`` it runs on sandboxes
+already up and leaves them up.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from tests.sandbox import __main__ as sandboxes
 from tests.sandbox.__main__ import DEFAULT_CONNECTIONS, REPO, STATE, connections, sandbox
 
 HOME = STATE / "airflow-home"
@@ -154,7 +162,7 @@ def restore(handle: dict) -> None:
         sandbox("kubernetes").reset()
 
 
-def main() -> int:
+def run() -> int:
     conns = connections()
     if not conns:
         say("no sandbox is up: run `make demo` (or `python -m tests.sandbox up`) first")
@@ -166,9 +174,10 @@ def main() -> int:
             box.reset()
     HOME.mkdir(parents=True, exist_ok=True)
     db = HOME / "airflow.db"
-    if not db.exists():
-        say("== preparing Airflow (SQLite metadata DB)")
-        subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True)
+    # Every time, not only for a new database: after an Airflow upgrade (or a migration cut
+    # short) the schema would be stale. Up to date, it is a quick no-op.
+    say("== preparing Airflow (airflow db migrate: SQLite metadata DB)")
+    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True)
     say(f"== connections: {env['AIRFLOW__SKYPILOT__CONNECTIONS']}")
     say("== live GPU capacity (airflow-skypilot show-gpus)")
     cli = str(Path(sys.executable).parent / "airflow-skypilot")
@@ -181,6 +190,23 @@ def main() -> int:
     proc = subprocess.Popen([AIRFLOW, "dags", "test", "train_pipeline", "-c",
                              json.dumps({"epochs": 40})], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    try:
+        return _follow(proc, db, before)
+    finally:
+        _stop(proc)  # interrupted (Ctrl-C, SIGTERM, an error): not left running on its own
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _follow(proc: subprocess.Popen, db: Path, before: str | None) -> int:
     narrator = Narrator()
     reader = threading.Thread(target=lambda: [narrator.feed(ln) for ln in proc.stdout],
                               daemon=True)
@@ -230,6 +256,44 @@ def main() -> int:
     if rc != 0:
         say("\n".join(narrator.lines[-60:]))
     return rc
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    # SIGTERM (`kill`, make passing its SIGTERM on) unwinds like Ctrl-C: the `finally`s stop
+    # `airflow dags test` and the sandboxes; the exit status says which signal.
+    raise SystemExit(128 + signum)
+
+
+def _sandbox_down() -> int:
+    """Stop the sandboxes; a second Ctrl-C or SIGTERM does not cut that short."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    say("== stopping the sandbox")
+    return sandboxes.main(["down"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.sandbox.demo")
+    parser.add_argument("--sandbox", action="store_true",
+                        help="start the sandboxes first and stop them at the end, whatever ends "
+                             "the demo (as `make demo` does)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)
+    if not args.sandbox:
+        return run()
+    rc = 1
+    try:
+        # `up` reuses sandboxes that are already healthy; as `make demo` always has, the demo
+        # stops them at the end either way.
+        rc = sandboxes.main(["up"])
+        if rc == 0:
+            rc = run()
+    except KeyboardInterrupt:
+        say("\n== interrupted")
+        rc = 128 + signal.SIGINT
+    finally:
+        down_rc = _sandbox_down()
+    return rc if rc != 0 else down_rc
 
 
 if __name__ == "__main__":

@@ -641,11 +641,15 @@ def test_keys_are_shared_through_the_right_volumes(services):
     init_env = env_of(services["init"])
     key_dir = mount_of(services["init"], "ssh-client")
     assert init_env["SKYPILOT_SSH_KEY_FILE"] == f"{key_dir}/id_ed25519"
-    for name in (*WORKERS, *TRIGGERERS, "init"):
+    # the API server runs no task, but its Capacity page probes [skypilot] connections over SSH
+    # in that process (airflow_skypilot/plugins/capacity.py): without the key every row is an
+    # SSH error
+    for name in (*WORKERS, *TRIGGERERS, "api-server", "init"):
         mounts = volume_mounts(services[name])
         assert mounts.get(key_dir) == ("ssh-client", True), f"{name} needs the key, read-only"
-    for name in ("api-server", "scheduler", "dag-processor"):
-        assert mount_of(services[name], "ssh-client") is None, f"{name} runs no task or trigger"
+    assert env_of(services["api-server"])["AIRFLOW__SKYPILOT__CONNECTIONS"]
+    for name in ("scheduler", "dag-processor"):
+        assert mount_of(services[name], "ssh-client") is None, f"{name} never reaches a cluster"
     assert init_env["SKYPILOT_SSH_PUBLIC_DIR"] == mount_of(services["init"], "ssh-public")
     keygen_env = env_of(services["ssh-keys"])
     assert keygen_env["SSH_CLIENT_DIR"] == mount_of(services["ssh-keys"], "ssh-client")
@@ -657,6 +661,53 @@ def test_keys_are_shared_through_the_right_volumes(services):
     uid = interpolate_defaults(services["scheduler"]["user"]).split(":")[0]
     assert interpolate_defaults(keygen_env["AIRFLOW_UID"]) == uid == "50000"
     assert interpolate_defaults(env_of(services["init"])["AIRFLOW_UID"]) == uid
+
+
+def test_workers_share_one_placement_ledger(compose, services):
+    """A sweep split across the workers avoids the GPUs either placed only if both lock and
+    write the same ledger file (airflow_skypilot/ledger.py): a named volume both mount, at the
+    directory of the file `[skypilot] placement_ledger` names, writable by the Airflow user."""
+    paths = {name: env_of(services[name]).get("AIRFLOW__SKYPILOT__PLACEMENT_LEDGER")
+             for name in WORKERS}
+    assert len(set(paths.values())) == 1, paths
+    path = paths[WORKERS[0]]
+    assert path and path.startswith("/"), f"the ledger must be a file on the shared volume: {path}"
+    ledger_dir = os.path.dirname(path)
+    sources = set()
+    for name in WORKERS:
+        source, read_only = volume_mounts(services[name]).get(ledger_dir, (None, True))
+        assert source is not None, f"{name}: nothing mounted at {ledger_dir}"
+        assert not read_only, f"{name} must write the ledger"
+        sources.add(source)
+    (source,) = sources
+    assert source in (compose.get("volumes") or {}), f"{source}: not a named volume"
+    # no one else writes a stale copy there; init prepares it for AIRFLOW_UID
+    for name in ("api-server", "scheduler", "dag-processor", *TRIGGERERS):
+        assert mount_of(services[name], source) is None, name
+    assert mount_of(services["init"], source) == ledger_dir
+    assert env_of(services["init"])["AIRFLOW__SKYPILOT__PLACEMENT_LEDGER"] == path
+    init_script = INIT_SCRIPT.read_text()
+    assert 'ledger="${AIRFLOW__SKYPILOT__PLACEMENT_LEDGER:-}"' in init_script
+    assert 'install -d -m 0770 -o "$airflow_uid" -g 0 "$ledger_dir"' in init_script
+    # the option exists under that name (env AIRFLOW__SKYPILOT__PLACEMENT_LEDGER)
+    from airflow_skypilot.get_provider_info import get_provider_info
+
+    assert "placement_ledger" in get_provider_info()["config"]["skypilot"]["options"]
+
+
+def test_init_prepares_the_ledger_volume_for_the_airflow_user(services, tmp_path):
+    """init.sh's volume step, run for real on a temp dir: the ledger's directory ends up
+    AIRFLOW_UID's, mode 0770 (as root; otherwise what it can check)."""
+    text = INIT_SCRIPT.read_text()
+    start = text.index('if [ -n "$ledger" ]; then')
+    block = text[start:text.index("\nfi\n", start) + 4]
+    ledger = tmp_path / "skypilot" / "placements.json"
+    uid = os.getuid()
+    script = f'set -euo pipefail\nairflow_uid={uid}\nledger={shlex.quote(str(ledger))}\n{block}'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    st = ledger.parent.stat()
+    assert st.st_uid == uid and (st.st_mode & 0o777) == 0o770, oct(st.st_mode)
 
 
 def test_written_connections_pin_host_keys(login_nodes, slurm_connections, tmp_path):
