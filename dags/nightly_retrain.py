@@ -8,7 +8,7 @@ GPU-hours, cost), and ``nightly_evaluate``, scheduled on that asset, starts.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Asset, task
 
@@ -24,6 +24,8 @@ with DAG(
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,
+    # a night whose job never found GPUs must not hold back the next night's run
+    dagrun_timeout=timedelta(hours=23),
     params={"workspace": WORKSPACE},
     tags=["skypilot", "example"],
 ) as dag:
@@ -35,6 +37,8 @@ with DAG(
             "OUT_DIR": "{{ params.workspace }}/nightly/{{ ds_nodash }}",
         },
         policy="cheapest",
+        # waiting for capacity and the run itself: stopped (its job cancelled) after this
+        execution_timeout=timedelta(hours=12),
         outlets=[NIGHTLY_MODEL],
     )
 

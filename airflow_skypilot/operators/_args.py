@@ -26,7 +26,9 @@ def _templated(value: Any) -> bool:
 
 
 def check(values: Mapping[str, Any]) -> None:
-    """ValueError naming the first argument out of range (literal values only)."""
+    """ValueError naming the first argument out of range. ``policy`` is a template field,
+    checked here when literal (and once rendered); the numbers are not: a Jinja string in
+    one would never be rendered, and is refused now rather than fail the task later."""
     policy = values.get("policy")
     if isinstance(policy, str) and not _templated(policy) and policy not in placement.POLICIES:
         raise ValueError(f"policy must be one of {placement.POLICIES}, got {policy!r}")
@@ -34,8 +36,11 @@ def check(values: Mapping[str, Any]) -> None:
                             (NOT_NEGATIVE, lambda v: v >= 0, ">= 0")):
         for name in names:
             value = values.get(name)
-            if value is None or _templated(value):
+            if value is None:
                 continue
+            if _templated(value):
+                raise ValueError(f"{name} is not a template field: give a number {what}, "
+                                 f"got {value!r}")
             try:
                 good = ok(float(value))
             except (TypeError, ValueError):

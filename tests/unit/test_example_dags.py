@@ -41,3 +41,11 @@ def test_nightly_evaluate_is_scheduled_on_the_asset_retrain_produces(dagbag):
     evaluate = dagbag.dags["nightly_evaluate"]
     assert list(evaluate.timetable.asset_condition.objects) == [model]
     assert evaluate.get_task("evaluate").custom_operator_name == "@task.skypilot"
+
+
+def test_the_nightly_run_cannot_wait_for_ever_and_hold_back_the_next_night(dagbag):
+    """max_active_runs=1: a night whose job never finds GPUs would block every later one."""
+    nightly = dagbag.dags["nightly_retrain"]
+    assert nightly.max_active_runs == 1
+    assert nightly.dagrun_timeout is not None
+    assert nightly.get_task("retrain").execution_timeout is not None

@@ -536,9 +536,13 @@ def test_probe_timeout_0_is_the_configured_default_as_before():
     assert _op(probe_timeout=0)._hook().timeout == 60.0
 
 
-def test_templated_arguments_are_checked_after_rendering_not_at_parse_time():
-    op = _op(poll_interval="{{ params.every }}", policy="{{ params.policy }}")
-    assert op.poll_interval == "{{ params.every }}"
+def test_a_templated_policy_is_checked_after_rendering_a_templated_number_at_once():
+    """``policy`` is a template field; the numbers are not (a Jinja string in one was kept
+    as it was written, and failed the task when it ran)."""
+    op = _op(policy="{{ params.policy }}")
+    assert op.policy == "{{ params.policy }}"
+    with pytest.raises(ValueError, match="poll_interval is not a template field"):
+        _op(poll_interval="{{ params.every }}")
 
 
 def test_a_task_given_as_a_dict_is_not_rendered_inside_but_inline_yaml_text_is():
