@@ -292,6 +292,35 @@ def test_not_ready_node_past_the_grace_is_an_infrastructure_failure(k8s, kube, m
     backend.cancel(handle)
 
 
+def test_a_ranks_failure_beside_a_notready_node_is_infra_within_the_grace(
+        k8s, kube, monkeypatch, tmp_path):
+    """Rank 1's node goes NotReady, then rank 0 exits 1 (its collective broke): the allocation
+    lost decides, not the exit code, long before the NotReady grace runs out. (Rank 1 is slow
+    to stop, as a node whose kubelet went silent never stops it: the Job controller's
+    deletion leaves it Terminating on that node, where the status sees it.)"""
+    _use_extras(monkeypatch, k8s, node_not_ready_grace=600)
+    go = tmp_path / "go"  # pods run as host processes: rank 0 fails once it exists
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _submit(backend, {"num_nodes": 2, "resources": {"accelerators": "A100:8"}, "run": (
+        f'if [ "$SKYPILOT_NODE_RANK" = 0 ]; then until [ -e {go} ]; do sleep 0.2; done; '
+        "exit 1; fi; trap '' TERM; sleep 60")})
+
+    def both_running() -> dict[str, client.V1Pod] | None:
+        running = {p.metadata.labels[names.INDEX_KEY]: p for p in _pods(kube, handle.job_name)
+                   if p.status.phase == "Running"}
+        return running if len(running) == 2 else None
+
+    pods = wait_for(both_running)
+    assert pods["0"].spec.node_name != pods["1"].spec.node_name
+    k8s.set_not_ready(pods["1"].spec.node_name)
+    go.touch()
+    status = _terminal(backend, handle, use_poll=True)
+    assert status.state == JobState.INFRA_FAILED and status.state.infra_failure, status
+    assert "NotReady" in status.reason and pods["1"].spec.node_name in status.reason
+    assert status.exit_codes == [1]
+    backend.cancel(handle)
+
+
 def test_bad_image_fails_clearly_and_is_not_failed_over(k8s, kube, monkeypatch):
     _use_extras(monkeypatch, k8s, image_error_grace=3)
     backend = KubernetesBackend("k8s_sandbox")

@@ -311,6 +311,25 @@ def test_a_failing_step_is_the_users_failure_not_a_launch_failure(slurm):
     assert (status.state, status.exit_code) == (JobState.FAILED, 3), status
 
 
+def test_a_failed_multi_node_job_gives_every_failed_ranks_code_while_squeue_lists_it(slurm):
+    """Rank 1 exits 3, srun kills rank 0 (its node up): the user's failure, read from what each
+    rank wrote from the first poll that sees it ended, while squeue still lists it (MinJobAge),
+    not only once Slurm forgot it (recover_on_exit_codes sees every rank's code)."""
+    backend = SlurmBackend(CONN)
+    task = load_task({"num_nodes": 2, "resources": {"accelerators": "A100:1"}, "run": (
+        'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then sleep 2; exit 3; fi; sleep 120')})
+    name = _name("ranks")
+    offer = next(o for o in backend.probe(task) if o.fits)
+    handle = backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
+    status, log = _ended(backend, handle, 90)
+    listed = slurm.run(CLUSTER, "squeue", "-h", "-t", "all", "-j", handle.job_id, "-o", "%T")
+    assert listed.stdout.strip() in ("FAILED", "COMPLETING"), listed.stdout
+    assert status.raw_state == "FAILED", (status, log)  # squeue's answer, not the exit file's
+    assert (status.state, status.exit_code, status.exit_codes) == (JobState.FAILED, 3, [3]), \
+        (status, log)
+    assert status.reason == "exit code 3 on rank 1"
+
+
 def _forgotten(handle):
     """``handle`` as a later poll sees it once Slurm forgot the job (after MinJobAge, without
     accounting): the same job dir, an id squeue and sacct no longer know."""

@@ -615,6 +615,24 @@ def test_node_gone_or_notready_past_the_grace_is_infra():
     assert _status(_job(), [_jpod()], nodes={}).state == JobState.INFRA_FAILED
 
 
+@pytest.mark.parametrize("not_ready_for", [30, 90, 150])
+def test_a_peers_failure_beside_a_notready_node_is_infra_within_the_grace(not_ready_for):
+    """Rank 0 exited 1 (its collective broke) while rank 1's node is NotReady: the allocation
+    lost decides before an exit code, however long the node has been NotReady (the grace only
+    keeps a healthy running job from failing for a blip). A healthy peer's failure stays the
+    user's."""
+    nodes = {"n1": NodeView.parse(_node("n1")),
+             "n2": NodeView.parse(_node("n2", ready=False, since=_ts(not_ready_for)))}
+    pods = [_jpod(0, phase="Failed", state=_term(1), node="n1"), _jpod(1, node="n2")]
+    st = _status(_job(), pods, nodes=nodes, num_nodes=2, node_not_ready_grace=120)
+    assert st.state == JobState.INFRA_FAILED and st.state.infra_failure, st
+    assert "n2" in st.reason and "NotReady" in st.reason and "j-0-x" in st.reason
+    assert st.exit_codes == [1] and st.still_up  # rank 1 may still run its code
+    healthy = {"n1": nodes["n1"], "n2": NodeView.parse(_node("n2"))}
+    st = _status(_job(), pods, nodes=healthy, num_nodes=2, node_not_ready_grace=120)
+    assert (st.state, st.exit_codes) == (JobState.FAILED, [1])
+
+
 def test_image_and_config_errors_fail_after_the_grace_and_are_not_infra():
     pull = {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling "bad/x"'}}
     young = _jpod(phase="Pending", state=pull, age=5, image="bad/x")

@@ -145,6 +145,54 @@ def test_a_step_that_srun_could_not_launch_is_an_infra_failure():
     assert got["10"].state == JobState.FAILED
 
 
+_LISTED_FAILED = [  # squeue or sacct still knows the failed job (its exit file is written)
+    ("7|n|FAILED|NonZeroExitCode|n[1-2]|100|200\n", "", 1),  # squeue's MinJobAge window
+    ("7|n|COMPLETING|None|n[1-2]|100|200\n", "", 1),  # Slurm's clean-up after the exit file
+    ("", "7|FAILED|1:0|100|200\n", 0),  # left the queue, accounting remembers it
+]
+
+
+def _listed(squeue: str, sacct: str, sacct_rc: int, exits: str):
+    out = (f"@@squeue\n{squeue}@@squeue_rc\n0\n@@sacct\n{sacct}@@sacct_rc\n{sacct_rc}\n"
+           f"@@exits\n7|{exits}\n")
+    return parse_status(out, [_handle("7")])["7"]
+
+
+@pytest.mark.parametrize(("squeue", "sacct", "sacct_rc"), _LISTED_FAILED)
+def test_a_rank_whose_node_is_down_is_infra_while_slurm_still_lists_the_failed_job(
+        squeue, sacct, sacct_rc):
+    """Rank 0 exited 1 (its collective broke), rank 1's node is down: not the user's, from
+    the first poll that sees the job failed, not only once Slurm forgot it."""
+    status = _listed(squeue, sacct, sacct_rc, "1 ranks run 0=1 1=down")
+    assert status.state == JobState.INFRA_FAILED and "rank 1" in status.reason, status
+    assert (status.exit_code, status.exit_codes) == (1, [1])
+    assert (status.started_at, status.ended_at) == (100.0, 200.0)  # Slurm's times stay
+
+
+@pytest.mark.parametrize(("squeue", "sacct", "sacct_rc"), _LISTED_FAILED)
+def test_every_failed_ranks_code_is_read_while_slurm_still_lists_the_failed_job(
+        squeue, sacct, sacct_rc):
+    """recover_on_exit_codes sees every rank's code, not srun's highest one."""
+    status = _listed(squeue, sacct, sacct_rc, "100 ranks run 0=33 1=100")
+    assert status.state == JobState.FAILED, status
+    assert (status.exit_code, status.exit_codes) == (33, [33, 100])
+    assert status.reason == "exit code 33 on rank 0"
+    lost = _listed(squeue, sacct, sacct_rc, "137 ranks run 0=0 1=-")  # no rank failed
+    assert lost.state == JobState.INFRA_FAILED and "rank 1" in lost.reason, lost
+
+
+def test_a_ranks_line_judges_only_a_job_slurm_says_failed():
+    """Not one Slurm says timed out (its ranks were stopped, none wrote a code: the user's
+    time limit), nor one still completing because of a node (NODE_FAIL follows)."""
+    ended = "7|n|{}|None|n[1-2]|100|200\n"
+    assert _listed(ended.format("FAILED"), "", 1, "143 ranks run 0=- 1=-").state \
+        == JobState.INFRA_FAILED
+    status = _listed(ended.format("TIMEOUT"), "", 1, "143 ranks run 0=- 1=-")
+    assert (status.state, status.reason) == (JobState.FAILED, "time limit reached")
+    node_down = "7|n|COMPLETING|NodeDown|n[1-2]|100|N/A\n"  # NODE_FAIL comes after it
+    assert _listed(node_down, "", 1, "1 ranks run 0=1 1=down").state == JobState.RUNNING
+
+
 @pytest.mark.parametrize("squeue", [
     "@@squeue\n@@squeue_rc\n1\n",  # slurm_load_jobs error: Socket timed out
     "@@squeue\n7|n|RUNNING|None|a1|1|N/A\n@@squeue_rc\n124\n",  # killed by timeout, half out

@@ -5,7 +5,9 @@ job; the same requests and the same mapping sync (:func:`list_all`, the worker) 
 (:func:`alist_all`, the triggerer's event loop).
 
 The mapping (:func:`job_status`) follows SkyPilot: a pod that lost its allocation (eviction,
-preemption, node lost or NotReady past a grace, ``DisruptionTarget``) is infrastructure; a
+preemption, node lost or NotReady past a grace, ``DisruptionTarget``) is infrastructure, and
+so is a pod's failure beside a peer still running on a NotReady node, whatever the grace (the
+allocation lost decides before an exit code); a
 container exit code is the user's; an image or container config error lasting past
 ``image_error_grace`` fails the job with a clear message and is not failed over (it would fail
 on any cluster).
@@ -215,9 +217,10 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
                          nodes=nodes_used, raw_state=raw or phases or "no pods",
                          exit_codes=list(codes or []), still_up=state.terminal and up)
 
-    def infra(reason: str, preempted: bool = False, ended: float | None = None) -> JobStatus:
+    def infra(reason: str, preempted: bool = False, ended: float | None = None,
+              codes: list[int] | None = None) -> JobStatus:
         state = JobState.PREEMPTED if preempted or spot else JobState.INFRA_FAILED
-        return out(state, reason, ended=ended)
+        return out(state, reason, ended=ended, codes=codes)
 
     if "Complete" in conds or "SuccessCriteriaMet" in conds:
         return out(JobState.SUCCEEDED, exit_code=0, raw="Complete")
@@ -233,6 +236,10 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     if disrupted:
         first = min(disrupted, key=lambda v: v.finished or v.created)
         return infra(first.disruption, first.preempted, first.finished)
+    # a peer's failure beside a pod whose node is NotReady: the allocation lost decides before
+    # an exit code (the peer's collective broke with it), however briefly the node is NotReady
+    # (the grace only keeps a healthy running job from failing for a blip)
+    peers_failed = [v for v in views if v.phase == "Failed" and v.exit_code not in (None, 0)]
     if nodes is not None:
         for v in views:
             if v.phase in TERMINAL or not v.node:
@@ -240,13 +247,21 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
             node = nodes.get(v.node)
             if node is None:
                 return infra(f"node {v.node} of pod {v.name} no longer exists")
-            if not node.ready and node.not_ready_since is not None and \
-                    now - node.not_ready_since >= node_not_ready_grace:
-                return infra(f"node {v.node} of pod {v.name} has been NotReady for "
-                             f"{int(now - node.not_ready_since)}s")
+            since = None if node.not_ready_since is None else now - node.not_ready_since
+            if node.ready or not (peers_failed or (
+                    since is not None and since >= node_not_ready_grace)):
+                continue
+            what = f"node {v.node} of pod {v.name} " + (
+                f"has been NotReady for {int(since)}s" if since is not None else "is NotReady")
+            if not peers_failed:
+                return infra(what)
+            first = min(peers_failed, key=lambda p: (p.finished or now, p.rank))
+            return infra(f"{what}, beside pod {first.name}'s failure (exit code "
+                         f"{first.exit_code}): the allocation was lost, not the program",
+                         ended=first.finished,
+                         codes=sorted({p.exit_code for p in peers_failed if p.exit_code}))
     # 2. the user's program failed (pods the controller is deleting are victims, not causes)
-    failed = [v for v in views if v.phase == "Failed" and v.exit_code not in (None, 0)
-              and not v.deleting]
+    failed = [v for v in peers_failed if not v.deleting]
     if failed:
         first = min(failed, key=lambda v: (v.finished or now, v.rank))
         extra = " (out of memory: OOMKilled)" if first.term_reason == "OOMKilled" else ""

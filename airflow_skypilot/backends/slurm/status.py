@@ -8,7 +8,10 @@ probe's estimates are),
 for jobs that already left the queue. Slurm states map to ours by SkyPilot's rule: the
 allocation is gone (node failure, preemption) -> infra; the program exited non-zero -> user;
 a job whose ``exit_code`` says ``nostep`` (srun could not launch a step, so the task's script
-of that step never began: slurmctld unreachable, a step limit) -> infra.
+of that step never began: slurmctld unreachable, a step limit) -> infra. A failed multi-node
+job's ``ranks`` line (what each rank wrote) decides how it failed, whether squeue (FAILED, or
+COMPLETING after the exit file), sacct or only the file still knows it: a rank's node down ->
+infra, else the user's, with every failed rank's code (``JobStatus.exit_codes``).
 
 Who is authoritative for what ("could not ask" is never "gone"):
 
@@ -176,6 +179,14 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
             why = "timed out" if squeue_rc in (124, 137) else f"failed (exit {squeue_rc})"
             out[jid] = JobStatus(JobState.UNKNOWN, reason=f"squeue {why}: slurmctld did not "
                                                           "answer", raw_state="(no answer)")
+        if exit_code and ranks and out[jid].state == JobState.FAILED \
+                and out[jid].raw_state == "FAILED":
+            # squeue or sacct still lists the failed job (FAILED, or COMPLETING after its exit
+            # file): what each rank wrote decides as it would once Slurm forgets the job (a
+            # rank's node down -> infra; every failed rank's code, not srun's one)
+            ranked = _ranks_status(ranks.split(), exit_code)
+            out[jid] = replace(out[jid], state=ranked.state, reason=ranked.reason,
+                               exit_code=ranked.exit_code, exit_codes=ranked.exit_codes)
         if nostep and out[jid].state == JobState.FAILED:
             out[jid] = replace(out[jid], state=JobState.INFRA_FAILED, reason=(
                 f"srun could not launch the job's {nostep[1]} step (exit {exit_code}): the "
@@ -184,7 +195,7 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
 
 
 def _ranks_status(words: list[str], exit_code: int) -> JobStatus:
-    """A failed multi-node job Slurm no longer knows, by what each rank wrote (the job script's
+    """A failed multi-node job, by what each rank wrote (the job script's
     ``ranks <phase> <rank>=<code>|-|down ...``). A rank whose node Slurm has down, or any rank
     without a code of its own when no rank failed of its own, lost its node: infrastructure
     (as SkyPilot, and Slurm's NODE_FAIL while it listed the job). A rank without a code beside
