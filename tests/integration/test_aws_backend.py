@@ -376,7 +376,7 @@ def test_a_secret_filled_into_a_file_mount_reaches_the_node_but_not_user_data(bo
             "\nAIRFLOW_SKYPILOT_PAYLOAD\n", 1)[0]
         payload = base64.b64decode("".join(inline.split()))
     files = gzip.decompress(payload)  # the tar's bytes: mounts.sh among them
-    assert b"mounts.sh" in files and b'cfg-"${KEY}"' in files
+    assert b"mounts.sh" in files and b'cfg-"$(. ./secrets.sh && printf %s "${KEY}")"' in files
     assert "s3cr3tval" not in boot and b"s3cr3tval" not in files
     assert _wait(backend, handle).state == JobState.SUCCEEDED
     assert "from a secret path" in backend.read_log(handle)[0]

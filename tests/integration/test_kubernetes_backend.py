@@ -503,12 +503,15 @@ def test_a_secret_filled_into_a_mount_path_reaches_the_pod_as_a_reference(k8s, k
     and the pod expands it from its env (the task's Secret)."""
     (tmp_path / "cfg.txt").write_text("from a secret path\n")
     backend = KubernetesBackend("k8s_sandbox")
-    handle = _submit(backend, {"secrets": {"KEY": "s3cr3tval"},
-                               "file_mounts": {"~/cfg-$KEY/app.txt": str(tmp_path / "cfg.txt")},
-                               "run": 'cat ~/cfg-"$KEY"/app.txt'})
-    assert _terminal(backend, handle).state == JobState.SUCCEEDED
+    # secrets named like main.sh's variables once were (ROOT, JOB_DIR) are the task's own
+    handle = _submit(backend, {"secrets": {"KEY": "s3cr3tval", "ROOT": "team", "JOB_DIR": "j"},
+                               "file_mounts": {"~/cfg-$KEY/app.txt": str(tmp_path / "cfg.txt"),
+                                               "~/by-$ROOT/app.txt": str(tmp_path / "cfg.txt")},
+                               "run": 'cat ~/cfg-"$KEY"/app.txt ~/by-team/app.txt && '
+                                      'test "$ROOT/$JOB_DIR" = team/j && echo names-kept'})
+    assert _terminal(backend, handle).state == JobState.SUCCEEDED, backend.read_log(handle)
     text, _ = backend.read_log(handle)
-    assert "from a secret path" in text
+    assert text.count("from a secret path") == 2 and "names-kept" in text
     cm = _core(kube).read_namespaced_config_map(names.configmap_name(handle.job_name), NS)
     assert cm.data["main.sh"] and "s3cr3tval" not in json.dumps(cm.data)
     backend.cleanup(handle)

@@ -1080,15 +1080,17 @@ def test_a_secret_filled_into_a_file_mount_is_not_in_the_payload_in_clear(tmp_pa
     from airflow_skypilot.spec import load_task
 
     (tmp_path / "f.txt").write_text("x")
-    task = load_task({"run": "x", "secrets": {"KEY": None},
+    task = load_task({"run": "x", "secrets": {"KEY": None, "HOME": None, "PATH": None},
                       "file_mounts": {"/s3/$KEY": "s3://team-$KEY/data",
                                       "dir-$KEY/f.txt": str(tmp_path / "f.txt")}},
-                     secrets={"KEY": "s3cr3t value"})
+                     secrets={"KEY": "s3cr3t value", "HOME": "/evil", "PATH": "/nowhere"})
     script, local = mounts_script(task)
     assert "s3cr3t" not in script
-    assert 's3://team-"${KEY}"/data /s3/"${KEY}"' in script
-    home = _run_mounts(tmp_path, script, local, skip="/s3/",
-                       secrets_sh="export KEY='s3cr3t value'\n")
+    ref = '"$(. ./secrets.sh && printf %s "${KEY}")"'
+    assert f"s3://team-{ref}/data /s3/{ref}" in script
+    # secrets named like the script's own variables (HOME, PATH) do not replace them
+    home = _run_mounts(tmp_path, script, local, skip="/s3/", secrets_sh=(
+        "export KEY='s3cr3t value'\nexport HOME=/evil\nexport PATH=/nowhere\n"))
     assert (home / "dir-s3cr3t value" / "f.txt").read_text() == "x"
 
 

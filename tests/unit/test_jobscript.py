@@ -74,3 +74,15 @@ def test_a_task_repr_masks_a_secret_filled_into_its_mounts():
                       "file_mounts": {"/d-$K": "s3://team-$K/data"}}, secrets={"K": "s3cr3tv"})
     assert task.file_mounts == {"/d-s3cr3tv": "s3://team-s3cr3tv/data"}  # as SkyPilot fills
     assert "s3cr3tv" not in repr(task) and "s3://team-***/data" in repr(task)
+
+
+def test_secrets_and_envs_named_like_the_scripts_variables_reach_the_users_code(tmp_path):
+    """node.sh sources the task's envs and secrets: its own variables are AIRFLOW_SKYPILOT_*
+    (a secret named JOB_DIR made it run $JOB_DIR/run.sh, which does not exist)."""
+    proc = _node(tmp_path, 'echo "$JOB_DIR|$script|$ROOT"\n',
+                 {"JOB_DIR": "jd-value", "script": "sc-value"}, envs={"ROOT": "rt-value"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "***|***|rt-value\n"  # secrets masked in the output, as ever
+    proc = _node(tmp_path, 'test "$JOB_DIR/$script" = jd-value/sc-value && echo intact\n',
+                 {"JOB_DIR": "jd-value", "script": "sc-value"})
+    assert proc.stdout == "intact\n", proc.stderr

@@ -82,7 +82,7 @@ def test_a_secret_filled_into_a_mount_path_is_not_in_the_configmap(tmp_path):
     _, deps = _objects(task)
     [cm] = [d for d in deps if d["kind"] == "ConfigMap"]
     assert "s3cr3tval" not in json.dumps(cm)
-    assert '"$ROOT"/data-"${KEY}"' in cm["data"]["main.sh"]
+    assert '"$AIRFLOW_SKYPILOT_ROOT"/data-"${KEY}"' in cm["data"]["main.sh"]
 
 
 def test_a_task_without_files_has_no_bundle_secret():

@@ -91,25 +91,32 @@ def _add_tree(tar: tarfile.TarFile, local: str, arcname: str) -> None:
         tar.add(path, arcname=f"{arcname}/{rel}", recursive=False, filter=_owner_free)
 
 
+#: how mounts.sh names a secret filled into a mount (it runs in the job dir, secrets.sh there)
+SECRET_REF = '"$(. ./secrets.sh && printf %s "${{{}}}")"'
+
+
 def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
     """``mounts.sh`` (copies file_mounts into place on the node) and the local sources to pack
     as (local path, name in the payload). ``s3://`` sources are fetched with the AWS CLI."""
     lines = ["#!/bin/bash", "# airflow-skypilot: put file_mounts in place (generated)", "set -e",
              'cd "$JOB_DIR"']
-    if task.secrets:  # a secret filled into a mount is written as a reference to it
-        lines.append('. "$JOB_DIR/secrets.sh"')
     local: list[tuple[str, str]] = []
+
+    def word(text: str) -> str:
+        # a secret filled into a mount is read from secrets.sh where it is used, in a subshell:
+        # sourced here, a secret named HOME or PATH would replace this script's own
+        return jobscript.node_word(text, task.secrets, SECRET_REF)
+
     for i, (dst, src) in enumerate(sorted(task.file_mounts.items())):
         target = dst
         if target == "~" or target.startswith("~/"):
-            target_word = '"$HOME"' + (jobscript.node_word(target[1:], task.secrets)
-                                       if len(target) > 1 else "")
+            target_word = '"$HOME"' + (word(target[1:]) if len(target) > 1 else "")
         elif not target.startswith("/"):  # under the home, as on Slurm (SFTP) and Kubernetes
-            target_word = '"$HOME"/' + jobscript.node_word(target, task.secrets)
+            target_word = '"$HOME"/' + word(target)
         else:
-            target_word = jobscript.node_word(target, task.secrets)
+            target_word = word(target)
         if isinstance(src, str) and src.startswith("s3://"):
-            quoted = jobscript.node_word(src, task.secrets)
+            quoted = word(src)
             lines.append(f"mkdir -p \"$(dirname {target_word})\"")
             lines.append(f"aws s3 cp --only-show-errors {quoted} {target_word} 2>/dev/null || "
                          f"aws s3 sync --only-show-errors {quoted} {target_word}")
@@ -132,7 +139,8 @@ def render_payload(task: Task, node_env: Mapping[str, str]) -> Payload:
     # gzip's own header carries a timestamp; mtime=0 keeps two renders a second apart equal
     with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=9, mtime=0) as gz, \
             tarfile.open(fileobj=gz, mode="w") as tar:
-        node = jobscript.node_script(job_dir='"$JOB_DIR"', workdir='"$JOB_DIR/workdir"',
+        node = jobscript.node_script(job_dir='"$JOB_DIR"',
+                                     workdir='"$AIRFLOW_SKYPILOT_JOB_DIR/workdir"',
                                      rank_var=RANK_VAR, ips_var=IPS_VAR,
                                      has_setup=bool(task.setup), has_run=bool(task.run))
         members = {

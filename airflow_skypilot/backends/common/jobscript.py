@@ -31,11 +31,11 @@ def exports(env: Mapping[str, str]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def node_word(text: str, secrets: Mapping[str, str]) -> str:
-    """``text`` as one bash word, each secret value in it written ``"${NAME}"``: expanded on
-    the node from the job's secrets (loaded by then), never in a generated script in clear.
-    SkyPilot fills secrets into file_mounts (``s3://team-${KEY}/data``), so a mount's path or
-    URI may hold one."""
+def node_word(text: str, secrets: Mapping[str, str], ref: str = '"${{{}}}"') -> str:
+    """``text`` as one bash word, each secret value in it written as a reference to the secret
+    (``ref`` with its name: ``"${NAME}"`` where the job's env holds it), expanded on the node,
+    never in a generated script in clear. SkyPilot fills secrets into file_mounts
+    (``s3://team-${KEY}/data``), so a mount's path or URI may hold one."""
     names = {value: name for name, value in secrets.items() if value}
     if not names:
         return shlex.quote(text)
@@ -44,7 +44,7 @@ def node_word(text: str, secrets: Mapping[str, str]) -> str:
     for match in pattern.finditer(text):
         if match.start() > pos:
             parts.append(shlex.quote(text[pos:match.start()]))
-        parts.append(f'"${{{names[match.group(0)]}}}"')
+        parts.append(ref.format(names[match.group(0)]))
         pos = match.end()
     if pos < len(text) or not parts:
         parts.append(shlex.quote(text[pos:]))
@@ -92,9 +92,12 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "#!/bin/bash",
         "# airflow-skypilot: one node's setup or run (generated; the task's own scripts are",
         "# setup.sh and run.sh beside this file).",
-        f"JOB_DIR={job_dir}",
-        '. "$JOB_DIR/env.sh"',
-        'if [ -r "$JOB_DIR/secrets.sh" ]; then . "$JOB_DIR/secrets.sh"; fi',
+        # its own variables are AIRFLOW_SKYPILOT_* (no env or secret may take the prefix):
+        # the task's envs and secrets are sourced into this shell, whatever their names
+        f"AIRFLOW_SKYPILOT_JOB_DIR={job_dir}",
+        '. "$AIRFLOW_SKYPILOT_JOB_DIR/env.sh"',
+        'if [ -r "$AIRFLOW_SKYPILOT_JOB_DIR/secrets.sh" ]; then '
+        '. "$AIRFLOW_SKYPILOT_JOB_DIR/secrets.sh"; fi',
         f'export SKYPILOT_NODE_RANK="${{{rank_var}:-0}}"',
     ]
     if ips_var:
@@ -105,14 +108,17 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "  setup)",
         '    export SKYPILOT_SETUP_NODE_RANK="$SKYPILOT_NODE_RANK"',
         '    export SKYPILOT_SETUP_NODE_IPS="$SKYPILOT_NODE_IPS"',
-        '    script="$JOB_DIR/setup.sh" ;;' if has_setup else "    exit 0 ;;",
+        '    AIRFLOW_SKYPILOT_SCRIPT="$AIRFLOW_SKYPILOT_JOB_DIR/setup.sh" ;;' if has_setup
+        else "    exit 0 ;;",
         "  run)",
-        '    script="$JOB_DIR/run.sh" ;;' if has_run else "    exit 0 ;;",
+        '    AIRFLOW_SKYPILOT_SCRIPT="$AIRFLOW_SKYPILOT_JOB_DIR/run.sh" ;;' if has_run
+        else "    exit 0 ;;",
         '  *) echo "node.sh: expected setup or run, got $1" >&2; exit 2 ;;',
         "esac",
         "# Secret values never reach the job's log in clear: every line of output is filtered.",
-        'if [ -z "${AIRFLOW_SKYPILOT_SECRET_NAMES:-}" ]; then exec bash "$script"; fi',
-        'bash "$script" 2>&1 | awk -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
+        'if [ -z "${AIRFLOW_SKYPILOT_SECRET_NAMES:-}" ]; then '
+        'exec bash "$AIRFLOW_SKYPILOT_SCRIPT"; fi',
+        'bash "$AIRFLOW_SKYPILOT_SCRIPT" 2>&1 | awk -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
         f"  {shlex.quote(_MASK_AWK)}",
         'exit "${PIPESTATUS[0]}"',
     ]

@@ -79,7 +79,7 @@ def _dest_dir_word(dst: str, secrets: Mapping[str, str]) -> str:
     if dst.startswith("~/"):
         return '"$HOME"/' + node_word(dst[2:], secrets)
     if dst.startswith("/"):
-        return '"$ROOT"' + node_word(dst, secrets)
+        return '"$AIRFLOW_SKYPILOT_ROOT"' + node_word(dst, secrets)
     return '"$HOME"/' + node_word(dst, secrets)
 
 

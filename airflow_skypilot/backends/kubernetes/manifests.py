@@ -88,10 +88,12 @@ def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain
         "#!/bin/bash",
         f"# airflow-skypilot: entry point of every pod of job {job_name} (generated). The",
         "# task's own scripts are setup.sh and run.sh beside this file; env.sh has its envs.",
-        'ROOT="${SANDBOX_MOUNT_ROOT:-}"',
-        f"JOB_DIR={FILES_DIR_EXPR}",
-        f"BUNDLE_DIR={BUNDLE_DIR_EXPR}",
-        f'export AIRFLOW_SKYPILOT_WORKDIR="$ROOT"{WORKDIR_MOUNT}',
+        # its own variables are AIRFLOW_SKYPILOT_* (a prefix no env or secret may take): the
+        # pod's env holds the task's secrets, whatever their names
+        'AIRFLOW_SKYPILOT_ROOT="${SANDBOX_MOUNT_ROOT:-}"',
+        f"AIRFLOW_SKYPILOT_JOB_DIR={FILES_DIR_EXPR}",
+        f"AIRFLOW_SKYPILOT_BUNDLE_DIR={BUNDLE_DIR_EXPR}",
+        f'export AIRFLOW_SKYPILOT_WORKDIR="$AIRFLOW_SKYPILOT_ROOT"{WORKDIR_MOUNT}',
     ]
     if num_nodes > 1:
         lines.append("export SKYPILOT_NODE_IPS=" + shlex.quote("\n".join(addrs)))
@@ -99,7 +101,7 @@ def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain
         lines.append('export SKYPILOT_NODE_IPS="${AIRFLOW_SKYPILOT_POD_IP:-127.0.0.1}"')
     lines += [
         "unpack() {  # bundle Secret key, target directory",
-        '  mkdir -p "$2" && base64 -d "$BUNDLE_DIR/$1" | tar -xzf - -C "$2"',
+        '  mkdir -p "$2" && base64 -d "$AIRFLOW_SKYPILOT_BUNDLE_DIR/$1" | tar -xzf - -C "$2"',
         "}",
     ]
     for key, target in targets:
@@ -108,13 +110,13 @@ def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain
     lines += [
         f'echo "airflow-skypilot: job {job_name}, rank ${{JOB_COMPLETION_INDEX:-0}} of '
         f'{num_nodes}, pod $HOSTNAME"',
-        'bash "$JOB_DIR/node.sh" setup',
+        'bash "$AIRFLOW_SKYPILOT_JOB_DIR/node.sh" setup',
         "rc=$?",
         "if [ $rc -ne 0 ]; then",
         '  echo "airflow-skypilot: setup failed with exit code $rc; run skipped" >&2',
         "  exit $rc",
         "fi",
-        'exec bash "$JOB_DIR/node.sh" run',
+        'exec bash "$AIRFLOW_SKYPILOT_JOB_DIR/node.sh" run',
     ]
     return "\n".join(lines) + "\n"
 
