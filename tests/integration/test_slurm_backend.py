@@ -208,6 +208,31 @@ def test_secrets_are_never_in_clear_in_the_script_or_a_readable_file(slurm):
     assert gone.returncode != 0, "secrets.sh must be removed when the job ends"
 
 
+def test_a_file_mount_keeps_its_mode_from_the_first_byte(slurm, tmp_path):
+    """A 0600 credential mounted from the worker (~/.kaggle/kaggle.json) is not readable by
+    others on the login node: SFTP created it with the server's umask (0644) before."""
+    cred = tmp_path / "kaggle.json"
+    cred.write_text('{"key": "not-for-others"}')
+    cred.chmod(0o600)
+    script = tmp_path / "run.sh"
+    script.write_text("echo hi\n")
+    script.chmod(0o750)
+    where = f"/tmp/airflow-skypilot-mount-{uuid.uuid4().hex[:8]}"
+    beta = SlurmBackend("slurm_beta")
+    task = load_task({"run": "true", "file_mounts": {f"{where}/kaggle.json": str(cred),
+                                                     f"{where}/run.sh": str(script)}})
+    handle = _submit(beta, task, "sky-test-mount-mode")
+    try:
+        listing = slurm.run("beta", "stat", "-c", "%a %n", f"{where}/kaggle.json",
+                            f"{where}/run.sh")
+        modes = dict(line.split(" ", 1)[::-1] for line in listing.stdout.splitlines())
+        assert modes == {f"{where}/kaggle.json": "600", f"{where}/run.sh": "750"}
+        assert _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED}).state == \
+            JobState.SUCCEEDED
+    finally:
+        slurm.run("beta", "rm", "-rf", where, check=False)
+
+
 def test_setup_failure_skips_run_and_fails(slurm):
     beta = SlurmBackend("slurm_beta")
     task = load_task({"setup": "exit 7", "run": "echo should-not-run"})

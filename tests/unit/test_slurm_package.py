@@ -83,7 +83,7 @@ def test_the_job_files_and_their_upload_plan(tmp_path):
                     (str(tmp_path / "data.txt"), "/home/u/in/data.txt")]
     pkg = MakeDirs(f"{job_dir}/workdir/pkg", 0o755)
     assert plan.index(pkg) < plan.index(PutFile(str(tmp_path / "src" / "pkg" / "train.py"),
-                                                f"{job_dir}/workdir/pkg/train.py", True))
+                                                f"{job_dir}/workdir/pkg/train.py"))
     dirs = [s.path for s in plan if isinstance(s, MakeDirs)]
     assert "/home/u/in" in dirs and not any(".git" in d for d in dirs)
 

@@ -61,11 +61,11 @@ class WriteFile:
 
 @dataclass(frozen=True)
 class PutFile:
-    """Copy a local file; ``keep_mode`` copies its permission bits too."""
+    """Copy a local file with its permission bits, set before any byte is written (a 0600
+    credential mounted from the worker is never readable by others on the login node)."""
 
     local: str
     remote: str
-    keep_mode: bool = False
 
 
 UploadStep = MakeDirs | Chmod | WriteFile | PutFile
@@ -247,6 +247,10 @@ class SSHRunner:
             self._aconn = None
 
 
+#: bytes per SFTP write of an uploaded file (paramiko's own put writes 32 KiB at a time)
+_PUT_CHUNK = 32768
+
+
 def _apply(sftp: Any, step: UploadStep, deadline: float = float("inf")) -> None:
     def in_time(*_: Any) -> None:
         if time.monotonic() > deadline:
@@ -262,9 +266,13 @@ def _apply(sftp: Any, step: UploadStep, deadline: float = float("inf")) -> None:
             sftp.chmod(step.path, step.mode)  # before any byte is written
             fh.write(step.content.encode())
     else:
-        sftp.put(step.local, step.remote, callback=in_time)
-        if step.keep_mode:
-            sftp.chmod(step.remote, stat.S_IMODE(os.stat(step.local).st_mode))
+        with open(step.local, "rb") as src, sftp.open(step.remote, "w") as fh:
+            sftp.chmod(step.remote, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
+            fh.set_pipelined(True)  # as paramiko's put: writes acknowledged in the background
+            while chunk := src.read(_PUT_CHUNK):
+                fh.write(chunk)
+                in_time()
+
 
 
 def _makedirs(sftp: Any, path: str, mode: int) -> None:

@@ -375,7 +375,7 @@ def _tree(local: str, remote: str) -> list[UploadStep]:
     steps: list[UploadStep] = [MakeDirs(remote, 0o755)]
     for path, rel, is_dir in walk(local):
         target = f"{remote}/{rel}"
-        steps.append(MakeDirs(target, 0o755) if is_dir else PutFile(path, target, keep_mode=True))
+        steps.append(MakeDirs(target, 0o755) if is_dir else PutFile(path, target))
     return steps
 
 
