@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow_skypilot import placement
@@ -25,10 +25,11 @@ def _templated(value: Any) -> bool:
     return isinstance(value, str) and "{{" in value
 
 
-def check(values: Mapping[str, Any]) -> None:
-    """ValueError naming the first argument out of range. ``policy`` is a template field,
-    checked here when literal (and once rendered); the numbers are not: a Jinja string in
-    one would never be rendered, and is refused now rather than fail the task later."""
+def check(values: Mapping[str, Any], templated: Sequence[str] = ("policy",)) -> None:
+    """ValueError naming the first argument out of range. A Jinja string is checked once
+    rendered where it is a template field (``templated``: ``policy``, and the numbers a
+    subclass adds to its ``template_fields``); in any other argument it would never be
+    rendered, and is refused now rather than fail the task later."""
     policy = values.get("policy")
     if isinstance(policy, str) and not _templated(policy) and policy not in placement.POLICIES:
         raise ValueError(f"policy must be one of {placement.POLICIES}, got {policy!r}")
@@ -36,7 +37,7 @@ def check(values: Mapping[str, Any]) -> None:
                             (NOT_NEGATIVE, lambda v: v >= 0, ">= 0")):
         for name in names:
             value = values.get(name)
-            if value is None:
+            if value is None or (_templated(value) and name in templated):
                 continue
             if _templated(value):
                 raise ValueError(f"{name} is not a template field: give a number {what}, "

@@ -16,6 +16,7 @@ state between deferrals is a :class:`~airflow_skypilot.runstate.RunState`.
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -155,7 +156,8 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
         self.block_cooldown = block_cooldown
         self.max_moves = max_moves
         self._handle: JobHandle | None = None
-        args.check(vars(self))  # literal values now, at DAG parse time; Jinja ones in load()
+        # literal values now, at DAG parse time; Jinja ones (template fields) in load()
+        args.check(vars(self), self.template_fields)
 
     # --- settings ----------------------------------------------------------------------------
     def _conn_ids(self) -> list[str]:
@@ -197,8 +199,12 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
         found = list(values) if values is not None else \
             secret_values(self._task_source(), args.as_mapping(self.secrets))
         for value in found:
-            # no name: given one, the masker only masks values of names that look secret
+            # no name: given one, the masker only masks values of names that look secret. Its
+            # base64 form too: an SSM parameter (b64:...) or a Kubernetes Secret's data, which
+            # the clients' DEBUG logs print
             mask_secret(value)
+            if isinstance(value, str) and value:
+                mask_secret(base64.b64encode(value.encode()).decode("ascii"))
 
     def _do_render_template_fields(self, parent: Any, template_fields: Any, context: Context,
                                    jinja_env: Any, seen_oids: set[int]) -> None:
@@ -217,9 +223,10 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
         Every secret value is registered with Airflow's masker before anything can log it.
         """
         self._mask_secrets()
-        if self.policy not in placement.POLICIES:
-            raise AirflowFailException(
-                f"policy must be one of {placement.POLICIES}, got {self.policy!r}")
+        try:  # the rendered values: no Jinja left
+            args.check(vars(self), ())
+        except ValueError as exc:
+            raise AirflowFailException(str(exc)) from None
         spec = self._task_source()
         envs = {} if self.envs is None else args.as_mapping(self.envs)
         secrets = {} if self.secrets is None else args.as_mapping(self.secrets)

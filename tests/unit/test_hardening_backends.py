@@ -354,6 +354,18 @@ def test_secret_values_are_masked_once_the_templates_are_rendered(masker):
     assert redact(text) == "*** and ***, " + yaml_text.replace("yaml-secret-value-2", "***")
 
 
+def test_a_secrets_base64_form_is_masked_too(masker):
+    """AWS stores a secret in SSM as b64:<base64>, Kubernetes in a Secret's base64 data; the
+    clients' DEBUG logs print the request bodies."""
+    import base64
+
+    op = SkyPilotOperator(task_id="t", task="run: x\n", connections=["c1"],
+                          secrets={"T": "hf_supersecret_value"})
+    op.render_template_fields({"params": {}})
+    b64 = base64.b64encode(b"hf_supersecret_value").decode()
+    assert redact(f'{{"Value": "b64:{b64}"}}') == '{"Value": "b64:***"}'
+
+
 def test_a_mapped_tasks_secrets_are_masked_too(masker):
     """Airflow renders a mapped task on an unmapped copy (``_do_render_template_fields``)."""
     from airflow.sdk import DAG

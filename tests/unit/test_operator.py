@@ -545,6 +545,17 @@ def test_a_templated_policy_is_checked_after_rendering_a_templated_number_at_onc
         _op(poll_interval="{{ params.every }}")
 
 
+def test_a_number_a_subclass_templates_is_checked_once_rendered():
+    class Templated(SkyPilotOperator):
+        template_fields = (*SkyPilotOperator.template_fields, "confirm_timeout")
+
+    op = Templated(task_id="t", task={"run": "x"}, connections=["c1"],
+                   confirm_timeout="{{ params.c }}")
+    op.render_template_fields({"params": {"c": "-5"}})
+    with pytest.raises(AirflowFailException, match="confirm_timeout must be a number >= 0"):
+        op.load({})
+
+
 def test_a_task_given_as_a_dict_is_not_rendered_inside_but_inline_yaml_text_is():
     from airflow.sdk.definitions.context import Context
 
