@@ -112,8 +112,10 @@ class Placer:
             attempt = Attempt.from_handle(old)
             attempt.close(status)
             before.append(attempt)
+        attempt = run.attempt  # the adopted job's, from the names found
         recovery.replay(run, before, job_recovery or {}, self.cooldown)
-        run.prefer = run.avoid = None  # they steered the placement of the job adopted now
+        # they steered the placement of the job adopted now, and named it
+        run.prefer, run.avoid, run.attempt = None, None, attempt
         if before:
             self.log.info("Its try placed it after %d earlier attempt(s), which still count: %d "
                           "failover(s), %d restart(s)", len(before), run.failovers,
@@ -128,8 +130,13 @@ class Placer:
         None when nothing can take the job now (places blocked, unreachable or over budget),
         or while a copy moved away from is not yet confirmed dead (no second live copy).
         """
-        if self._unconfirmed_copy(run):
+        if self._unconfirmed_copy(run, every=True):
             return None
+        # a connection where an old copy is not confirmed dead takes no new one: its backend
+        # was silent when the copy was stopped (its place failed), and may answer now, before
+        # a sweep found that copy (EAGER_NEXT_REGION does not block the failed place)
+        held = [Blocked(f"{conn}/*", "an old copy there is not confirmed dead yet")
+                for conn in sorted({w.connection for w in run.pending_copies})]
         began = time.time()
         result = self.hook.probe(task)
         fail_on_config_errors(result.config_errors)
@@ -142,7 +149,8 @@ class Placer:
                 offers = hold([copy.deepcopy(o) for o in result.offers], entries,
                               probe_began=began, own=run.prefix)
                 plan = placement.rank(offers, self.policy, ordered=task.ordered,
-                                      blocked=run.blocked, unreachable=result.errors,
+                                      blocked=[*run.blocked, *held],
+                                      unreachable=result.errors,
                                       prefer=run.prefer, avoid=run.avoid)
                 if plan.chosen is not None:
                     self.ledger.note(entries, run.prefix, plan.chosen)
@@ -226,12 +234,12 @@ class Placer:
         run.attempt += 1
         return None
 
-    def _unconfirmed_copy(self, run: RunState) -> str:
+    def _unconfirmed_copy(self, run: RunState, every: bool = False) -> str:
         """One more try at the sweeps of copies that must be confirmed dead before the next
-        (a move's waiting copy, a submission cut short unanswered); what still is not, also
-        the run's ``last_plan`` then (nothing is placed)."""
-        pending = [w for w in run.pending_sweeps if w.before_next]
-        if pending:
+        (a move's waiting copy, a submission cut short unanswered, a copy still stopping), or
+        at ``every`` pending sweep (a copy confirmed dead frees its connection); what still is
+        not, also the run's ``last_plan`` then (nothing is placed)."""
+        if any(w.before_next or every for w in run.pending_sweeps):
             self.sweep_pending(run)
         # a connection unlisted for a retry, a submission cut short unanswered, a copy still
         # stopping: waited for long enough (a move's waiting copy, known healthy, waits until
@@ -318,7 +326,7 @@ class Placer:
         if sweep.done_at is None:
             # the waiting copy was healthy: a new one now could make two live copies if it
             # starts before its backend answers; none is submitted until it is confirmed dead
-            sweep.before_next = True
+            sweep.before_next, sweep.lapses = True, False  # healthy: it may start any time
             self.ledger.submitted(run.prefix, False)
             self.log.warning("Job %s: the move to %s waits until the copy on %s is confirmed "
                              "dead", handle.job_id, fresh.place_key, handle.connection)

@@ -407,6 +407,27 @@ def test_a_task_killed_while_it_moves_its_job_leaves_no_copy_running(monkeypatch
     assert len(FakeBackend.jobs) == (1 if at == "the target's probe" else 2)
 
 
+def test_a_moves_waiting_copy_that_answers_alive_holds_the_next_copy_for_ever(monkeypatch):
+    """Its cancel does not take and c1 says it still waits: it may start any time, so the
+    wait for it never lapses (a copy still stopping after a failure lapses after
+    unreachable_timeout; this one is healthy)."""
+    from airflow_skypilot.triggers.skypilot import SkyPilotWaitTrigger
+
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+    monkeypatch.setattr(FakeBackend, "cancel", lambda self, h: None)
+    with pytest.raises(TaskDeferred) as info:
+        _op(unreachable_timeout=0).execute_complete(_ctx(), event)
+    assert isinstance(info.value.trigger, SkyPilotWaitTrigger)
+    run = RunState.from_dict(info.value.trigger.state)
+    assert [(w.before_next, w.lapses) for w in run.pending_sweeps] == [(True, False)]
+    with pytest.raises(TaskDeferred) as again:  # unreachable_timeout 0 is long past
+        _op(unreachable_timeout=0).execute_complete(
+            _ctx(), {"status": "reprobe", "state": info.value.trigger.state})
+    assert isinstance(again.value.trigger, SkyPilotWaitTrigger) and _live_jobs() == ["1"]
+
+
 def test_a_task_killed_in_the_worker_stops_the_old_copies_still_to_confirm(monkeypatch):
     """A move's cancel went unanswered (the old copy to confirm); the task resumes to place
     again, still cannot confirm it, and is killed: the kill tries the old copy once more (with
@@ -418,8 +439,8 @@ def test_a_task_killed_in_the_worker_stops_the_old_copies_still_to_confirm(monke
     worker = _op()
     real_unconfirmed = Placer._unconfirmed_copy
 
-    def unconfirmed(self, run):
-        waiting = real_unconfirmed(self, run)  # c1 silent: still to confirm
+    def unconfirmed(self, run, **kwargs):
+        waiting = real_unconfirmed(self, run, **kwargs)  # c1 silent: still to confirm
         assert waiting and _live_jobs() == ["1"]
         FakeBackend.down.discard("c1")  # it answers again as the user kills the task
         worker.on_kill()

@@ -565,6 +565,62 @@ def test_a_copy_that_never_stops_holds_the_restart_for_unreachable_timeout(monke
                                                      f"({handle['job_name']})"]  # still swept
 
 
+def _lost_to_silence(op, ctx):
+    """The job on c1 is taken for lost (c1 silent past unreachable_timeout; it still runs)."""
+    first = _defer(op, ctx)
+    handle = first.trigger.handle
+    assert handle["connection"] == "c1"
+    FakeBackend.down.add("c1")
+    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
+             "state": first.trigger.state,
+             "job_status": JobStatus.silent("c1", 1, "ssh timeout").to_dict()}
+    with pytest.raises(TaskDeferred) as after:
+        op.execute_complete(ctx, event, first.kwargs["state"])
+    return handle, after.value
+
+
+def test_a_cluster_that_answers_again_gets_no_copy_beside_its_silent_old_one():
+    """EAGER_NEXT_REGION does not block the place that failed: when c1 answers again, its old
+    copy is stopped and confirmed dead before a new one goes there."""
+    op = _op(connections=["c1"], unreachable_timeout=1)
+    handle, waiting = _lost_to_silence(op, _ctx())
+    assert isinstance(waiting.trigger, SkyPilotWaitTrigger)  # c1 silent: nowhere to go
+    FakeBackend.down.discard("c1")  # answers again, before any sweeper ran
+    event = {"status": "reprobe", "state": waiting.trigger.state}
+    with pytest.raises(TaskDeferred) as placed:
+        _op(connections=["c1"], unreachable_timeout=1).execute_complete(_ctx(), event)
+    assert placed.value.trigger.handle["job_id"] != handle["job_id"]
+    assert _alive() == [placed.value.trigger.handle["job_name"]]
+
+
+def test_a_cluster_whose_old_copy_is_not_confirmed_dead_takes_no_new_one(monkeypatch):
+    """c1 answers again but its old copy does not stop: once the wait for it lapses
+    (unreachable_timeout) the job is placed on c2, where it must queue, though c1 could start
+    it now (EAGER_NEXT_REGION's "tried last" does not hold c1 back then)."""
+    monkeypatch.setattr(FakeBackend, "cancel", lambda self, h: None)
+    FakeBackend.offers["c2"] = [offer("c2", "q", price=1.0, gpus_free=0, nodes_free=0,
+                                      est_in=3600)]
+    op = _op(unreachable_timeout=0.5)
+    ctx = _ctx()
+    first = _defer(op, ctx)
+    handle = first.trigger.handle
+    assert handle["connection"] == "c1"
+    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
+             "state": first.trigger.state,
+             "job_status": JobStatus.silent("c1", 1, "ssh timeout").to_dict()}
+    with pytest.raises(TaskDeferred) as waiting:  # c1 answers now: "still up", so it waits
+        op.execute_complete(ctx, event, first.kwargs["state"])
+    assert isinstance(waiting.value.trigger, SkyPilotWaitTrigger)
+    time.sleep(0.6)
+    event = {"status": "reprobe", "state": waiting.value.trigger.state}
+    with pytest.raises(TaskDeferred) as placed:
+        _op(unreachable_timeout=0.5).execute_complete(_ctx(), event)
+    assert placed.value.trigger.handle["connection"] == "c2"
+    assert FakeBackend.jobs[handle["job_id"]]["status"].up  # still swept from the trigger
+    assert [w.connection for w in RunState.from_dict(placed.value.trigger.state)
+            .pending_copies] == ["c1"]
+
+
 def test_a_new_try_stops_an_earlier_tries_ended_job_that_is_still_partly_up():
     old = _defer(_op(), _ctx(try_number=1)).trigger.handle
     _still_up(old["job_id"], JobState.PREEMPTED)

@@ -258,6 +258,7 @@ def test_a_new_try_that_adopts_a_restarted_job_goes_on_with_its_restarts():
     assert state["restarts"] == 1
     assert [(a["job_id"], a["state"]) for a in state["attempts"]] == \
         [(deferred.trigger.handle["job_id"], "failed"), (restart["job_id"], "pending")]
+    assert state["attempt"] == 1  # the adopted job's (…-t1-a1): the replay names nothing
     event, state = _event(second, JobState.FAILED, exit_code=1)
     with pytest.raises(AirflowException, match=r"failed after 1 restart"):
         _op(recovery).execute_complete({"ti": ti2}, event, state)
