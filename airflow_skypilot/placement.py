@@ -139,11 +139,11 @@ def rank(
             row.verdict, row.reason = "blocked", block.describe()
         elif not offer.fits:
             row.verdict, row.reason = "no fit", offer.reason or "does not fit"
-        elif (offer.request.max_hourly_cost is not None
-              and offer.price_per_hour > offer.request.max_hourly_cost):
+        elif over_cap(offer):
             row.verdict = "over budget"
-            row.reason = (f"{_price_text(offer.price_per_hour)} is over max_hourly_cost "
-                          f"{_price_text(offer.request.max_hourly_cost)}")
+            each = offer.price_per_hour / max(1, offer.num_nodes)
+            row.reason = (f"{_price_text(each)}{' a node' if offer.num_nodes > 1 else ''} is "
+                          f"over max_hourly_cost {_price_text(offer.request.max_hourly_cost)}")
         else:
             viable.append(offer)
             rows_by_id[id(offer)] = row
@@ -479,9 +479,14 @@ def as_promised(to: Offer, offers: list[Offer], *, max_price: float | None = Non
             not to.free_now and (fresh.wait_seconds is None
                                  or fresh.wait_seconds > promised * 1.2 + 60)):
         return None
-    cap = fresh.request.max_hourly_cost
-    if fresh.price_per_hour > to.price_per_hour * 1.05 + 1e-9 or (
-            cap is not None and fresh.price_per_hour > cap) or (
+    if fresh.price_per_hour > to.price_per_hour * 1.05 + 1e-9 or over_cap(fresh) or (
             max_price is not None and fresh.price_per_hour > max_price + 1e-9):
         return None
     return fresh
+
+
+def over_cap(offer: Offer) -> bool:
+    """Over the request's ``max_hourly_cost``: a price an instance (a node), as SkyPilot's
+    catalog filters instance types (``Resources`` are per node); the offer's is the job's."""
+    cap = offer.request.max_hourly_cost
+    return cap is not None and offer.price_per_hour / max(1, offer.num_nodes) > cap + 1e-9

@@ -147,6 +147,16 @@ def test_multi_node_needs_enough_free_nodes():
     assert rank([one_free, two_free]).chosen is two_free
 
 
+def test_max_hourly_cost_is_an_instances_price_as_in_skypilot():
+    """SkyPilot's Resources are per node: its catalog keeps instance types whose hourly
+    price is within the cap. Two nodes at $6/h each are within $10/h; at $12/h they are not."""
+    two = offer("cloud", num_nodes=2, nodes_free=2, price=12.0, max_cost=10.0)
+    assert rank([two]).chosen is two
+    plan = rank([offer("cloud", num_nodes=2, nodes_free=2, price=24.0, max_cost=10.0)])
+    assert plan.chosen is None
+    assert plan.rows[0].reason == "$12/h a node is over max_hourly_cost $10/h"
+
+
 def test_max_hourly_cost_excludes_dear_offers():
     plan = rank([offer("cloud", price=40.0, max_cost=10.0)])
     assert plan.chosen is None

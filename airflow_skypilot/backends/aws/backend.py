@@ -266,8 +266,7 @@ class AwsBackend(Backend):
             raise SubmissionError(f"unknown instance type {itype} in {region}")
         spot = req.use_spot
         launch.check_quota(self._quotas, s, region, info, spot, task.num_nodes, catalog)
-        azs = launch.launch_azs(self._clients, s, region, itype, first_az, req,
-                                task.num_nodes)
+        azs = launch.launch_azs(self._clients, s, region, itype, first_az, req)
         if not azs:
             raise SubmissionError(f"no AZ of {region} that offers {itype} matches infra "
                                   f"{req.infra}", retry_elsewhere=True)

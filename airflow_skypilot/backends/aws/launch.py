@@ -92,7 +92,7 @@ def check_quota(quotas: Quotas, settings: AwsSettings, region: str, info: Instan
 
 
 def launch_azs(clients: AwsClients, settings: AwsSettings, region: str, itype: str,
-               first: str, req: ResourceRequest, num_nodes: int) -> list[str]:
+               first: str, req: ResourceRequest) -> list[str]:
     """``first``, then the region's other AZs that offer ``itype`` (in the subnets' AZs), as
     far as the request allows them: its ``infra`` (a task pinned to one zone stays there)
     and, for spot, a spot market there within its ``max_hourly_cost``."""
@@ -109,7 +109,7 @@ def launch_azs(clients: AwsClients, settings: AwsSettings, region: str, itype: s
             return azs[:1]
         cap = req.max_hourly_cost
         azs = azs[:1] + [az for az in azs[1:] if (price := prices.get((itype, az))) is not None
-                         and (cap is None or price * num_nodes <= cap)]
+                         and (cap is None or price <= cap)]  # an instance's, as SkyPilot
     return azs
 
 
