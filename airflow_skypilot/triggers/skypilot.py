@@ -50,6 +50,14 @@ def last_lines(text: str) -> str:
     return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
 
 
+def _ignore(trigger: Any, legacy: dict[str, Any]) -> None:
+    """Arguments a trigger serialized by another release has and this one does not: ignored,
+    not a TypeError (Airflow would fail the trigger, and the task's resume cancel its job)."""
+    if legacy:
+        trigger.log.warning("%s: ignoring arguments of another release: %s",
+                            type(trigger).__name__, ", ".join(sorted(legacy)))
+
+
 def _state_dict(state: RunState | dict[str, Any] | None) -> dict[str, Any] | None:
     """Triggers are serialized to JSON: a RunState travels as its dict."""
     return state.to_dict() if isinstance(state, RunState) else state
@@ -145,6 +153,7 @@ class SharedPoller:
             error = PollError(f"{type(exc).__name__}: {exc}")
             for sub in subs:
                 sub.queue.put_nowait(error)
+            await self._arenew(handles[0])
             return
         logs: dict[str, tuple[str, int]] = {}
         wanted = {s.handle.job_id: (s.handle, s.offset) for s in subs if s.stream_logs}
@@ -161,6 +170,24 @@ class SharedPoller:
             text, offset = logs.get(sub.handle.job_id, ("", sub.offset))
             sub.offset = offset
             sub.queue.put_nowait(PollResult(status, text, offset))
+
+
+    async def _arenew(self, handle: JobHandle) -> None:
+        """After a failed poll the next one goes through a backend made anew, the connection
+        read again: a cached client of rotated credentials (an expired token, Vault's dynamic
+        AWS keys) would fail for ever, and every job watched here be taken for lost, cancelled
+        and placed again by the operator, whose own backend reads the new ones."""
+        try:
+            fresh = backend_for_handle(handle)
+        except Exception:  # the connection cannot be read now: the old backend tries again
+            return
+        old, self.backend, self._prepared = self.backend, fresh, False
+        close = getattr(old, "aclose", None)
+        if close is not None:
+            try:
+                await close()
+            except Exception:  # closing a broken connection: nothing left to release
+                pass
 
 
 _POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], SharedPoller]]
@@ -243,11 +270,12 @@ class _SweepsMixin:
         state = (states.get(ti.run_id) or {}).get(key)
         return str(getattr(state, "value", state)) if state is not None else None
 
-    async def _asweep_on_kill(self) -> None:
+    async def _asweep_on_kill(self, keep: tuple[str, ...] = ()) -> None:
         """The task was killed: one more try at its old copies (a move's waiting copy not
-        confirmed dead among them), since no later try of it may come to sweep them."""
+        confirmed dead among them), since no later try of it may come to sweep them; ``keep``:
+        a job name never to cancel (the watched job, with ``cancel_on_kill=False``)."""
         if self._pending(copies_only=True):
-            await self._asweep_once()
+            await self._asweep_once(keep)
             for data in self._pending(copies_only=True):
                 self.log.error("Old copy NOT confirmed dead as the task was killed; stop it by "
                                "hand: %s", Sweep.from_dict(data).describe())
@@ -275,8 +303,11 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                  unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT, log_offset: int = 0,
                  stream_logs: bool = True, cancel_on_kill: bool = True,
                  state: RunState | dict[str, Any] | None = None,
-                 reconsider: dict[str, Any] | None = None):
+                 reconsider: dict[str, Any] | None = None, **legacy: Any):
         super().__init__()
+        if "max_unreachable" in legacy:  # before 14514ef: failed polls in a row, not seconds
+            unreachable_timeout = float(legacy.pop("max_unreachable")) * poll_interval
+        _ignore(self, legacy)
         self.handle = handle
         self.poll_interval = poll_interval
         self.sweep_interval = max(poll_interval, 5.0)
@@ -448,7 +479,7 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         triggerer watches the job: it is left running. Only when the task's state cannot be
         read is the job cancelled regardless, as the user asked.
         """
-        if not self.cancel_on_kill:
+        if not self.cancel_on_kill and not self._pending(copies_only=True):
             return
         handle = JobHandle.from_dict(self.handle)
         state = await self._atask_state()
@@ -458,11 +489,14 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                 "(the trigger moved to another triggerer): the job is left running",
                 handle.job_id, handle.connection)
             return
-        backend = backend_for_handle(handle)
-        self.log.info("Task killed while deferred: cancelling %s job %s on %s",
-                      handle.backend, handle.job_id, handle.connection)
-        await asyncio.to_thread(backend.cancel, handle)
-        await self._asweep_on_kill()
+        if self.cancel_on_kill:
+            backend = backend_for_handle(handle)
+            self.log.info("Task killed while deferred: cancelling %s job %s on %s",
+                          handle.backend, handle.job_id, handle.connection)
+            await asyncio.to_thread(backend.cancel, handle)
+        # old copies still to confirm dead are stopped whatever cancel_on_kill says (it keeps
+        # the watched job only): nothing else would stop them
+        await self._asweep_on_kill(() if self.cancel_on_kill else (handle.job_name,))
 
 
 
@@ -474,8 +508,10 @@ class SkyPilotWaitTrigger(_SweepsMixin, BaseTrigger):
         handed back in the ``reprobe`` event; its pending sweeps are worked on meanwhile.
     """
 
-    def __init__(self, seconds: float, state: RunState | dict[str, Any] | None = None):
+    def __init__(self, seconds: float, state: RunState | dict[str, Any] | None = None,
+                 **legacy: Any):
         super().__init__()
+        _ignore(self, legacy)
         self.seconds = seconds
         self.state = _state_dict(state)
 
@@ -510,8 +546,9 @@ class SkyPilotSweepTrigger(_SweepsMixin, BaseTrigger):
     """
 
     def __init__(self, timeout: float, interval: float = 10.0,
-                 state: RunState | dict[str, Any] | None = None):
+                 state: RunState | dict[str, Any] | None = None, **legacy: Any):
         super().__init__()
+        _ignore(self, legacy)
         self.timeout = timeout
         self.sweep_interval = interval
         self.state = _state_dict(state)

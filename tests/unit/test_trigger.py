@@ -251,3 +251,62 @@ async def test_a_short_interval_that_ended_no_longer_sets_the_pollers_pace():
     await asyncio.sleep(0.3)
     assert poller.status_polls == polls
     waiting.cancel()
+
+
+class _RotatedBackend(FakeBackend):
+    """Each instance holds the credentials it read when made: after a rotation the old ones
+    are refused for ever, a backend made anew reads the new ones."""
+
+    name = "fake_rotated"
+    generation = 0
+
+    def __init__(self, conn_id: str):
+        super().__init__(conn_id)
+        self.credentials = _RotatedBackend.generation
+
+    async def astatus(self, handles):
+        if self.credentials != _RotatedBackend.generation:
+            raise RuntimeError("AuthFailure: the security token included is expired")
+        return await super().astatus(handles)
+
+
+async def test_rotated_credentials_are_read_again_not_taken_for_a_lost_job():
+    """A cached client of expired credentials failed every poll: every job on the connection
+    was taken for lost, then cancelled and placed again by the operator."""
+    registry.register_backend(_RotatedBackend)
+    _RotatedBackend.generation = 0
+    handle = _job("1")
+    handle.backend = "fake_rotated"
+    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, unreachable_timeout=0.5)
+
+    async def rotate_then_finish():
+        await asyncio.sleep(0.1)
+        _RotatedBackend.generation += 1
+        await asyncio.sleep(0.2)
+        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
+
+    event, _ = await asyncio.wait_for(asyncio.gather(_first_event(t), rotate_then_finish()), 5)
+    assert event["job_status"]["state"] == "succeeded"
+
+
+def test_a_trigger_serialized_by_another_release_still_loads():
+    """Airflow fails a trigger whose kwargs its class refuses, and the task's resume cancels
+    the job: an upgrade must not kill the jobs in flight."""
+    t = SkyPilotJobTrigger({"job_id": "1"}, poll_interval=10.0, max_unreachable=6,
+                           added_later=True)
+    assert t.unreachable_timeout == 60.0  # six failed polls, as it meant
+    assert SkyPilotWaitTrigger(5, added_later=1).seconds == 5
+    assert SkyPilotSweepTrigger(5, added_later=1).timeout == 5
+
+
+async def test_on_kill_without_cancel_on_kill_still_stops_old_copies():
+    """cancel_on_kill=False keeps the watched job, not an old copy waiting to be confirmed
+    dead: nothing else would stop it."""
+    from airflow_skypilot.runstate import RunState, Sweep
+
+    watched, old = _job("1"), _job("2")
+    run = RunState(prefix="n")
+    run.sweeps.append(Sweep(connection="c1", handle=old.to_dict(), reason="moved away"))
+    await SkyPilotJobTrigger(watched.to_dict(), cancel_on_kill=False, state=run).on_kill()
+    assert FakeBackend.jobs["1"]["status"].state == JobState.RUNNING
+    assert FakeBackend.jobs["2"]["status"].state == JobState.CANCELLED
