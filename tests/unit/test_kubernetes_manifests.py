@@ -424,6 +424,36 @@ def test_cordoned_notready_and_tainted_nodes_have_no_capacity():
     assert offer.gpus_free == 16
 
 
+def test_nodes_tainted_for_others_alone_refuse_the_job_but_passing_states_do_not():
+    # every A100 node is dedicated to another team: the offer was chosen ("start unknown")
+    # and its pods stayed Pending for ever
+    team = [{"key": "dedicated", "value": "ml-team", "effect": "NoSchedule"}]
+    nodes = [_node("g1", taints=team), _node("g2", taints=team)]
+    task = load_task({"run": "x", "resources": {"accelerators": "A100:8"}})
+    [offer] = _offers(task, nodes, [])
+    assert not offer.fits
+    assert offer.reason == (
+        "taint dedicated=ml-team:NoSchedule on every matching node (g1, g2), not tolerated "
+        "(the connection's tolerations do not cover it): its pods would stay Pending")
+    [offer] = _offers(task, nodes, [], tolerations=[{"key": "dedicated", "operator": "Exists"}])
+    assert offer.fits and offer.free_now
+    # too few nodes left for a two-node job
+    two = load_task({"run": "x", "num_nodes": 2, "resources": {"accelerators": "A100:8"}})
+    [offer] = _offers(two, [*nodes, _node("g3")], [])
+    assert not offer.fits and offer.reason.startswith(
+        "taint dedicated=ml-team:NoSchedule on 2 of 3 matching nodes (g1, g2)")
+    assert offer.reason.endswith("the other nodes: needs 2 nodes; ctx has 1 with A100")
+    # cordoned, NotReady, Kubernetes' own and the autoscaler's taints pass: not refused
+    passing = [_node("p1", cordon=True), _node("p2", ready=False),
+               _node("p3", taints=[{"key": "node.kubernetes.io/unreachable",
+                                    "effect": "NoExecute"}]),
+               _node("p4", taints=[{"key": "ToBeDeletedByClusterAutoscaler",
+                                    "effect": "NoSchedule"}])]
+    for node in passing:
+        [offer] = _offers(task, [*nodes, node], [])
+        assert offer.fits and not offer.free_now, node["metadata"]["name"]
+
+
 def test_explained_no_fits():
     nodes = [_node("n1", gpus=4), _node("n2", gpus=4), _node("cpu", gpus=0, label=None,
                                                                cpu="8", mem="32Gi")]

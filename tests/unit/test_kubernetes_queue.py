@@ -184,6 +184,34 @@ def test_work_ahead_bound_on_another_gpu_type_does_not_break_the_estimate():
     assert not got.free_now and got.est_start == NOW - 7200 + 4 * 3600
 
 
+def test_a_gpu_type_under_several_labels_is_offered_where_it_starts_soonest():
+    # two full SXM nodes and one idle PCIe node, all H100: the label most nodes share was
+    # chosen, and the idle node was never counted ("0 of 16 H100 free")
+    def h100(name, product):
+        n = node(name, 8)
+        del n["metadata"]["labels"]["skypilot.co/accelerator"]
+        n["metadata"]["labels"]["nvidia.com/gpu.product"] = product
+        return n
+
+    nodes = [h100("s1", "NVIDIA-H100-80GB-HBM3"), h100("s2", "NVIDIA-H100-80GB-HBM3"),
+             h100("p1", "NVIDIA-H100-PCIe")]
+    busy = [pod("a", 8, "s1", started=NOW - 60), pod("b", 8, "s2", started=NOW - 60)]
+    got = offer_for({"accelerators": "H100:8"}, nodes, busy)
+    assert (got.free_now, got.gpus_free, got.gpus_total) == (True, 8, 8)
+    assert got.details["node_selector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-PCIe"}
+    # all idle: the label most nodes share, as before
+    got = offer_for({"accelerators": "H100:8"}, nodes, [])
+    assert (got.free_now, got.gpus_total) == (True, 16)
+    assert got.details["node_selector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    # all full: the one whose running pods end first
+    ending = [pod("a", 8, "s1", started=NOW - 60, deadline=7200),
+              pod("b", 8, "s2", started=NOW - 60, deadline=7200),
+              pod("c", 8, "p1", started=NOW - 60, deadline=600)]
+    got = offer_for({"accelerators": "H100:8"}, nodes, ending)
+    assert got.est_start == NOW - 60 + 600
+    assert got.details["node_selector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-PCIe"}
+
+
 def test_a_multi_node_job_ahead_takes_one_node_per_rank():
     # its ranks may not share a node (pod anti-affinity): two 4-GPU ranks take 4 GPUs on each
     # of two empty 8-GPU nodes, so an 8-GPU job is not free (the model packed both on one)

@@ -365,12 +365,76 @@ def test_test_onlys_later_counts_where_the_task_itself_or_nothing_queued_explain
     got = offers_of(probe(testonly=later), pinned)[("batch", 0)]
     assert not got.free_now and got.est_start == NOW + 1800
     assert got.details["estimate"] == "sbatch --test-only with the task's --nodelist=a1"
-    assert "idle, but sbatch --test-only says later (the task's --nodelist=a1)" in got.notes
+    # only a1 counts for it (--nodelist): nothing idle there
+    assert (got.nodes_total, got.gpus_free, got.gpus_total) == (1, 0, 4)
+    begin = task_of({"accelerators": "A100:4"}, {"begin": "now+30minutes"})
+    got = offers_of(probe(testonly=later), begin)[("batch", 0)]
+    assert not got.free_now and got.est_start == NOW + 1800
+    assert "idle, but sbatch --test-only says later (the task's --begin=now+30minutes)" \
+        in got.notes
     plain = task_of({"accelerators": "A100:4"})
     assert not offers_of(probe(testonly=later), plain)[("batch", 0)].free_now
     # a pending job is queued there: test-only's "later" is its view of the queue ahead
     begin = f"5000|batch|1|BeginTime|gres:gpu:a100:4|1|1000M|{NOW + 60}|(null)|other|9|10:00"
     assert offers_of(probe(pending=[begin], testonly=later), plain)[("batch", 0)].free_now
+
+
+def test_the_connections_node_options_count_as_the_tasks_own_do():
+    # a job is queued in batch, so test-only's "later" beside idle a2 was read as its view
+    # of the queue ahead, even when the connection's own options (sbatch runs with them)
+    # keep the job off a2: the table said free now, and the job waited
+    later = [f"batch|a100|4|1|0|0|{NOW + 1800}"]
+    begin = f"5000|batch|1|BeginTime|gres:gpu:a100:4|1|1000M|{NOW + 60}|(null)|other|9|10:00"
+    out = probe(pending=[begin], testonly=later)  # a1 busy, a2 idle
+    plain = task_of({"accelerators": "A100:4"})
+
+    def batch(**extra):
+        settings = SlurmSettings.from_extra("c", {"cluster": "alpha", **extra})
+        return offers_of(out, plain, settings)
+
+    assert batch()[("batch", 0)].free_now
+    assert batch(account="lab", qos="normal")[("batch", 0)].free_now  # limits, not nodes
+    # node features are not probed: test-only's answer, with them, counts
+    got = batch(constraint="ib")[("batch", 0)]
+    assert not got.free_now and got.est_start == NOW + 1800
+    assert got.details["estimate"] == "sbatch --test-only with the connection's --constraint=ib"
+    assert "idle, but sbatch --test-only says later (the connection's --constraint=ib)" \
+        in got.notes
+    # --exclude/--nodelist: the nodes they rule out are not counted at all
+    for options in ("--exclude=a2", "-w a1", "--nodelist=a[1]"):
+        got = batch(sbatch_options=options)
+        assert not got[("batch", 0)].free_now and got[("batch", 0)].est_start == NOW + 1800
+        assert (got[("batch", 0)].nodes_total, got[("batch", 0)].gpus_free) == (1, 0)
+        assert not got[("short", 0)].fits  # short is a2 alone
+        assert got[("short", 0)].reason == f"{options} leaves no node of partition short"
+    # and they pin nothing more: idle a2 beside the queue is free, as without them
+    got = batch(sbatch_options="--exclude=a1")[("batch", 0)]
+    assert (got.free_now, got.nodes_total) == (True, 1)
+    got = batch(sbatch_options=["--exclude=a1", "--constraint=ib"])[("batch", 0)]
+    assert not got.free_now and got.details["estimate"] == (
+        "sbatch --test-only with the connection's --constraint=ib")
+    # the task's own --exclude counts the same way
+    excluding = task_of({"accelerators": "A100:4"}, ["--exclude", "a2"])
+    got = offers_of(out, excluding)[("batch", 0)]
+    assert (got.free_now, got.nodes_total, got.gpus_free) == (False, 1, 0)
+
+
+def test_a_gpu_type_under_two_gres_names_is_offered_where_it_starts_soonest():
+    # a1 (busy) has gres a100, a2 (idle) nvidia_a100: the first name was taken, and a2's
+    # A100s were never counted
+    later, now = f"batch|a100|4|1|0|0|{NOW + 3600}", f"batch|nvidia_a100|4|1|0|0|{NOW}"
+    out = probe(testonly=[later, now]).replace("gpu:a100:4(S:0)|gpu:a100:0(IDX:0)",
+                                               "gpu:nvidia_a100:4(S:0)|gpu:nvidia_a100:0(IDX:0)")
+    got = offers_of(out, task_of({"accelerators": "A100:4"}))[("batch", 0)]
+    assert (got.free_now, got.gpus_free, got.details["gres_type"]) == (True, 4, "nvidia_a100")
+    assert got.accelerator == "A100"
+    # both busy: the name test-only starts sooner
+    busy = probe(a2_used=4, testonly=[later, f"batch|nvidia_a100|4|1|0|0|{NOW + 600}"]).replace(
+        "gpu:a100:4(S:0)|gpu:a100:4(IDX:0)|127.0.1.2",
+        "gpu:nvidia_a100:4(S:0)|gpu:nvidia_a100:4(IDX:0)|127.0.1.2")
+    got = offers_of(busy, task_of({"accelerators": "A100:4"}))[("batch", 0)]
+    assert (got.free_now, got.details["gres_type"]) == (False, "nvidia_a100")
+    assert got.est_start == NOW + 600
 
 
 # --- fit: MaxTime ------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """What one cluster can offer a task (the "clouds" side): offers and ``show-gpus`` rows.
 
 From one :class:`~.cluster.ClusterView`: the nodes a candidate may use (spot nodes for
-``use_spot``, the connection's ``node_selector``, then the GPU type by the trusted node labels,
-the label most nodes share), then the shared node-pool rule
-(:func:`~airflow_skypilot.backends.common.fit.fit_pool`) for shape and free room. The node
-selector and tolerations chosen here travel in ``offer.details`` to the Job's manifest, so the
-pods land where the capacity was counted. Pure: no I/O.
+``use_spot``, the connection's ``node_selector``, then the GPU type by the trusted node
+labels: of the labels that name it, the one whose nodes start the job soonest), then the
+shared node-pool rule (:func:`~airflow_skypilot.backends.common.fit.fit_pool`) for shape and
+free room. The node selector and tolerations chosen here travel in ``offer.details`` to the
+Job's manifest, so the pods land where the capacity was counted. Pure: no I/O.
 
 Free room is what is left for a *new* job: pods not bound yet and our Jobs whose pods do not
 exist yet (placements made moments ago) take it first (:func:`.queue.take_pending`,
@@ -13,6 +13,12 @@ exist yet (placements made moments ago) take it first (:func:`.queue.take_pendin
 pods' ages and deadlines (:func:`.queue.estimate`); where nothing can be said, ``est_start``
 stays None and ``details["estimate"]`` is ``"unknown"`` (ranked after every known start). A
 CPU-only candidate whose free nodes all have GPUs is marked ``details["gpu_place"]``.
+
+A candidate whose nodes carry taints its pods do not tolerate (the connection's tolerations,
+the GPU one, the task's pod_config's) so that too few nodes are left for it does not fit: its
+pods would stay Pending for ever. Only taints a person set count (:func:`barring_taints`):
+Kubernetes' own (``node.kubernetes.io/*``: NotReady, unreachable...) and the autoscalers' come
+and go, and a cordoned node is uncordoned; such nodes are only not free now.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from airflow_skypilot.backends.kubernetes.cluster import (
     SPOT_LABELS,
     ClusterView,
     NodeView,
+    tolerates,
 )
 from airflow_skypilot.backends.kubernetes.names import GPU_RESOURCE
 from airflow_skypilot.backends.kubernetes.queue import (
@@ -58,6 +65,22 @@ def pool_node(node: NodeView, tolerations: list[dict[str, Any]]) -> PoolNode:
                     usable=not node.why_unusable(tolerations), has_room=node.free("pods") >= 1)
 
 
+#: taints that come and go without anyone's hand: Kubernetes' own (not ready, unreachable,
+#: pressure, unschedulable...), the cloud provider's until a node is set up, the autoscalers'
+#: on a node they remove
+_PASSING_TAINTS = ("node.kubernetes.io/", "node.cloudprovider.kubernetes.io/",
+                   "ToBeDeletedByClusterAutoscaler", "karpenter.sh/")
+
+
+def barring_taints(node: NodeView, tolerations: list[dict[str, Any]]) -> list[str]:
+    """The taints (``key=value:effect``) that keep pods with ``tolerations`` off ``node`` until
+    someone changes the node or the tolerations (not Kubernetes' own, which pass)."""
+    return [f"{t.get('key')}={t.get('value') or ''}:{t.get('effect')}" for t in node.taints
+            if t.get("effect") in ("NoSchedule", "NoExecute")
+            and not str(t.get("key") or "").startswith(_PASSING_TAINTS)
+            and not tolerates(tolerations, t)]
+
+
 @dataclass
 class NodeChoice:
     """The nodes a candidate may use, and how its pods are sent there: the node selector and
@@ -68,12 +91,16 @@ class NodeChoice:
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     accelerator: str | None = None  # canonical name of the GPU type chosen
     reason: str = ""  # why there are none
+    #: the (label, value) that chose the GPU nodes, and the others naming the same GPU type
+    label: tuple[str, str] | None = None
+    others: list[tuple[str, str]] = field(default_factory=list)
 
 
 def choose_nodes(settings: KubernetesSettings, req: ResourceRequest, gpus: int,
-                 nodes: list[NodeView]) -> NodeChoice:
+                 nodes: list[NodeView], label: tuple[str, str] | None = None) -> NodeChoice:
     """Spot nodes for ``use_spot`` (the spot label most of them share), the connection's
-    ``node_selector``, then for GPUs the type label most matching nodes share."""
+    ``node_selector``, then for GPUs the type label most matching nodes share (``label``:
+    that one; the others naming the same type go in ``others``)."""
     s = settings
     selector: dict[str, str] = {}
     extra_tols: list[dict[str, Any]] = []  # what this request adds to the connection's
@@ -108,17 +135,22 @@ def choose_nodes(settings: KubernetesSettings, req: ResourceRequest, gpus: int,
         have = sorted({f"{n.accelerator} x{n.gpus}" for n in nodes if n.gpus > 0})
         return NodeChoice(reason=f"no {req.accelerator} nodes in {s.context}"
                                  f" (has: {', '.join(have) or 'no GPU nodes'})")
-    (key, value), nodes = max(matches.items(), key=lambda kv: (
-        len(kv[1]), -GPU_LABELS.index(kv[0][0])))
+    if label is None or label not in matches:
+        label = max(matches, key=lambda kv: (len(matches[kv]), -GPU_LABELS.index(kv[0])))
+    key, value = label
     selector[key] = value
-    return NodeChoice(nodes, selector, extra_tols, acc.canonical_from_label(value))
+    return NodeChoice(matches[label], selector, extra_tols, acc.canonical_from_label(value),
+                      label=label, others=[kv for kv in matches if kv != label])
 
 
 def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
           req: ResourceRequest, view: ClusterView, *, unsupported: str,
-          bundle_error: str) -> Offer:
+          bundle_error: str, label: tuple[str, str] | None = None) -> Offer:
     """Candidate ``req`` of ``task`` on this cluster. ``unsupported`` and ``bundle_error``
-    are the facade's verdicts on the task ("" when none): either makes it not fit."""
+    are the facade's verdicts on the task ("" when none): either makes it not fit. Its GPU
+    type under several node labels (``NVIDIA-H100-80GB-HBM3``, ``NVIDIA-H100-PCIe``): the
+    offer on the nodes of the one that starts it soonest (free now, then most free; ``label``:
+    that one's)."""
     s = settings
     gpus, _, _ = shape(req)
     offer = Offer(connection=conn_id, backend=backend, location=s.location,
@@ -146,9 +178,13 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
         if gpus:
             return no(f"cannot see the cluster's GPUs: {view.note}")
         return offer  # CPU only: fits by shape, nothing known about free capacity
-    choice = choose_nodes(s, req, gpus, view.nodes)
+    choice = choose_nodes(s, req, gpus, view.nodes, label)
     if choice.reason:
         return no(choice.reason)
+    if label is None and choice.others:
+        tries = [_offer_on(kv, conn_id, backend, s, task, req, view, unsupported=unsupported,
+                           bundle_error=bundle_error) for kv in [choice.label, *choice.others]]
+        return min(enumerate(tries), key=lambda io: _soonest(*io))[1]
     if choice.accelerator:
         offer.accelerator = choice.accelerator
     nodes = choice.nodes
@@ -176,6 +212,12 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
         offer.gpus_total = fit.gpus_total
     if fit.reason:
         return no(fit.reason)
+    barred = {n.name: b for n in nodes if (b := barring_taints(n, tolerations))}
+    if barred:
+        open_fit = fit_pool([pool_node(n, tolerations) for n in nodes if n.name not in barred],
+                            req, task.num_nodes, s.context)
+        if open_fit.reason:
+            return no(_barred_reason(barred, len(nodes), open_fit.reason))
     unusable = {n.name: r for n in nodes if (r := n.why_unusable(tolerations))}
     if unusable:
         offer.details["nodes_unusable"] = unusable
@@ -237,6 +279,33 @@ def offer(conn_id: str, backend: str, settings: KubernetesSettings, task: Task,
         offer.details["estimate"] = est.basis
         offer.notes.append(f"est. {est.basis}")
     return offer
+
+
+def _barred_reason(barred: dict[str, list[str]], total: int, open_reason: str) -> str:
+    """Why the job cannot run once the nodes with taints it does not tolerate (``barred``:
+    node -> those taints) are out of the ``total`` matching ones (``open_reason``: the fit
+    rule's answer on the rest)."""
+    taints = ", ".join(sorted({t for ts in barred.values() for t in ts}))
+    names = sorted(barred)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    where = f"every matching node ({shown})" if len(barred) == total \
+        else f"{len(barred)} of {total} matching nodes ({shown})"
+    out = (f"taint {taints} on {where}, not tolerated (the connection's tolerations do not "
+           "cover it): its pods would stay Pending")
+    return out if len(barred) == total else f"{out}; the other nodes: {open_reason}"
+
+
+def _offer_on(label: tuple[str, str] | None, *args: Any, **kwargs: Any) -> Offer:
+    """:func:`offer` on the GPU nodes of one ``label`` (named so inside it, where ``offer`` is
+    the offer being made)."""
+    return offer(*args, label=label, **kwargs)
+
+
+def _soonest(index: int, offer: Offer) -> tuple:
+    """Which offer of several starts the job soonest: fitting, free now or the soonest
+    estimate (an unknown one last), the most free GPUs, then the first."""
+    return (not offer.fits, offer.est_start is None, offer.est_start or 0.0,
+            -(offer.gpus_free or 0), index)
 
 
 def _pod_config_spec(task: Task) -> Mapping[str, Any]:

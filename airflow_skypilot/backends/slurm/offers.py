@@ -4,7 +4,8 @@
 The "clouds" side of the backend: no I/O here, only a :class:`ClusterState` read against the
 task. A partition is a node pool: its nodes (those with the requested GPU type, when one is
 asked for) go through the shared fit rule (:func:`fit_pool`, with at least one CPU, as Slurm
-allocates one to every job). Prices come from the connection's extras.
+allocates one to every job); a GPU type under several GRES names there is offered by the name
+whose nodes start the job soonest. Prices come from the connection's extras.
 
 - **Fit**: the task's time limit (its own ``--time``, or the connection's) over the
   partition's MaxTime does not fit: Slurm would keep it pending for ever (PartitionTimeLimit);
@@ -14,12 +15,17 @@ allocates one to every job). Prices come from the connection's extras.
   ahead will take before the job would end (backfill's plan, or jobs just submitted that fit
   them now: placements made moments ago, ours or others') are held, not free
   (:func:`.queue.hold`; ``details["reserved_by_pending"]``).
-- **Estimate** when not free now: Slurm's own (``sbatch --test-only`` with the task's sbatch
-  options), or, for a GPU candidate without options of its own that pin it (``--begin``,
-  ``--nodelist``...), when sooner, the hole backfill's plan leaves for the job's time limit
-  (:mod:`.backfill`: test-only on 22.05 ignores backfill), discounted by how jobs really end
-  on the cluster (the median elapsed/limit of its recent finished jobs, when there are
-  enough: :func:`.queue.history_ratio`).
+- **Estimate** when not free now: Slurm's own (``sbatch --test-only`` with the task's and the
+  connection's sbatch options), or, for a GPU candidate without options that pin it
+  (``--begin``, ``--nodelist``... the task's, or the connection's ``constraint`` and its
+  ``sbatch_options``: :func:`pinning`), when sooner, the hole backfill's plan leaves for the
+  job's time limit (:mod:`.backfill`: test-only on 22.05 ignores backfill), discounted by
+  how jobs really end on the cluster (the median elapsed/limit of its recent finished jobs,
+  when there are enough: :func:`.queue.history_ratio`).
+- **Pinned**: where such options may keep the job off idle nodes, test-only's "later" beside
+  idle nodes is trusted even with jobs queued in the partition (the probe cannot see node
+  features). The nodes ``--exclude``/``--nodelist`` (the task's or the connection's) rule out
+  are not counted at all; the connection's host lists then pin nothing more.
 - A CPU-only candidate on a partition whose free nodes all have GPUs is marked
   ``details["gpu_place"]`` (ranking prefers places without GPUs for it).
 
@@ -42,16 +48,19 @@ from airflow_skypilot.backends.slurm.queue import (
     Room,
     duration_s,
     duration_text,
+    expand_hostlist,
     hold,
 )
 from airflow_skypilot.backends.slurm.settings import (
     BACKEND,
+    NEUTRAL_OPTIONS,
     SlurmSettings,
     task_constraints,
+    task_sbatch_options,
     time_option,
 )
 from airflow_skypilot.spec import accelerators as acc
-from airflow_skypilot.spec import fields
+from airflow_skypilot.spec import fields, sbatch
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
 #: a start estimate further away than this is no estimate (jobs without time limits)
@@ -60,6 +69,9 @@ _HORIZON_S = 30 * 86400
 HELD_MIN_WAIT_S = 60.0
 #: what ``sbatch --test-only`` says when Slurm would refuse the job there
 _REFUSALS = ("not available", "violates", "invalid", "exceed")
+#: connection options that keep its jobs off no idle node: limits, not nodes (account, qos),
+#: and the reservation, read from the reservations themselves (:func:`_for_connection`)
+_CONNECTION_NEUTRAL = NEUTRAL_OPTIONS | {"account", "qos", "reservation"}
 
 
 def applies(req: ResourceRequest, settings: SlurmSettings) -> bool:
@@ -102,6 +114,55 @@ def offers(task: Task, state: ClusterState, settings: SlurmSettings, conn_id: st
     return out
 
 
+def pinning(task: Task, settings: SlurmSettings) -> list[str]:
+    """The options, as given, that may keep Slurm from starting the job where resources are
+    idle: the task's own (:func:`.settings.task_constraints`), then the connection's
+    (``--constraint`` from extra ``constraint``, and its ``sbatch_options``: not a host list
+    of ``--exclude``/``--nodelist``, whose nodes :func:`_allowed_nodes` leaves out already):
+    one text per side that has any, naming whose they are."""
+    try:
+        options = sbatch.parse_tokens(settings.common_sbatch_args())
+    except sbatch.OptionError:
+        options = []
+    conn = [o.given for o in options if sbatch.canonical(o.name) not in _CONNECTION_NEUTRAL
+            and not _host_list(o)]
+    return [f"the {whose} {' '.join(given)}" for whose, given in
+            (("task's", task_constraints(task)), ("connection's", conn)) if given]
+
+
+def _allowed_nodes(task: Task, settings: SlurmSettings, nodes: list[NodeInfo]
+                   ) -> tuple[list[NodeInfo], str]:
+    """``nodes`` without those ``--exclude`` rules out and, given ``--nodelist``, those it does
+    not name (the task's options and the connection's; a file name is not read), and the
+    options that ruled some out ("" when none did)."""
+    try:
+        options = sbatch.parse_tokens(task_sbatch_options(task) + settings.common_sbatch_args())
+    except sbatch.OptionError:
+        return nodes, ""
+    excluded: set[str] = set()
+    named: set[str] | None = None
+    used = []
+    for o in options:
+        if not (kind := _host_list(o)):
+            continue
+        hosts = set(expand_hostlist(o.value or ""))
+        if kind == "exclude":
+            excluded |= hosts
+        else:
+            named = hosts if named is None else named | hosts
+        used.append(o.given)
+    kept = [n for n in nodes if n.name not in excluded and (named is None or n.name in named)]
+    return kept, " ".join(used) if len(kept) < len(nodes) else ""
+
+
+def _host_list(option: sbatch.Option) -> str:
+    """``exclude`` or ``nodelist`` when ``option`` is one of them with a host list (not a file
+    name), else ""."""
+    kind = sbatch.canonical(option.name)
+    return kind if kind in ("exclude", "nodelist") and option.value \
+        and "/" not in option.value else ""
+
+
 def _pool_node(node: NodeInfo, gres_type: str, room: Room | None = None) -> PoolNode:
     """A node as the fit rule sees it: what is idle, or ``room`` (what is left of it once the
     pending jobs ahead took theirs)."""
@@ -131,14 +192,16 @@ def _takes(node: PoolNode, req: ResourceRequest) -> bool:
 def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
              settings: SlurmSettings, conn_id: str, unsupported: str = "",
              discount: Discount | None = None,
-             own_reservation: Reservation | None = None) -> Offer:
+             own_reservation: Reservation | None = None, gres: str | None = None) -> Offer:
     """Candidate ``req`` in partition ``part``: does it fit (shape, MaxTime, the end of the
     reservation its jobs run in: ``own_reservation``), is it free now (beside the pending jobs
     ahead), when could it start (Slurm's estimate, discounted by ``discount``), at what
-    price."""
+    price. Its GPU type under several GRES names there (``h100``, ``nvidia_h100_80gb_hbm3``):
+    the offer of the one that starts it soonest (free now, then most free; ``gres``: that
+    one's)."""
     s = settings
     info = st.partitions[part]
-    nodes = st.nodes_in(part)
+    nodes, ruled_out_by = _allowed_nodes(task, s, st.nodes_in(part))
     offer = Offer(connection=conn_id, backend=BACKEND, location=part, infra=s.infra(part),
                   request=req, num_nodes=task.num_nodes, accelerator=req.accelerator,
                   gpus_per_node=req.accelerator_count, nodes_total=len(nodes),
@@ -156,6 +219,8 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
                   f"(allowed: {', '.join(s.partitions)})")
     if not info.up:
         return no(f"partition {part} is down")
+    if not nodes and ruled_out_by:
+        return no(f"{ruled_out_by} leaves no node of partition {part}")
     if unsupported:
         return no(unsupported)
     asked = time_option(task, s)
@@ -186,7 +251,11 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
         if not matching:
             have = ", ".join(t or "untyped gpu" for t in types) or "no GPUs"
             return no(f"no {req.accelerator} in partition {part} (has: {have})")
-        gres_type = matching[0]
+        if gres is None and len(matching) > 1:
+            tries = [offer_at(task, req, part, st, settings, conn_id, unsupported, discount,
+                              own_reservation, gres=t) for t in matching]
+            return min(enumerate(tries), key=lambda io: _soonest(*io))[1]
+        gres_type = gres if gres is not None else matching[0]
         nodes = [n for n in nodes if n.gpus.get(gres_type, 0) > 0]
         # the canonical name, as every backend's offers and capacity rows say it; submit
         # asks Slurm for the GRES type it was configured with (details["gres_type"])
@@ -236,9 +305,10 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
         if offer.details["gpu_place"]:
             offer.notes.append("CPU-only on GPU nodes")
     start = st.starts.get((part, gres_type, *shape_of(req, task.num_nodes)))
-    own = task_constraints(task)
+    own = pinning(task, s)
     # test-only's "later" beside idle nodes is its pessimism about the queue ahead, unless
-    # nothing is queued there or the task's own options (--begin, --nodelist...) explain it
+    # nothing is queued there or the task's or the connection's options (--begin,
+    # --nodelist, --constraint...) explain it
     queued_here = any(part in j.partitions for j in st.pending_jobs)
     trust_later = bool(own) or not queued_here
     later = isinstance(start, float) and start > st.now + HELD_MIN_WAIT_S
@@ -258,7 +328,7 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
             raw = max(start, st.now)
             est = raw
             if own:
-                basis += f" with the task's {' '.join(own)}"
+                basis += f" with {'; '.join(own)}"
             elif discount is not None:  # time limits are not run times: what jobs really use
                 if discount.ratio is not None:
                     est = st.now + (raw - st.now) * discount.ratio
@@ -274,7 +344,7 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
             return no(f"Slurm refuses this shape in {part}: {start}")
     if offer.nodes_free >= task.num_nodes and later and trust_later:
         offer.nodes_free = 0  # idle, but Slurm says it will not start it now
-        why = (f"the task's {' '.join(own)}" if own else "nothing queued here")
+        why = "; ".join(own) if own else "nothing queued here"
         offer.notes.append(f"idle, but sbatch --test-only says later ({why})")
     if offer.nodes_free >= task.num_nodes:
         offer.est_start = st.now
@@ -287,6 +357,13 @@ def offer_at(task: Task, req: ResourceRequest, part: str, st: ClusterState,
     offer.price_per_hour = hourly_price(task.num_nodes, need, s.price_per_gpu_hour,
                                         s.price_per_node_hour)
     return offer
+
+
+def _soonest(index: int, offer: Offer) -> tuple:
+    """Which offer of several starts the job soonest: fitting, free now or the soonest
+    estimate (an unknown one last), the most free GPUs, then the first."""
+    return (not offer.fits, offer.est_start is None, offer.est_start or 0.0,
+            -(offer.gpus_free or 0), index)
 
 
 def _for_connection(st: ClusterState, settings: SlurmSettings

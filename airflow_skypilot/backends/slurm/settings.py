@@ -235,7 +235,7 @@ def time_option(task: Task, settings: SlurmSettings) -> str | None:
 
 
 #: task sbatch options that do not change where or when Slurm may start the job
-_NEUTRAL = frozenset("""
+NEUTRAL_OPTIONS = frozenset("""
 time time-min comment mail-type mail-user signal export export-file nice priority wckey
 acctg-freq profile propagate get-user-env kill-on-invalid-dep quiet verbose ignore-pbs
 mcs-label cpu-freq gpu-freq gpu-bind mem-bind network open-mode requeue no-requeue parsable
@@ -249,7 +249,7 @@ def task_constraints(task: Task) -> list[str]:
         options = _task_options(task)
     except sbatch.OptionError:
         return []
-    return [o.given for o in options if sbatch.canonical(o.name) not in _NEUTRAL]
+    return [o.given for o in options if sbatch.canonical(o.name) not in NEUTRAL_OPTIONS]
 
 
 def _under_home(path: str) -> str:
