@@ -13,7 +13,11 @@ the best other place and why it stayed) goes into the run state's last looks and
 ``skypilot_watch`` XCom, for the job page.
 
 Probes are shared: every waiting job of one shape on one connection, in one triggerer, reads one
-probe per ``interval`` (the cache below), as status polls are shared per connection.
+probe per ``interval`` (the cache below), as status polls are shared per connection. A probe
+blocks (a Slurm login node may take minutes to answer), so it runs in this module's own small
+pool of threads, never the event loop's default executor, which the triggerer needs for every
+trigger (logging, ``on_kill``, the sweeps); the looks that come while a probe is under way await
+it on their event loop and hold no thread.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -59,40 +65,100 @@ class ReconsiderSpec:
 _lock = threading.Lock()
 #: (connection, shape key) -> (probed at, offers or the error): one probe per interval
 _cache: dict[tuple[str, str], tuple[float, Any]] = {}
-#: probes under way: the looks that come meanwhile wait for them instead of probing again
-_inflight: dict[tuple[str, str], threading.Event] = {}
+#: probes under way: the looks that come meanwhile, on any event loop, await them instead of
+#: probing again
+_inflight: dict[tuple[str, str], Future] = {}
+#: threads probing at once, all connections and shapes together (each holds one probe)
+PROBE_THREADS = 8
+_pool: ThreadPoolExecutor | None = None
 
 
-def _probe(conn_id: str, task: Task, key: str, max_age: float) -> list[Offer]:
+def _probe_pool() -> ThreadPoolExecutor:
+    """The probes' own threads (made at the first probe): a slow connection fills these, not
+    the default executor of the event loop."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="skypilot-probe")
+        return _pool
+
+
+def _forget_after_fork() -> None:
+    """A forked child has none of the parent's threads: it makes its own pool and probes."""
+    global _lock, _pool
+    _lock, _pool = threading.Lock(), None
+    _inflight.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _probe_now(conn_id: str, task: Task, k: tuple[str, str]) -> Any:
+    """One probe, in a thread of the pool: the offers, or the error (returned, not raised)."""
     from airflow_skypilot.backends.registry import backend_for_connection
 
-    k = (conn_id, key)
-    while True:
-        with _lock:
-            hit = _cache.get(k)
-            if hit is not None and time.monotonic() - hit[0] < max_age:
-                break
-            running = _inflight.get(k)
-            if running is None:
-                _inflight[k] = threading.Event()
-                hit = None
-                break
-        running.wait(max(1.0, max_age))  # then the cache has its answer (or probe ourselves)
-    if hit is not None:
-        if isinstance(hit[1], Exception):
-            raise hit[1]
-        return hit[1]
     try:
         offers: Any = backend_for_connection(conn_id).probe(task)
     except Exception as exc:  # cached too: N waiting jobs do not retry a dead backend N times
         offers = exc
     except BaseException:
         with _lock:
-            _inflight.pop(k).set()  # the looks waiting for it probe themselves
+            _inflight.pop(k, None)
         raise
     with _lock:
         _cache[k] = (time.monotonic(), offers)
-        _inflight.pop(k).set()
+        _inflight.pop(k, None)
+    return offers
+
+
+def _forget(k: tuple[str, str], done: Future) -> None:
+    """A probe that never ran (cancelled) is no longer under way."""
+    with _lock:
+        if _inflight.get(k) is done:
+            del _inflight[k]
+
+
+def _on_loop(running: Future) -> asyncio.Future:
+    """A future of the running event loop that settles with the probe under way: awaiting it
+    holds no thread, and a look that gives up (its timeout) leaves the probe to the others."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(done: Future) -> None:
+        if waiter.done():  # the look gave up meanwhile
+            return
+        if done.cancelled():  # never ran (the pool shut down)
+            waiter.set_exception(RuntimeError("the probe was cancelled"))
+        elif done.exception() is not None:
+            waiter.set_exception(done.exception())
+        else:
+            waiter.set_result(done.result())
+
+    def wake(done: Future) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, done)
+        except RuntimeError:  # that event loop is closed: no look waits there any more
+            pass
+
+    running.add_done_callback(wake)
+    return waiter
+
+
+async def _probe(conn_id: str, task: Task, key: str, max_age: float) -> list[Offer]:
+    """The offers of ``conn_id`` for the task: from the cache when younger than ``max_age``,
+    else from the probe under way for it, else from a new probe in the pool."""
+    k = (conn_id, key)
+    pool = _probe_pool()
+    running: Future | None = None
+    with _lock:  # submitted under the lock: the probe cannot end before it is under way here
+        hit = _cache.get(k)
+        if hit is None or time.monotonic() - hit[0] >= max_age:
+            running = _inflight.get(k)
+            if running is None:
+                running = _inflight[k] = pool.submit(_probe_now, conn_id, task, k)
+                running.add_done_callback(lambda done: _forget(k, done))
+    offers = hit[1] if running is None else await _on_loop(running)
     if isinstance(offers, Exception):
         raise offers
     return offers
@@ -148,8 +214,8 @@ async def adecide(spec: ReconsiderSpec, handle: JobHandle, status: JobStatus) ->
             None, handle, at))
     task = Task.from_capacity_view(spec.task)
     key = hashlib.sha256(json.dumps(spec.task, sort_keys=True).encode()).hexdigest()[:16]
-    calls = [asyncio.wait_for(asyncio.to_thread(_probe, c, task, key, spec.interval / 2),
-                              spec.probe_timeout) for c in spec.connections]
+    calls = [asyncio.wait_for(_probe(c, task, key, spec.interval / 2), spec.probe_timeout)
+             for c in spec.connections]
     results = await asyncio.gather(*calls, return_exceptions=True)
     offers = [o for r in results if isinstance(r, list) for o in r]
     current = _current(offers, handle, status)
