@@ -118,8 +118,9 @@ def rank(
 ) -> Placement:
     """Pick the best offer under ``policy`` and explain every other one.
 
-    ``blocked`` places are skipped while their block is active at ``now``; ``unreachable``
-    maps connection -> error (shown as rows);
+    ``blocked`` places are skipped while their block is active at ``now`` (a ``soft`` block
+    only while another place takes the job); ``unreachable`` maps connection -> error (shown
+    as rows);
     ``prefer`` (a ``connection/location``) wins among offers that can start now: the FAILOVER
     recovery strategy tries the same place first. ``avoid`` (a place, or ``conn/region/*``)
     comes after every other viable offer while one of those can start the job now:
@@ -127,8 +128,14 @@ def rank(
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown placement policy {policy!r}; expected one of {POLICIES}")
-    blocked = list(blocked)
+    offers = list(offers)
     now = time.time() if now is None else now
+    blocked = [b for b in blocked if b.active(now)]
+    if any(b.soft for b in blocked) and not any(
+            o.fits and not over_cap(o) and not any(b.covers(o) for b in blocked)
+            for o in offers):
+        # nowhere else takes the job: a soft block (a place EAGER_NEXT_REGION left) lifts
+        blocked = [b for b in blocked if not b.soft]
     viable: list[Offer] = []
     rows_by_id: dict[int, Row] = {}
     rest: list[Row] = []
@@ -434,6 +441,8 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
     # a place that can start it now wins over a queue, under cheapest too (``rank`` puts the
     # price first there: a cheaper queue without an estimate would hide it)
     free = [o for o in others if o.free_now]
+    # the job waits somewhere: a place it failed at stays blocked for a move (no soft lift)
+    blocked = [replace(b, soft=False) for b in blocked]
     best = rank(free, policy, ordered=ordered, blocked=blocked, now=now).chosen if free \
         else None
     best = best or rank(others, policy, ordered=ordered, blocked=blocked, now=now).chosen

@@ -4,10 +4,11 @@ Infrastructure failures (the allocation is gone: node failure, preemption, lost)
 again, up to the operator's ``max_failovers``, following ``job_recovery.strategy``:
 
 ``EAGER_NEXT_REGION`` (SkyPilot's default)
-    move elsewhere at once: the failed place's region (an AWS region; a Slurm or Kubernetes
-    cluster, SkyPilot's region for them) is tried last while another place can start the job
-    now, as SkyPilot blocks it for one launch and then retries everywhere. Not blocked: with
-    nowhere else to go, the job goes back at once rather than wait out a cooldown.
+    move elsewhere at once: the failed place is blocked (for ``block_cooldown``) while another
+    place takes the job, a queue included, and its region (an AWS region; a Slurm or
+    Kubernetes cluster, SkyPilot's region for them) is tried last while another place can
+    start it now, as SkyPilot blocks the region for one launch and then retries everywhere:
+    with nowhere else to go, the job goes back at once rather than wait out a cooldown.
 ``FAILOVER``
     try the same place first (if it can start the job now); block it (for ``block_cooldown``)
     only when it fails again.
@@ -65,7 +66,8 @@ class EagerNextRegion:
     def on_infra_failure(self, ended: Attempt, what: str, history: Sequence[Attempt],
                          at: float) -> Decision:
         return Decision(True, f"{what} at {ended.place}: moving elsewhere (EAGER_NEXT_REGION)",
-                        counts_as="failover", avoid=region_of(ended))
+                        block=Blocked(ended.place, what, at, soft=True), counts_as="failover",
+                        avoid=region_of(ended))
 
     def on_restart(self, ended: Attempt) -> Decision:
         return Decision(True, "elsewhere first (EAGER_NEXT_REGION)", avoid=region_of(ended))

@@ -54,13 +54,16 @@ class Blocked:
     """A place that failed during this run: ``connection/location`` (``connection/*``: all).
 
     A block lapses at ``until`` (``[skypilot] block_cooldown`` after the failure): a node comes
-    back, a quota frees up, and a run that outlives the outage may go there again.
+    back, a quota frees up, and a run that outlives the outage may go there again. A ``soft``
+    one holds only while another place takes the job (EAGER_NEXT_REGION: SkyPilot launches
+    elsewhere first, then retries everywhere; with nowhere else, the failed place at once).
     """
 
     place: str
     reason: str
     at: float = field(default_factory=time.time)
     until: float | None = None  # None: for the rest of the run
+    soft: bool = False
 
     def active(self, now: float | None = None) -> bool:
         return self.until is None or (time.time() if now is None else now) < self.until
@@ -77,7 +80,8 @@ class Blocked:
     def describe(self) -> str:
         until = "" if self.until is None else \
             f", until {time.strftime('%H:%M', time.gmtime(self.until))}"
-        return f"blocked: {self.reason} at {time.strftime('%H:%M', time.gmtime(self.at))}{until}"
+        return (f"blocked: {self.reason} at {time.strftime('%H:%M', time.gmtime(self.at))}{until}"
+                + ("; taken when nothing else is" if self.soft else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,7 +89,8 @@ class Blocked:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Blocked:
         return cls(place=data["place"], reason=data.get("reason", ""),
-                   at=data.get("at") or time.time(), until=data.get("until"))
+                   at=data.get("at") or time.time(), until=data.get("until"),
+                   soft=bool(data.get("soft")))
 
 
 @dataclass

@@ -130,7 +130,7 @@ def test_infra_failure_fails_over_with_the_same_task_id():
     new_state = info.value.kwargs["state"]
     # EAGER_NEXT_REGION: the failed cluster is tried last, not blocked (SkyPilot blocks it for
     # one launch, then retries everywhere)
-    assert new_state["blocked"] == []
+    assert [(b["place"], b["soft"]) for b in new_state["blocked"]] == [("c1/p", True)]
     assert new_state["failovers"] == 1
     event, state = _event(info.value, JobState.SUCCEEDED)
     result = _op().execute_complete({"ti": ti}, event, state)

@@ -36,18 +36,29 @@ def test_success():
 
 @pytest.mark.parametrize("state", [JobState.INFRA_FAILED, JobState.PREEMPTED, JobState.LOST])
 def test_infra_failure_moves_elsewhere_first_and_cancels_the_old_copy(state):
-    """EAGER_NEXT_REGION: the failed place's cluster is tried last, not blocked (SkyPilot
-    blocks the region for one launch, then retries everywhere: a deployment with one cluster
-    goes back at once rather than wait out a cooldown)."""
+    """EAGER_NEXT_REGION: the failed place is blocked while another place takes the job (a
+    soft block) and its cluster tried last (SkyPilot blocks the region for one launch, then
+    retries everywhere: a deployment with one cluster goes back at once)."""
+    from airflow_skypilot import placement
+    from tests.fakes import offer
+
     run = RunState(prefix="x-")
     verdict = _decide(run, _ended(run, state, reason="node failure"))
     assert verdict.action == AGAIN and verdict.cancel and verdict.counts_as == "failover"
-    assert verdict.block is None and verdict.avoid == "c1/*"
+    assert verdict.block.place == "c1/p" and verdict.block.soft and verdict.avoid == "c1/*"
     assert "moving elsewhere (EAGER_NEXT_REGION)" in verdict.message
     recovery.record(run, verdict, cooldown=600)
     assert (run.failovers, run.attempt, run.prefer, run.avoid) == (1, 1, None, "c1/*")
-    assert run.blocked == []
+    assert [(b.place, b.until, b.soft) for b in run.blocked] == [("c1/p", 605.0, True)]
     assert run.job_name == "x-c0-t1-a1"
+    # another place takes it, even queued: that one; nowhere else: back at once
+    failed, queued = offer("c1", "p"), offer("c2", "q", gpus_free=0, nodes_free=0, est_in=3600)
+    kw = {"blocked": run.blocked, "avoid": run.avoid, "now": 100.0}
+    assert placement.rank([failed, queued], **kw).chosen is queued
+    assert placement.rank([failed], **kw).chosen is failed
+    # a move of a job waiting elsewhere does not go back to it within the cooldown
+    assert placement.reconsider(queued, [failed], "fastest", blocked=run.blocked,
+                                now=100.0) is None
 
 
 def test_failover_strategy_prefers_the_same_place_once():
@@ -158,18 +169,22 @@ def test_eager_next_region_tries_the_failed_aws_region_last():
     ended = run.close(handle, JobStatus(JobState.PREEMPTED, reason="spot reclaimed"),
                       now=100.0)
     verdict = _decide(run, ended)
-    assert verdict.block is None and verdict.avoid == "aws1/us-east-1/*"
+    assert verdict.block.place == "aws1/us-east-1/us-east-1a" and verdict.block.soft
+    assert verdict.avoid == "aws1/us-east-1/*"
     recovery.record(run, verdict)
     zones = [offer("aws1", z) for z in ("us-east-1/us-east-1a", "us-east-1/us-east-1b",
                                         "us-west-2/us-west-2a")]
     zones[2].price_per_hour = 9.0  # dearer: the region, not the price, decides here
     plan = placement.rank(zones, blocked=run.blocked, avoid=run.avoid, now=200.0)
     assert plan.chosen.location == "us-west-2/us-west-2a"
-    assert [r.verdict for r in plan.rows] == ["chosen", "candidate", "candidate"]
-    assert all("tried last" in r.reason for r in plan.rows[1:])
-    # nothing else: the same region after all (a soft preference, not a block)
+    assert [r.verdict for r in plan.rows] == ["chosen", "candidate", "blocked"]
+    assert "tried last" in plan.rows[1].reason
+    # nothing else: the same region's other zone after all (a soft preference, not a block)
     plan = placement.rank(zones[:2], blocked=run.blocked, avoid=run.avoid, now=200.0)
-    assert plan.chosen.location.startswith("us-east-1/")
+    assert plan.chosen.location == "us-east-1/us-east-1b"
+    # not even that: the failed zone itself (its block is soft)
+    plan = placement.rank(zones[:1], blocked=run.blocked, avoid=run.avoid, now=200.0)
+    assert plan.chosen.location == "us-east-1/us-east-1a"
     # nor does a queue elsewhere win over it: SkyPilot falls back rather than wait elsewhere
     queued = offer("aws1", "us-west-2/us-west-2a", gpus_free=0, nodes_free=0, est_in=36000)
     plan = placement.rank([zones[1], queued], blocked=run.blocked, avoid=run.avoid, now=200.0)

@@ -51,7 +51,7 @@ def test_the_dict_keeps_the_keys_earlier_readers_use():
     assert first["place"] == "c1/p" and first["infra_failure"] is True
     assert first["gpus"] == 8 and first["state"] == "preempted"
     assert data["blocked"][0] == {"place": "c1/p", "reason": "spot", "at": 4700.0,
-                                  "until": None}
+                                  "until": None, "soft": False}
 
 
 def test_older_and_odd_shapes_load_with_defaults():
