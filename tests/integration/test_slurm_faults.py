@@ -352,9 +352,10 @@ def test_a_job_stopped_at_its_time_limit_is_the_users_failure_even_once_slurm_fo
     handle = backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name})
     status, log = _ended(backend, handle, 150)
     assert status.state == JobState.FAILED and status.raw_state == "TIMEOUT", (status, log)
-    # slurmctld says TIMEOUT as it sends the signal: the trap's note follows moments later
+    # slurmctld says TIMEOUT as it sends the signal: the trap's note follows, moments later
+    # on a quiet machine (a CI run with the e2e shard beside it waited more than 30 s)
     note = Path(handle.extra["job_dir"], "killed")
-    wait_until(note.exists, 30, what="the batch script's note")
+    wait_until(note.exists, 120, what="the batch script's note")
     killed = note.read_text().split()
     assert killed[0] == "killed" and int(killed[1]) >= int(killed[2]), killed
     gone = backend.status([_forgotten(handle)])["99999999"]
