@@ -17,6 +17,7 @@ from airflow_skypilot.exceptions import BackendUnreachable
 from airflow_skypilot.hooks.capacity import SkyPilotCapacityHook
 from airflow_skypilot.spec import load_task
 from tests.conftest import wait_for_job
+from tests.e2e.conftest import shared_dir
 
 pytestmark = pytest.mark.sandbox
 
@@ -217,7 +218,7 @@ def test_a_file_mount_keeps_its_mode_from_the_first_byte(slurm, tmp_path):
     script = tmp_path / "run.sh"
     script.write_text("echo hi\n")
     script.chmod(0o750)
-    where = f"/tmp/airflow-skypilot-mount-{uuid.uuid4().hex[:8]}"
+    where = f"{shared_dir()}/mount"  # a dir the job's user may create things in
     beta = SlurmBackend("slurm_beta")
     task = load_task({"run": "true", "file_mounts": {f"{where}/kaggle.json": str(cred),
                                                      f"{where}/run.sh": str(script)}})

@@ -492,18 +492,29 @@ def _still_up(job_id, state, exit_code=None):
                                                    ended_at=20.0, still_up=True)
 
 
+def _done(deferred) -> dict:
+    """What the trigger sends once the job it watches ended, as the fake backend has it."""
+    handle = deferred.trigger.handle
+    return {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
+            "state": deferred.trigger.state,
+            "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict()}
+
+
+def _restarting_op(**kw):
+    return _op(task={"resources": {"accelerators": "A100:1",
+                                   "job_recovery": {"max_restarts_on_errors": 1}}, "run": "t"},
+               **kw)
+
+
 def test_a_failed_job_with_part_of_it_still_up_is_stopped_before_its_restart():
     """Rank 0 of a 2-node job exited 1 while rank 1's machine still runs: the restart's copy
     must not start beside it (only the best-effort clean-up stopped it before)."""
-    op = _op(task={"resources": {"accelerators": "A100:1",
-                                 "job_recovery": {"max_restarts_on_errors": 1}}, "run": "t"})
+    op = _restarting_op()
     ctx = _ctx()
     first = _defer(op, ctx)
     handle = first.trigger.handle
     _still_up(handle["job_id"], JobState.FAILED, exit_code=1)
-    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
-             "state": first.trigger.state,
-             "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict()}
+    event = _done(first)
     with pytest.raises(TaskDeferred) as again:
         op.execute_complete(ctx, event, first.kwargs["state"])
     old = FakeBackend.jobs[handle["job_id"]]["status"]
@@ -520,16 +531,12 @@ def test_a_restart_waits_while_the_backend_says_the_failed_copy_still_runs(monke
     cancel = FakeBackend.cancel
     monkeypatch.setattr(FakeBackend, "cancel",
                         lambda self, h: None if stuck["on"] else cancel(self, h))
-    op = _op(task={"resources": {"accelerators": "A100:1",
-                                 "job_recovery": {"max_restarts_on_errors": 1}}, "run": "t"},
-             unreachable_timeout=600)
+    op = _restarting_op(unreachable_timeout=600)
     ctx = _ctx()
     first = _defer(op, ctx)
     handle = first.trigger.handle
     _still_up(handle["job_id"], JobState.FAILED, exit_code=1)
-    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
-             "state": first.trigger.state,
-             "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict()}
+    event = _done(first)
     with pytest.raises(TaskDeferred) as waiting:
         op.execute_complete(ctx, event, first.kwargs["state"])
     assert isinstance(waiting.value.trigger, SkyPilotWaitTrigger), "no copy beside it"
@@ -547,16 +554,12 @@ def test_a_restart_waits_while_the_backend_says_the_failed_copy_still_runs(monke
 
 def test_a_copy_that_never_stops_holds_the_restart_for_unreachable_timeout(monkeypatch):
     monkeypatch.setattr(FakeBackend, "cancel", lambda self, h: None)  # a node that never dies
-    op = _op(task={"resources": {"accelerators": "A100:1",
-                                 "job_recovery": {"max_restarts_on_errors": 1}}, "run": "t"},
-             unreachable_timeout=0)
+    op = _restarting_op(unreachable_timeout=0)
     ctx = _ctx()
     first = _defer(op, ctx)
     handle = first.trigger.handle
     _still_up(handle["job_id"], JobState.FAILED, exit_code=1)
-    event = {"status": "done", "handle": handle, "log_tail": "", "log_offset": 0,
-             "state": first.trigger.state,
-             "job_status": FakeBackend.jobs[handle["job_id"]]["status"].to_dict()}
+    event = _done(first)
     with pytest.raises(TaskDeferred) as again:
         op.execute_complete(ctx, event, first.kwargs["state"])
     assert again.value.trigger.handle["job_id"] != handle["job_id"]  # placed all the same
