@@ -134,7 +134,7 @@ class Placer:
             return None
         # a connection where an old copy is not confirmed dead takes no new one: its backend
         # was silent when the copy was stopped (its place failed), and may answer now, before
-        # a sweep found that copy (EAGER_NEXT_REGION does not block the failed place)
+        # a sweep found that copy (EAGER_NEXT_REGION's block of the failed place is soft)
         held = [Blocked(f"{conn}/*", "an old copy there is not confirmed dead yet")
                 for conn in sorted({w.connection for w in run.pending_copies})]
         began = time.time()
