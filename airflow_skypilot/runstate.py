@@ -280,15 +280,16 @@ def add_look(state: dict[str, Any], look: Look) -> dict[str, Any]:
 
 def watch_record(state: Mapping[str, Any] | None, handle: Mapping[str, Any], job_state: str,
                  seen_at: float, started_at: float | None = None,
-                 est_start: float | None = None) -> dict[str, Any]:
+                 est_start: float | None = None, log_offset: int = 0) -> dict[str, Any]:
     """The ``skypilot_watch`` XCom: the watched job, the state it was last seen in and since
-    when, and the looks at it while it waited (from the run state)."""
+    when, the looks at it while it waited (from the run state), and the bytes of its output
+    streamed into the task log."""
     state = state or {}
     return {"job_id": handle.get("job_id"), "connection": handle.get("connection"),
             "location": handle.get("location"), "state": job_state, "seen_at": seen_at,
             "started_at": started_at, "est_start": est_start,
             "looks_total": int(state.get("looks_total") or 0),
-            "looks": list(state.get("looks") or [])}
+            "looks": list(state.get("looks") or []), "log_offset": log_offset}
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""The trigger that watches a submitted job, and the shared poller behind it.
+"""The trigger that watches a submitted job (and the triggers that wait and sweep).
 
 The trigger is read-only: it never submits. However many jobs are watched on one connection,
-one :class:`SharedPoller` per (event loop, backend, connection) asks that backend once per poll
-interval about all of them (one ``squeue``, one pod list, one ``describe_instances``) and hands
+one shared poller (``_poller.py``) per (event loop, backend, connection) asks that backend once
+per poll interval about all of them (one ``squeue``, one pod list, one ``describe_instances``) and hands
 each trigger its job's status. A backend that cannot be asked is asked again: "could not ask"
 is never "gone", and a job is declared lost for silence only after ``unreachable_timeout``
 seconds without an answer about it. Every error becomes an event.
@@ -13,16 +13,17 @@ state's pending sweeps, see ``sweeps.py``), and report what they confirmed in th
 What the watch sees is written for the job page as the task's ``skypilot_watch`` XCom (through
 the triggerer's supervisor, as any trigger's XCom): the job's start, once, and the looks at it
 while it waits in a queue (every look goes into the run state's last looks; the XCom is
-written when a look gives a new answer, else at most every :data:`WATCH_WRITE_EVERY` s).
+written when a look gives a new answer, else at most every :data:`WATCH_WRITE_EVERY` s), and
+how far the job's output was streamed into the task log (at most every
+:data:`WATCH_WRITE_EVERY` s while it grows): a trigger started again on another triggerer goes
+on from there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -37,12 +38,25 @@ from airflow_skypilot.backends.base import (
 )
 from airflow_skypilot.backends.registry import backend_class, backend_for_handle
 from airflow_skypilot.runstate import XCOM_WATCH, Look, RunState, Sweep, add_look, watch_record
+from airflow_skypilot.triggers._poller import (  # noqa: F401 (pollers_in_this_loop: tests)
+    PollError,
+    PollResult,
+    SharedPoller,
+    pollers_in_this_loop,
+    shared_poller,
+)
 
 LOG_TAIL_LINES = 40
 #: seconds between two writes of the watch XCom for looks that changed nothing
 WATCH_WRITE_EVERY = 300.0
+#: seconds a trigger waits for the watch XCom when it starts (then streams from its deferral's
+#: offset)
+WATCH_READ_TIMEOUT = 10.0
 #: seconds a job's backend may stay silent before the job counts as lost
 DEFAULT_UNREACHABLE_TIMEOUT = 300.0
+#: seconds past two poll intervals a watcher waits for a poll's result before it counts the
+#: wait as a silence (longer than any backend call's own bound)
+POLL_RESULT_GRACE = 180.0
 
 
 def last_lines(text: str) -> str:
@@ -61,151 +75,6 @@ def _ignore(trigger: Any, legacy: dict[str, Any]) -> None:
 def _state_dict(state: RunState | dict[str, Any] | None) -> dict[str, Any] | None:
     """Triggers are serialized to JSON: a RunState travels as its dict."""
     return state.to_dict() if isinstance(state, RunState) else state
-
-
-@dataclass
-class PollError:
-    """A poll of the whole connection failed (the job itself may be fine)."""
-
-    message: str
-
-
-@dataclass
-class PollResult:
-    """One job's status at this poll, and its output since the last one."""
-
-    status: JobStatus
-    log: str = ""
-    log_offset: int = 0
-
-
-@dataclass
-class _Sub:
-    handle: JobHandle
-    queue: asyncio.Queue
-    stream_logs: bool
-    offset: int
-    interval: float = 0.0
-
-
-class SharedPoller:
-    """Polls one connection for every job subscribed to it, once per interval: one status
-    request for all jobs, and one log request for all jobs whose output is streamed. The
-    interval is the shortest of the jobs watched now (a job with a short one that ended no
-    longer sets the pace of the others)."""
-
-    def __init__(self, backend: Backend, interval: float):
-        self.backend = backend
-        self.interval = self._default = interval
-        self._subs: list[_Sub] = []
-        self._task: asyncio.Task | None = None
-        self._prepared = False
-        #: requests sent (tests and the benchmark check: one per interval, whatever the count)
-        self.status_polls = 0
-        self.log_polls = 0
-
-    def subscribe(self, handle: JobHandle, interval: float, stream_logs: bool = True,
-                  offset: int = 0) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
-        self._subs.append(_Sub(handle, queue, stream_logs, offset, interval))
-        self._pace()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._arun_loop())
-        return queue
-
-    def _pace(self) -> None:
-        """The interval: the shortest of the jobs watched now."""
-        self.interval = min((s.interval for s in self._subs), default=self._default)
-
-    def unsubscribe(self, queue: asyncio.Queue) -> None:
-        self._subs = [s for s in self._subs if s.queue is not queue]
-        self._pace()
-        if not self._subs and self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-    async def _arun_loop(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-            while self._subs:
-                started = loop.time()
-                await self._apoll_once()
-                # a fixed rate: the poll's own duration is not added to the interval
-                await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
-        finally:
-            close = getattr(self.backend, "aclose", None)
-            if close is not None:
-                try:
-                    await close()
-                except Exception:  # closing a broken connection: nothing left to release
-                    pass
-
-    async def _apoll_once(self) -> None:
-        subs = list(self._subs)
-        handles = list({s.handle.job_id: s.handle for s in subs}.values())
-        self.status_polls += 1
-        try:
-            if not self._prepared:
-                await self.backend.aprepare()
-                self._prepared = True
-            statuses = await self.backend.astatus(handles)
-        except Exception as exc:  # reported to every watcher; the loop goes on
-            error = PollError(f"{type(exc).__name__}: {exc}")
-            for sub in subs:
-                sub.queue.put_nowait(error)
-            await self._arenew(handles[0])
-            return
-        logs: dict[str, tuple[str, int]] = {}
-        wanted = {s.handle.job_id: (s.handle, s.offset) for s in subs if s.stream_logs}
-        if wanted:
-            self.log_polls += 1
-            try:
-                logs = await self.backend.aread_logs(list(wanted.values()))
-            except Exception:  # output is a convenience; the status is what matters
-                logs = {}
-        for sub in subs:
-            # a backend that does not speak for a job has not said it is gone
-            status = statuses.get(sub.handle.job_id) or JobStatus(
-                JobState.UNKNOWN, reason="not in the backend's answer")
-            text, offset = logs.get(sub.handle.job_id, ("", sub.offset))
-            sub.offset = offset
-            sub.queue.put_nowait(PollResult(status, text, offset))
-
-
-    async def _arenew(self, handle: JobHandle) -> None:
-        """After a failed poll the next one goes through a backend made anew, the connection
-        read again: a cached client of rotated credentials (an expired token, Vault's dynamic
-        AWS keys) would fail for ever, and every job watched here be taken for lost, cancelled
-        and placed again by the operator, whose own backend reads the new ones."""
-        try:
-            fresh = backend_for_handle(handle)
-        except Exception:  # the connection cannot be read now: the old backend tries again
-            return
-        old, self.backend, self._prepared = self.backend, fresh, False
-        close = getattr(old, "aclose", None)
-        if close is not None:
-            try:
-                await close()
-            except Exception:  # closing a broken connection: nothing left to release
-                pass
-
-
-_POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], SharedPoller]]
-_POLLERS = weakref.WeakKeyDictionary()
-
-
-def shared_poller(handle: JobHandle, interval: float) -> SharedPoller:
-    """The poller for this handle's connection in the running event loop (created on demand)."""
-    loop = asyncio.get_running_loop()
-    pollers = _POLLERS.setdefault(loop, {})
-    key = (handle.backend, handle.connection)
-    if key not in pollers:
-        pollers[key] = SharedPoller(backend_for_handle(handle), interval)
-    return pollers[key]
-
-
-def pollers_in_this_loop() -> dict[tuple[str, str], SharedPoller]:
-    return _POLLERS.get(asyncio.get_running_loop(), {})
 
 
 class _SweepsMixin:
@@ -319,6 +188,7 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         self.reconsider = reconsider
         self._looks: dict[str, Any] = {}  # the looks when there is no run state (tests)
         self._written_at = 0.0
+        self._offset = log_offset  # how far the output was streamed (the watch XCom's)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -347,17 +217,17 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
             yield TriggerEvent({"status": "error", "handle": self.handle, "state": self.state,
                                 "message": f"cannot watch the job: {type(exc).__name__}: {exc}"})
             return
-        queue = poller.subscribe(handle, self.poll_interval, self.stream_logs, self.log_offset)
+        offset = await self._astart_offset(handle)
+        queue = poller.subscribe(handle, self.poll_interval, self.stream_logs, offset)
         sweeper = asyncio.create_task(self._asweep_forever((handle.job_name,))) \
             if self._pending() else None
-        offset = self.log_offset
         silent_since: float | None = None
         loop = asyncio.get_running_loop()
         next_look = loop.time() + (spec.interval if spec else 0.0)
         seen: JobState | None = None
         try:
             while True:
-                item = await queue.get()
+                item = await self._anext(queue, poller)
                 unknown = isinstance(item, PollError) or item.status.state == JobState.UNKNOWN
                 if unknown:
                     now = time.monotonic()
@@ -374,9 +244,14 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                 silent_since = None
                 for line in item.log.splitlines():
                     self.log.info("[%s] %s", handle.job_id, line)
-                offset = item.log_offset
-                if item.status.state == JobState.RUNNING and seen != JobState.RUNNING:
-                    await self._awrite_watch(handle, item.status)  # its start, for the page
+                if item.status.state == JobState.RUNNING and (
+                        seen != JobState.RUNNING or item.log_offset > offset
+                        and time.time() - self._written_at >= WATCH_WRITE_EVERY):
+                    # its start, for the page; and how far its output was streamed (a
+                    # triggerer restarted picks it up there, not at the deferral's offset)
+                    self._offset = item.log_offset
+                    await self._awrite_watch(handle, item.status)
+                offset = self._offset = item.log_offset
                 seen = item.status.state
                 if spec is not None and item.status.state == JobState.PENDING \
                         and loop.time() >= next_look:
@@ -401,6 +276,18 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
             poller.unsubscribe(queue)
             if sweeper is not None:
                 sweeper.cancel()
+
+    async def _anext(self, queue: asyncio.Queue, poller: SharedPoller) -> PollResult | PollError:
+        """The next poll's result for this job; a poller that stays quiet well past its
+        interval (its loop ended, or a backend call outlived its own bound) is started again,
+        and the wait counts as a silence, never as an answer."""
+        wait = 2 * max(self.poll_interval, poller.interval) + POLL_RESULT_GRACE
+        try:
+            return await asyncio.wait_for(queue.get(), wait)
+        except asyncio.TimeoutError:
+            restarted = poller.ensure_running()
+            return PollError(f"no poll result for {wait:.0f}s"
+                             + (" (the poll loop had stopped: started again)" if restarted else ""))
 
     async def _areconsider(self, spec: rebalance.ReconsiderSpec, handle: JobHandle,
                            status: JobStatus) -> Offer | None:
@@ -436,16 +323,46 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         now = time.time()
         record = watch_record(self.state if self.state is not None else self._looks,
                               handle.to_dict(), status.state.value, now,
-                              started_at=status.started_at, est_start=status.est_start)
+                              started_at=status.started_at, est_start=status.est_start,
+                              log_offset=self._offset)
         try:
             from airflow.sdk.execution_time.xcom import XCom
 
             map_index = getattr(ti, "map_index", -1)
             await XCom.aset(XCOM_WATCH, record, dag_id=ti.dag_id, task_id=ti.task_id,
                             run_id=ti.run_id, map_index=-1 if map_index is None else map_index)
-            self._written_at = now
         except Exception as exc:  # the page shows less; the watch goes on
             self.log.debug("Could not write the %s XCom: %s", XCOM_WATCH, exc)
+        self._written_at = now  # tried: not again at every poll
+
+    async def _astart_offset(self, handle: JobHandle) -> int:
+        """Where to stream the job's output from: the deferral's offset, or, when a trigger
+        of this job in a triggerer that stopped wrote a later one to the watch XCom, that
+        one (else a restart repeats every line since the deferral in the task log)."""
+        ti = getattr(self, "task_instance", None)
+        if not self.stream_logs or ti is None:
+            return self.log_offset
+        try:
+            from airflow.sdk.execution_time.xcom import XCom
+
+            map_index = getattr(ti, "map_index", -1)
+            record = await asyncio.wait_for(XCom.aget_one(
+                key=XCOM_WATCH, dag_id=ti.dag_id, task_id=ti.task_id, run_id=ti.run_id,
+                map_index=-1 if map_index is None else map_index), WATCH_READ_TIMEOUT)
+        except Exception as exc:  # the output may repeat; the watch goes on
+            self.log.debug("Could not read the %s XCom: %s", XCOM_WATCH, exc)
+            return self.log_offset
+        if not isinstance(record, dict) or (record.get("job_id"), record.get("connection")) \
+                != (handle.job_id, handle.connection):
+            return self.log_offset
+        streamed = int(record.get("log_offset") or 0)
+        if streamed <= self.log_offset:
+            return self.log_offset
+        self.log.info("Job %s: its output up to byte %d was shown by an earlier watch of it "
+                      "(a triggerer that stopped); going on from there", handle.job_id,
+                      streamed)
+        self._offset = streamed
+        return streamed
 
     async def _astream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -310,3 +311,131 @@ async def test_on_kill_without_cancel_on_kill_still_stops_old_copies():
     await SkyPilotJobTrigger(watched.to_dict(), cancel_on_kill=False, state=run).on_kill()
     assert FakeBackend.jobs["1"]["status"].state == JobState.RUNNING
     assert FakeBackend.jobs["2"]["status"].state == JobState.CANCELLED
+
+
+class _BrokenRoundBackend(FakeBackend):
+    """A backend whose answer the poll round cannot digest, for a while: the round raises
+    outside the backend call (before, the poll loop died, and its watchers waited for ever)."""
+
+    name = "fake_broken_round"
+    broken = True
+
+    async def astatus(self, handles):
+        if _BrokenRoundBackend.broken:
+            return None  # not a dict: the round's own code fails on it
+        return await super().astatus(handles)
+
+
+async def test_a_poll_round_that_fails_is_a_silence_and_the_loop_goes_on():
+    registry.register_backend(_BrokenRoundBackend)
+    _BrokenRoundBackend.broken = True
+    handle = _job("1")
+    handle.backend = "fake_broken_round"
+    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, unreachable_timeout=30)
+
+    async def mend_then_finish():
+        await asyncio.sleep(0.2)
+        _BrokenRoundBackend.broken = False
+        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
+
+    event, _ = await asyncio.wait_for(asyncio.gather(_first_event(t), mend_then_finish()), 5)
+    assert event["job_status"]["state"] == "succeeded"
+
+
+async def test_a_watcher_starts_a_stopped_poll_loop_again(monkeypatch):
+    """A poll loop that ended while jobs were still watched (killed by anything): the
+    watcher's wait for a result is bounded, counts as a silence, and starts the loop again."""
+    monkeypatch.setattr(trig, "POLL_RESULT_GRACE", 0.2)
+    handle = _job("1")
+    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, unreachable_timeout=30)
+    watch = asyncio.create_task(_first_event(t))
+    await asyncio.sleep(0.1)
+    poller = trig.pollers_in_this_loop()[("fake", "c1")]
+    poller._task.cancel()  # the loop dies; nobody unsubscribed
+    await asyncio.sleep(0.05)
+    assert poller._task.done()
+    polls = poller.status_polls
+    FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
+    event = await asyncio.wait_for(watch, 5)
+    assert event["job_status"]["state"] == "succeeded"
+    assert poller.status_polls > polls, "answered by a poll loop started again"
+
+
+class _ClosingBackend(FakeBackend):
+    name = "fake_closing"
+    closed = 0
+
+    async def aclose(self):
+        _ClosingBackend.closed += 1
+
+
+async def test_a_loop_ending_does_not_close_the_backend_a_new_watcher_polls_with():
+    """The last watcher leaves (the loop is cancelled) and a new one subscribes before the
+    cancelled loop has unwound: the backend the new loop polls with stays open."""
+    _ClosingBackend.closed = 0
+    first, second = _job("1"), _job("2")
+    poller = trig.SharedPoller(_ClosingBackend("c1"), 0.02)
+    q1 = poller.subscribe(first, 0.02)
+    await asyncio.wait_for(q1.get(), 5)
+    poller.unsubscribe(q1)
+    q2 = poller.subscribe(second, 0.02)
+    for _ in range(3):
+        assert isinstance(await asyncio.wait_for(q2.get(), 5), trig.PollResult)
+    assert _ClosingBackend.closed == 0, "closed under the loop that polls with it"
+    poller.unsubscribe(q2)
+    await asyncio.sleep(0.05)
+    assert _ClosingBackend.closed == 1  # closed once nobody watches
+
+
+async def test_a_trigger_started_again_goes_on_where_the_stopped_one_streamed_to(monkeypatch):
+    """A triggerer that stops (a deploy, a crash) hands the trigger to another one with the
+    deferral's kwargs: before, every line since the deferral was logged again (a long run's
+    whole output). The watch XCom carries how far the output was streamed."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.execution_time import xcom
+
+    store: dict[str, object] = {}
+
+    async def aset(key, value, **where):
+        store[key] = json.loads(json.dumps(value))
+
+    async def aget_one(*, key, **where):
+        return store.get(key)
+
+    monkeypatch.setattr(xcom.XCom, "aset", aset)
+    monkeypatch.setattr(xcom.XCom, "aget_one", aget_one)
+    monkeypatch.setattr(trig, "WATCH_WRITE_EVERY", 0.0)
+    ti = SimpleNamespace(dag_id="d", task_id="t", run_id="r", map_index=-1)
+    handle = _job("1", log="epoch 1\nepoch 2\n")
+    first = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02)
+    first.task_instance = ti
+    lines: dict[int, list[str]] = {1: [], 2: []}
+
+    def recorder(n: int) -> SimpleNamespace:  # the trigger's logger: what reaches the task log
+        return SimpleNamespace(info=lambda msg, *a: lines[n].append(msg % a),
+                               warning=lambda *a: None, debug=lambda *a: None)
+
+    first._log = recorder(1)
+    watch = asyncio.create_task(_first_event(first))
+    await asyncio.sleep(0.3)
+    watch.cancel()  # the triggerer dies
+    assert store[trig.XCOM_WATCH]["log_offset"] == len("epoch 1\nepoch 2\n")
+    FakeBackend.jobs["1"]["log"] += "epoch 3\n"
+    again = SkyPilotJobTrigger(**first.serialize()[1])  # what the other triggerer loads
+    assert again.log_offset == 0
+    again.task_instance = ti
+    again._log = recorder(2)
+    finish = asyncio.get_running_loop().call_later(
+        0.2, lambda: FakeBackend.jobs["1"].update(status=JobStatus(JobState.SUCCEEDED)))
+    event = await asyncio.wait_for(_first_event(again), 5)
+    finish.cancel()
+    assert [line for line in lines[1] if line.startswith("[1]")] == ["[1] epoch 1",
+                                                                      "[1] epoch 2"]
+    assert [line for line in lines[2] if line.startswith("[1]")] == ["[1] epoch 3"]
+    assert event["log_offset"] == len("epoch 1\nepoch 2\nepoch 3\n")
+    # another job's record (a failover's, the job before) is not this job's offset
+    store[trig.XCOM_WATCH] = {**store[trig.XCOM_WATCH], "job_id": "0"}
+    other = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02)
+    other.task_instance = ti
+    assert await other._astart_offset(JobHandle.from_dict(handle.to_dict())) == 0
