@@ -479,6 +479,46 @@ def test_poll_is_batched_one_pod_list_per_namespace(k8s, kube):
         backend.cancel(h)
 
 
+def test_a_namespace_that_cannot_be_listed_silences_only_its_own_jobs(k8s, kube):
+    """RBAC lost in one namespace: its jobs get no answer (UNKNOWN, never "gone"); the jobs
+    of the connection's other namespaces are still read (before, the whole poll failed and,
+    after the silence, every job of the connection counted as lost and was placed again)."""
+    from airflow_skypilot.exceptions import BackendError
+    from tests.sandbox.kubernetes.server import FORBIDDEN_NAMESPACE_LABEL
+
+    extra = k8s.connections()["k8s_sandbox"]["extra"]
+    ok, lost = _namespace(kube), _namespace(kube)
+    handles = {ns: _submit(KubernetesBackend("k8s_sandbox", KubernetesSettings.from_extra(
+        "k8s_sandbox", {**extra, "namespace": ns})), {"run": "echo hi; sleep 60"})
+        for ns in (ok, lost)}
+    backend = KubernetesBackend("k8s_sandbox")
+    for h in handles.values():
+        _until(backend, h, [JobState.RUNNING])
+
+    def label(ns: str, value: str | None) -> None:
+        _core(kube).patch_namespace(ns, {"metadata": {"labels": {
+            FORBIDDEN_NAMESPACE_LABEL: value}}})
+
+    label(lost, "true")
+    try:
+        for poll in (lambda: asyncio.run(backend.astatus(list(handles.values()))),
+                     lambda: backend.status(list(handles.values()))):
+            statuses = poll()
+            assert statuses[handles[ok].job_id].state == JobState.RUNNING
+            silent = statuses[handles[lost].job_id]
+            assert silent.state == JobState.UNKNOWN, silent
+            assert f"namespace {lost} could not be listed" in silent.reason
+            assert "Forbidden" in silent.reason or "403" in silent.reason, silent.reason
+        # a connection none of whose namespaces answers is a failed poll, as before
+        with pytest.raises(BackendError):
+            asyncio.run(backend.astatus([handles[lost]]))
+    finally:
+        label(lost, None)
+    assert backend.status([handles[lost]])[handles[lost].job_id].state == JobState.RUNNING
+    for h in handles.values():
+        backend.cancel(h)
+
+
 def test_workdir_and_file_mounts_reach_the_pod(k8s, tmp_path):
     wd = tmp_path / "wd"
     wd.mkdir()

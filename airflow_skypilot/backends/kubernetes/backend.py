@@ -256,8 +256,13 @@ class KubernetesBackend(Backend):
                 self._nodes_forbidden = True
             elif error is not None:
                 self.log.debug("Node list failed (node checks skipped): %s", error)
-        listed = status.listed(self.conn_id, groups, results)
-        out, seen = status.statuses(groups, listed, nodes, self.settings)
+        listed, failed = status.listed(self.conn_id, groups, results)
+        for ns, error in failed.items():
+            self.log.warning("Could not list the Jobs of namespace %s on %s: %s", ns,
+                             self.conn_id, error)
+        out, seen = status.statuses({ns: hs for ns, hs in groups.items() if ns in listed},
+                                    listed, nodes, self.settings)
+        out.update(status.unlisted(groups, failed))
         now = time.monotonic()
         # a stale entry is never used again: drop it (the triggerer's backend lives for long)
         self._seen = {name: (at, pods) for name, (at, pods) in self._seen.items()

@@ -404,21 +404,37 @@ def take_nodes(results: list[Any]) -> tuple[list[dict[str, Any]] | None, BaseExc
     return node_result.get("items") or [], None
 
 
-def listed(conn_id: str, groups: Mapping[str, list[JobHandle]], results: list[Any]) -> Listed:
-    """Each namespace's Jobs and pods from ``results``; raises for a failed Job list, or a
-    failed pod list but HTTP 403 (then the Job's own status has to do)."""
+def listed(conn_id: str, groups: Mapping[str, list[JobHandle]], results: list[Any]
+           ) -> tuple[Listed, dict[str, BackendError]]:
+    """Each namespace's Jobs and pods from ``results``, and the namespaces that could not be
+    listed (a failed Job list, or a failed pod list but HTTP 403: then the Job's own status
+    has to do), with why. A namespace that fails says nothing about the others' jobs (one
+    whose RBAC changed must not make every job of the connection look lost); raises only
+    when none could be listed."""
     out: Listed = {}
+    failed: dict[str, BackendError] = {}
     for i, ns in enumerate(groups):
         jobs, pods = results[2 * i], results[2 * i + 1]
         if isinstance(pods, KubeApiError) and pods.status == 403:
             pods = None  # the Job's own status has to do
-        for result in (jobs, pods):
-            if isinstance(result, BaseException):
-                if isinstance(result, BackendError):
-                    raise result
-                raise BackendUnreachable(f"{conn_id}: {result}") from result
+        error = next((r for r in (jobs, pods) if isinstance(r, BaseException)), None)
+        if error is not None:
+            failed[ns] = error if isinstance(error, BackendError) else \
+                BackendUnreachable(f"{conn_id}: {error}")
+            continue
         out[ns] = (jobs.get("items") or [], None if pods is None else pods.get("items") or [])
-    return out
+    if failed and not out:
+        error = next(iter(failed.values()))
+        raise error
+    return out, failed
+
+
+def unlisted(groups: Mapping[str, list[JobHandle]], failed: Mapping[str, BackendError]
+             ) -> dict[str, JobStatus]:
+    """The jobs of namespaces that could not be listed: no answer about them (never "gone")."""
+    return {h.job_id: JobStatus(JobState.UNKNOWN,
+                                reason=f"namespace {ns} could not be listed: {error}")
+            for ns, error in failed.items() for h in groups[ns]}
 
 
 def statuses(groups: Mapping[str, list[JobHandle]], listed: Listed,

@@ -35,12 +35,14 @@ from tests.sandbox.kubernetes.selectors import (
     parse_field_selector,
     parse_label_selector,
 )
-from tests.sandbox.kubernetes.store import PODS, Resource, Store, WatchEvent
+from tests.sandbox.kubernetes.store import NAMESPACES, PODS, Resource, Store, WatchEvent
 from tests.sandbox.kubernetes.util import apply_patch, dumps, parse_time
 
 log = logging.getLogger("k8s-sandbox")
 
 FORBIDDEN_TOKEN = "no-pods-token"
+#: a namespace labelled so refuses every token's lists of its objects (its RoleBinding gone)
+FORBIDDEN_NAMESPACE_LABEL = "sandbox.airflow-skypilot.io/lists-forbidden"
 SANDBOX_TOKEN = "sandbox-token"
 VERSION = {
     "major": "1",
@@ -207,6 +209,18 @@ class SandboxAPI(kmock.KubernetesEmulator):
                 f'"" {where}',
                 kind="pods",
             )
+        if namespace and verb in ("list", "watch") and not sub:
+            ns_obj = self.store.get(NAMESPACES, None, namespace) or {}
+            if (ns_obj.get("metadata", {}).get("labels") or {}).get(
+                    FORBIDDEN_NAMESPACE_LABEL) == "true":
+                raise api_error(
+                    403,
+                    "Forbidden",
+                    f'{res.plural} is forbidden: User "system:serviceaccount:default:sandbox" '
+                    f'cannot {verb} resource "{res.plural}" in API group "{res.group}" in the '
+                    f'namespace "{namespace}"',
+                    kind=res.plural,
+                )
         body = await self._body(raw)
 
         if name is None:
