@@ -123,22 +123,35 @@ class SharedPoller:
                 sub.queue.put_nowait(error)
             await self._arenew(handles[0])
             return
-        logs: dict[str, tuple[str, int]] = {}
-        wanted = {s.handle.job_id: (s.handle, s.offset) for s in subs if s.stream_logs}
-        if wanted:
-            self.log_polls += 1
-            try:
-                logs = await self.backend.aread_logs(list(wanted.values()))
-            except Exception:  # output is a convenience; the status is what matters
-                logs = {}
+        logs = await self._alogs([s for s in subs if s.stream_logs])
         for sub in subs:
             # a backend that does not speak for a job has not said it is gone
             status = statuses.get(sub.handle.job_id) or JobStatus(
                 JobState.UNKNOWN, reason="not in the backend's answer")
-            text, offset = logs.get(sub.handle.job_id, ("", sub.offset))
+            text, offset = logs.get((sub.handle.job_id, sub.offset), ("", sub.offset))
             sub.offset = offset
             sub.queue.put_nowait(PollResult(status, text, offset))
 
+    async def _alogs(self, subs: list[_Sub]) -> dict[tuple[str, int], tuple[str, int]]:
+        """Each streamed job's new output from each offset its watchers are at: one request
+        for all jobs, and one more for each further offset of a job two triggers watch (the
+        operator's and a sensor's: each has shown its own part of the output)."""
+        out: dict[tuple[str, int], tuple[str, int]] = {}
+        wanted = {(s.handle.job_id, s.offset): s.handle for s in subs}
+        while wanted:
+            batch: dict[str, tuple[JobHandle, int]] = {}
+            for (job_id, offset), handle in wanted.items():
+                batch.setdefault(job_id, (handle, offset))
+            self.log_polls += 1
+            try:
+                got = await self.backend.aread_logs(list(batch.values()))
+            except Exception:  # output is a convenience; the status is what matters
+                got = {}
+            for job_id, (_, offset) in batch.items():
+                if job_id in got:
+                    out[(job_id, offset)] = got[job_id]
+                del wanted[(job_id, offset)]
+        return out
 
     async def _arenew(self, handle: JobHandle) -> None:
         """After a failed poll the next one goes through a backend made anew, the connection

@@ -439,3 +439,30 @@ async def test_a_trigger_started_again_goes_on_where_the_stopped_one_streamed_to
     other = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02)
     other.task_instance = ti
     assert await other._astart_offset(JobHandle.from_dict(handle.to_dict())) == 0
+
+
+async def test_two_triggers_on_one_job_each_get_the_output_from_their_own_offset():
+    """The operator's trigger and a sensor's watch the same job in one triggerer: one log
+    offset per job made one of them log lines twice or miss some."""
+    handle = _job("1", log="a\nb\n")
+    operator = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, log_offset=2)
+    sensor = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, log_offset=0)
+    seen: dict[str, list[str]] = {"operator": [], "sensor": []}
+    for name, t in (("operator", operator), ("sensor", sensor)):
+        t._log = type("L", (), {"info": lambda self, msg, *a, n=name: seen[n].append(msg % a),
+                                "warning": lambda *a: None, "debug": lambda *a: None})()
+
+    async def more_then_end():
+        await asyncio.sleep(0.15)
+        FakeBackend.jobs["1"]["log"] += "c\n"
+        await asyncio.sleep(0.15)
+        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
+
+    events = await asyncio.wait_for(asyncio.gather(
+        _first_event(operator), _first_event(sensor), more_then_end()), 5)
+    assert [e["log_offset"] for e in events[:2]] == [6, 6]
+    assert [x for x in seen["operator"] if x.startswith("[1]")] == ["[1] b", "[1] c"]
+    assert [x for x in seen["sensor"] if x.startswith("[1]")] == ["[1] a", "[1] b", "[1] c"]
+    poller = trig.pollers_in_this_loop()[("fake", "c1")]
+    # one request while the two are at different offsets, then one once they are together
+    assert poller.log_polls <= 2 * poller.status_polls
