@@ -2,10 +2,10 @@
 
 The trigger is read-only: it never submits. However many jobs are watched on one connection,
 one shared poller (``_poller.py``) per (event loop, backend, connection) asks that backend once
-per poll interval about all of them (one ``squeue``, one pod list, one ``describe_instances``) and hands
-each trigger its job's status. A backend that cannot be asked is asked again: "could not ask"
-is never "gone", and a job is declared lost for silence only after ``unreachable_timeout``
-seconds without an answer about it. Every error becomes an event.
+per poll interval about all of them (one ``squeue``, one pod list, one
+``describe_instances``) and hands each trigger its job's status. A backend that cannot be
+asked is asked again: "could not ask" is never "gone", and a job is declared lost for silence
+only after ``unreachable_timeout`` seconds without an answer about it. Every error becomes an event.
 
 While they wait, the triggers also keep confirming old copies of the task dead (the run
 state's pending sweeps, see ``sweeps.py``), and report what they confirmed in their event.
