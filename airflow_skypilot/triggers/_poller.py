@@ -54,6 +54,7 @@ class SharedPoller:
         self._subs: list[_Sub] = []
         self._task: asyncio.Task | None = None
         self._prepared = False
+        self._last_round = 0.0  # when the loop last started or ended a round (loop time)
         #: requests sent (tests and the benchmark check: one per interval, whatever the count)
         self.status_polls = 0
         self.log_polls = 0
@@ -78,17 +79,28 @@ class SharedPoller:
             self._task.cancel()
             self._task = None
 
-    def ensure_running(self) -> bool:
-        """Start the poll loop again if it is not running while jobs are watched (a watcher
-        that waited too long for a result calls it); True when it had to."""
-        if self._subs and (self._task is None or self._task.done()):
-            self._task = asyncio.get_running_loop().create_task(self._arun_loop())
-            return True
-        return False
+    async def arestart(self, handle: JobHandle, quiet_for: float) -> str:
+        """A watcher waited ``quiet_for`` seconds, far past the interval, for a result: the
+        loop ended, or is stuck in a backend call past its own bounds. Start it again (a stuck
+        one, with no round ended for ``quiet_for``, cancelled and its backend made anew; the
+        other watchers of a loop just started find it running); what was done, for the log."""
+        if not self._subs:
+            return ""
+        why = "the poll loop had stopped"
+        if self._task is not None and not self._task.done():
+            if asyncio.get_running_loop().time() - self._last_round < quiet_for:
+                return ""
+            why = "the poll loop was stuck"
+            self._task.cancel()
+            self._task = None
+            await self._arenew(handle)
+        self._task = asyncio.get_running_loop().create_task(self._arun_loop())
+        return f"{why}: started again"
 
     async def _arun_loop(self) -> None:
         try:
             loop = asyncio.get_running_loop()
+            self._last_round = loop.time()
             while self._subs:
                 started = loop.time()
                 try:
@@ -96,6 +108,7 @@ class SharedPoller:
                 except Exception as exc:  # a bug in one round must not end every watch
                     for sub in list(self._subs):
                         sub.queue.put_nowait(PollError(f"{type(exc).__name__}: {exc}"))
+                self._last_round = loop.time()
                 # a fixed rate: the poll's own duration is not added to the interval
                 await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
         finally:

@@ -285,9 +285,8 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         try:
             return await asyncio.wait_for(queue.get(), wait)
         except asyncio.TimeoutError:
-            restarted = poller.ensure_running()
-            return PollError(f"no poll result for {wait:.0f}s"
-                             + (" (the poll loop had stopped: started again)" if restarted else ""))
+            done = await poller.arestart(JobHandle.from_dict(self.handle), wait)
+            return PollError(f"no poll result for {wait:.0f}s" + (f" ({done})" if done else ""))
 
     async def _areconsider(self, spec: rebalance.ReconsiderSpec, handle: JobHandle,
                            status: JobStatus) -> Offer | None:

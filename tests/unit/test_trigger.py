@@ -271,22 +271,34 @@ class _RotatedBackend(FakeBackend):
         return await super().astatus(handles)
 
 
+async def _watched_to_success(backend_cls, meanwhile, timeout=5.0, **trigger_kwargs):
+    """Watch job 1 on ``backend_cls`` while ``meanwhile()`` runs, after which the job
+    succeeds: the trigger's event."""
+    registry.register_backend(backend_cls)
+    handle = _job("1")
+    handle.backend = backend_cls.name
+    t = SkyPilotJobTrigger(handle.to_dict(), **trigger_kwargs)
+
+    async def then_succeed():
+        await meanwhile()
+        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
+
+    event, _ = await asyncio.wait_for(asyncio.gather(_first_event(t), then_succeed()), timeout)
+    return event
+
+
 async def test_rotated_credentials_are_read_again_not_taken_for_a_lost_job():
     """A cached client of expired credentials failed every poll: every job on the connection
     was taken for lost, then cancelled and placed again by the operator."""
-    registry.register_backend(_RotatedBackend)
     _RotatedBackend.generation = 0
-    handle = _job("1")
-    handle.backend = "fake_rotated"
-    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, unreachable_timeout=0.5)
 
-    async def rotate_then_finish():
+    async def rotate():
         await asyncio.sleep(0.1)
         _RotatedBackend.generation += 1
         await asyncio.sleep(0.2)
-        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
 
-    event, _ = await asyncio.wait_for(asyncio.gather(_first_event(t), rotate_then_finish()), 5)
+    event = await _watched_to_success(_RotatedBackend, rotate, poll_interval=0.02,
+                                      unreachable_timeout=0.5)
     assert event["job_status"]["state"] == "succeeded"
 
 
@@ -327,18 +339,14 @@ class _BrokenRoundBackend(FakeBackend):
 
 
 async def test_a_poll_round_that_fails_is_a_silence_and_the_loop_goes_on():
-    registry.register_backend(_BrokenRoundBackend)
     _BrokenRoundBackend.broken = True
-    handle = _job("1")
-    handle.backend = "fake_broken_round"
-    t = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02, unreachable_timeout=30)
 
-    async def mend_then_finish():
+    async def mend():
         await asyncio.sleep(0.2)
         _BrokenRoundBackend.broken = False
-        FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED)
 
-    event, _ = await asyncio.wait_for(asyncio.gather(_first_event(t), mend_then_finish()), 5)
+    event = await _watched_to_success(_BrokenRoundBackend, mend, poll_interval=0.02,
+                                      unreachable_timeout=30)
     assert event["job_status"]["state"] == "succeeded"
 
 
@@ -466,3 +474,27 @@ async def test_two_triggers_on_one_job_each_get_the_output_from_their_own_offset
     poller = trig.pollers_in_this_loop()[("fake", "c1")]
     # one request while the two are at different offsets, then one once they are together
     assert poller.log_polls <= 2 * poller.status_polls
+
+
+class _HangingBackend(FakeBackend):
+    """The second status call never returns (a call past every bound of its own)."""
+
+    name = "fake_hanging"
+    calls = 0
+
+    async def astatus(self, handles):
+        _HangingBackend.calls += 1
+        if _HangingBackend.calls == 2:
+            await asyncio.Event().wait()
+        return await super().astatus(handles)
+
+
+async def test_a_poll_loop_stuck_in_a_backend_call_is_started_again(monkeypatch):
+    """Before, only a loop that had ended was started again: one stuck in a call left its
+    watchers without answers until the job counted as lost."""
+    monkeypatch.setattr(trig, "POLL_RESULT_GRACE", 0.3)
+    _HangingBackend.calls = 0
+    event = await _watched_to_success(_HangingBackend, lambda: asyncio.sleep(0.3), timeout=10,
+                                      poll_interval=0.05, unreachable_timeout=30)
+    assert event["job_status"]["state"] == "succeeded"
+    assert _HangingBackend.calls >= 3
