@@ -33,6 +33,7 @@ from airflow_skypilot.spec.source import Source
 RESERVED_ENV_NAMES = frozenset({
     "SKYPILOT_TASK_ID", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES",
     "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_SETUP_NODE_IPS",
+    "SKYPILOT_SETUP_NUM_GPUS_PER_NODE",
     "SKYPILOT_CLUSTER_INFO", "SKYPILOT_ATTEMPT",
 })
 #: the prefix of the job scripts' own variables; no env or secret may use it

@@ -383,6 +383,29 @@ def test_a_secret_filled_into_a_file_mount_reaches_the_node_but_not_user_data(bo
     backend.cleanup(handle)
 
 
+def test_a_relative_file_mount_is_in_the_nodes_cwd_and_under_sky_workdir(box, tmp_path):
+    """SkyPilot puts a relative destination under ~/sky_workdir, its workdir and the cwd of
+    setup and run; here it was copied under $HOME, and ~/sky_workdir did not exist."""
+    (tmp_path / "data" / "deep").mkdir(parents=True)
+    (tmp_path / "data" / "deep" / "f.txt").write_text("from a dir mount\n")
+    (tmp_path / "one.cfg").write_text("from a file mount\n")
+    backend = AwsBackend(CONN)
+    task = load_task({
+        "resources": {"cpus": "2+"},
+        "file_mounts": {"relative_dir": str(tmp_path / "data"),
+                        "./conf/one.cfg": str(tmp_path / "one.cfg")},
+        "setup": "test -f relative_dir/deep/f.txt",
+        "run": "test -f relative_dir/deep/f.txt && test -f ~/sky_workdir/relative_dir/deep/f.txt"
+               " && cat conf/one.cfg && test ! -e ~/relative_dir && "
+               'test "$(cd ~/sky_workdir && pwd -P)" = "$(pwd -P)" && echo found-it'})
+    handle = backend.submit(task, _offer(backend, task), _name("relmount"), {})
+    status = _wait(backend, handle)
+    text, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, text
+    assert "from a file mount" in text and "found-it" in text
+    backend.cleanup(handle)
+
+
 def test_polling_is_batched_one_describe_per_region(box):
     backend = AwsBackend(CONN)
     task = load_task({"run": "sleep 300", "resources": {"accelerators": "A10G:1"}})

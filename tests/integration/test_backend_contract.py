@@ -468,13 +468,35 @@ LINE = re.compile(r"rank=(\d) nodes=(\S*) gpus=(\S*) task=(\S*) my=<(.*)> ipcoun
                   r"ips=(\S*) sha=(\w*) me=(\S*)")
 
 
+def test_setup_and_run_run_as_skypilot_runs_them(target):
+    """SkyPilot's prologue on every backend: ``bash -i`` after ``source ~/.bashrc`` (a setup
+    hands run a value by appending an export to it, SkyPilot's ``env_check.yaml``; a guarded
+    Debian .bashrc reads it only in an interactive shell), ``PYTHONUNBUFFERED=1``, the task's
+    envs over the .bashrc's."""
+    backend = target.backend()
+    var = f"CT_BASHRC_{uuid.uuid4().hex[:10]}"
+    task = _task(
+        target, envs={"CT_ENV": "from-envs"},
+        setup=f'echo "export {var}=from-setup CT_ENV=from-bashrc" >> ~/.bashrc',
+        # the job user's home may be shared by other jobs (Slurm): the line goes again
+        run=f'echo "got=${var} env=$CT_ENV interactive=${{-//[^i]/}} '
+            f'unbuffered=$PYTHONUNBUFFERED"; sed -i "/{var}/d" ~/.bashrc')
+    handle, _ = _submit(target, backend, task)
+    status = _wait(target, backend, handle)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, (status, log)
+    assert "got=from-setup env=from-envs interactive=i unbuffered=1" in log, log
+    assert "no job control" not in log and "terminal process group" not in log, log
+
+
 def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):
     backend = target.backend()
     secret = f"two-{uuid.uuid4().hex}"
     digest = hashlib.sha256(secret.encode()).hexdigest()
     task = _task(
         target, gpus=1, num_nodes=2, envs={"MY_ENV": "x y"}, secrets={"CT_TOKEN": secret},
-        setup='echo "setup-rank=$SKYPILOT_SETUP_NODE_RANK"',
+        setup='echo "setup-rank=$SKYPILOT_SETUP_NODE_RANK '
+              'setup-gpus=$SKYPILOT_SETUP_NUM_GPUS_PER_NODE"',
         run=f'me=$({target.own_address})\n'
             'echo "rank=$SKYPILOT_NODE_RANK nodes=$SKYPILOT_NUM_NODES '
             'gpus=$SKYPILOT_NUM_GPUS_PER_NODE task=$SKYPILOT_TASK_ID my=<$MY_ENV> '
@@ -491,7 +513,7 @@ def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):
     for rank, (nodes, gpus, tid, my, ipcount, ips, sha, me) in ranks.items():
         assert (nodes, gpus, tid, my, ipcount, sha) == ("2", "1", task_id, "x y", "2", digest)
         assert len(set(filter(None, ips.split(",")))) == 2, ips
-        assert f"setup-rank={rank}" in log
+        assert f"setup-rank={rank} setup-gpus=1" in log
         # rank order: line `rank` of SKYPILOT_NODE_IPS is the address of this rank's own node
         listed = ips.split(",")[rank]
         assert me and target.is_own_address(listed, me), (rank, listed, me, log)

@@ -537,6 +537,31 @@ def test_workdir_and_file_mounts_reach_the_pod(k8s, tmp_path):
     assert not offer.fits and "a Secret takes at most" in offer.reason
 
 
+def test_a_relative_file_mount_is_in_the_pods_cwd_and_under_sky_workdir(k8s, tmp_path):
+    """SkyPilot puts a relative destination under ~/sky_workdir, its workdir and the cwd of
+    setup and run; here it was unpacked under $HOME, and ~/sky_workdir did not exist. Each
+    pod (node) has its own."""
+    data = tmp_path / "data"
+    (data / "deep").mkdir(parents=True)
+    (data / "deep" / "f.txt").write_text("from a dir mount\n")
+    (tmp_path / "one.cfg").write_text("from a file mount\n")
+    backend = KubernetesBackend("k8s_sandbox")
+    check = ("test -f relative_dir/deep/f.txt && test -f ~/sky_workdir/relative_dir/deep/f.txt"
+             " && cat conf/one.cfg && test ! -e ~/relative_dir && "
+             'test "$(cd ~/sky_workdir && pwd -P)" = "$(pwd -P)" && '
+             'echo "found-it-$SKYPILOT_NODE_RANK"')
+    handle = _submit(backend, {"num_nodes": 2, "resources": {"accelerators": "A100:1"},
+                               "file_mounts": {"relative_dir": str(data),
+                                               "./conf/one.cfg": str(tmp_path / "one.cfg")},
+                               "setup": "test -f relative_dir/deep/f.txt", "run": check})
+    status = _terminal(backend, handle)
+    text, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, text
+    assert "found-it-0" in text and "(rank 1) found-it-1" in text
+    assert text.count("from a file mount") == 2
+    backend.cleanup(handle)
+
+
 def test_a_secret_filled_into_a_mount_path_reaches_the_pod_as_a_reference(k8s, kube,
                                                                           tmp_path):
     """SkyPilot fills secrets into file_mounts; main.sh, in the ConfigMap, names the secret

@@ -345,6 +345,33 @@ def test_workdir_is_copied_over_sftp(slurm, tmp_path):
     assert "from workdir" in log and ".git" not in log
 
 
+def test_a_relative_file_mount_is_in_the_jobs_cwd_beside_the_workdir(slurm, tmp_path):
+    """SkyPilot puts a relative destination under its workdir (~/sky_workdir), the cwd of
+    setup and run; here SFTP put it in the login user's home."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("print('from workdir')\n")
+    (tmp_path / "data" / "deep").mkdir(parents=True)
+    (tmp_path / "data" / "deep" / "f.txt").write_text("from a dir mount\n")
+    (tmp_path / "one.cfg").write_text("from a file mount\n")
+    tag = uuid.uuid4().hex[:8]  # the home is shared: names of its own
+    rel, conf = f"relative_dir-{tag}", f"conf-{tag}"
+    (tmp_path / "task.yaml").write_text(
+        f"workdir: src\nfile_mounts:\n  {rel}: data\n  ./{conf}/one.cfg: one.cfg\n"
+        f"setup: test -f {rel}/deep/f.txt\n"
+        f"run: |\n  test -f {rel}/deep/f.txt && cat {rel}/deep/f.txt {conf}/one.cfg\n"
+        "  python3 train.py\n  pwd\n")
+    beta = SlurmBackend("slurm_beta")
+    handle = _submit(beta, load_task(str(tmp_path / "task.yaml")), "sky-test-relmount")
+    status = _wait(beta, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    log = _log(beta, handle)
+    assert status.state == JobState.SUCCEEDED, log
+    assert "from a dir mount\nfrom a file mount\nfrom workdir\n" in log
+    assert f"{handle.extra['job_dir']}/workdir\n" in log
+    gone = slurm.run("beta", "ls", "-d", f"{HOME}/{rel}", f"{HOME}/{conf}", check=False)
+    slurm.run("beta", "rm", "-rf", f"{HOME}/{rel}", f"{HOME}/{conf}", check=False)
+    assert gone.returncode != 0 and not gone.stdout.strip(), gone.stdout
+
+
 def test_cli_show_gpus_and_plan(slurm, capsys, tmp_path):
     assert cli(["show-gpus", "--conn", "slurm_alpha", "--conn", "slurm_beta", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -117,6 +117,7 @@ def test_secret_and_env_override_names_must_be_env_var_names():
 @pytest.mark.parametrize("name", ["SKYPILOT_TASK_ID", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS",
                                   "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE",
                                   "SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_SETUP_NODE_IPS",
+                                  "SKYPILOT_SETUP_NUM_GPUS_PER_NODE",
                                   "SKYPILOT_CLUSTER_INFO", "SKYPILOT_ATTEMPT"])
 def test_a_secret_cannot_replace_what_airflow_skypilot_sets(name):
     message = f"{name!r} is set by airflow-skypilot for every job; a secret cannot replace it"

@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.spec import load_task
 
 
-def _node(tmp_path, run: str, secrets: dict[str, str], envs: dict[str, str] | None = None):
+def _node(tmp_path, run: str, secrets: dict[str, str], envs: dict[str, str] | None = None,
+          path: str | None = None):
     (tmp_path / "env.sh").write_text(jobscript.exports({
         **(envs or {}), **({"AIRFLOW_SKYPILOT_SECRET_NAMES": " ".join(secrets)}
                            if secrets else {})}))
     if secrets:
         (tmp_path / "secrets.sh").write_text(jobscript.exports(secrets))
-    (tmp_path / "run.sh").write_text(run)
+    (tmp_path / "run.sh").write_text(jobscript.user_script(run))
     (tmp_path / "node.sh").write_text(jobscript.node_script(
         job_dir=str(tmp_path), workdir=str(tmp_path / "w"), rank_var="RANK", has_setup=False,
         has_run=True))
-    return subprocess.run(["bash", str(tmp_path / "node.sh"), "run"], capture_output=True,
-                          text=True, env={"RANK": "1", "PATH": "/usr/bin:/bin"})
+    home = tmp_path / "home"  # the job user's home: no ~/.bashrc unless a test writes one
+    home.mkdir(exist_ok=True)
+    return subprocess.run(["/bin/bash", str(tmp_path / "node.sh"), "run"], capture_output=True,
+                          text=True, env={"RANK": "1", "PATH": path or "/usr/bin:/bin",
+                                          "HOME": str(home)}, timeout=30)
 
 
 def test_secret_values_are_masked_in_the_output_and_the_exit_code_kept(tmp_path):
@@ -86,3 +92,132 @@ def test_secrets_and_envs_named_like_the_scripts_variables_reach_the_users_code(
     proc = _node(tmp_path, 'test "$JOB_DIR/$script" = jd-value/sc-value && echo intact\n',
                  {"JOB_DIR": "jd-value", "script": "sc-value"})
     assert proc.stdout == "intact\n", proc.stderr
+
+
+# A Debian user's ~/.bashrc: nothing after the guard is read by a non-interactive shell
+_GUARDED_BASHRC = """\
+case $- in
+    *i*) ;;
+      *) return;;
+esac
+alias ll='ls -l'
+"""
+
+
+def test_setup_and_run_see_the_users_bashrc_as_under_skypilots_bash_i(tmp_path):
+    """SkyPilot runs every setup and run with ``bash -i`` after ``source ~/.bashrc``: its
+    docs hand values from setup to run by appending exports to ~/.bashrc, and ``conda init``
+    writes its block below Debian's interactive guard. The task's envs still win over the
+    .bashrc's, as SkyPilot exports them after it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text(_GUARDED_BASHRC + "export TEST_VAR=test\n"
+                                  "export V=from-bashrc\ncd /\n")
+    proc = _node(tmp_path, 'echo "t=$TEST_VAR v=$V pwd=$PWD"; type -t ll; echo "done!"\n', {},
+                 {"V": "from-envs"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"t=test v=from-envs pwd={tmp_path / 'w'}\nalias\ndone!\n"
+    assert proc.stderr == ""  # no job-control notes, no history expansion of "done!"
+    assert not (home / ".bash_history").exists()
+
+
+def test_conda_activate_works_as_conda_sh_is_sourced(tmp_path):
+    """59 of SkyPilot's 345 example YAMLs call ``conda activate``: a shell function that
+    conda's ``etc/profile.d/conda.sh`` defines, sourced by SkyPilot's prologue."""
+    conda = tmp_path / "conda"
+    (conda / "bin").mkdir(parents=True)
+    (conda / "etc/profile.d").mkdir(parents=True)
+    (conda / "bin/conda").write_text(f"#!/bin/sh\n[ \"$1 $2\" = 'info --base' ] && "
+                                     f"echo {conda}\n")
+    (conda / "bin/conda").chmod(0o755)
+    (conda / "etc/profile.d/conda.sh").write_text(
+        'conda() { [ "$1" = activate ] && export CONDA_DEFAULT_ENV="$2"; }\n')
+    proc = _node(tmp_path, 'conda activate myenv && echo "env=$CONDA_DEFAULT_ENV"\n', {},
+                 path=f"{conda / 'bin'}:/usr/bin:/bin")
+    assert (proc.returncode, proc.stdout) == (0, "env=myenv\n"), proc.stderr
+
+
+def test_python_output_is_unbuffered_and_sudo_works_for_root(tmp_path):
+    """Python's output reaches the log as it is printed (SkyPilot exports PYTHONUNBUFFERED:
+    a job killed mid-run keeps the lines before); ``sudo`` where root has none (a slim
+    image) runs the command without its options, as in SkyPilot's images."""
+    import os
+    import shutil
+
+    bare = tmp_path / "bin"  # an image without sudo
+    bare.mkdir()
+    for tool in ("bash", "mkdir", "id", "true"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    proc = _node(tmp_path, 'echo "unbuffered=$PYTHONUNBUFFERED"\n'
+                           'sudo -E -u root true && echo "sudo ok"; bash -c "sudo true" && '
+                           'echo "sudo in a child ok"\n', {}, path=str(bare))
+    assert proc.stdout.startswith("unbuffered=1\n"), proc.stderr
+    if os.geteuid() == 0:
+        assert proc.stdout == "unbuffered=1\nsudo ok\nsudo in a child ok\n", proc.stderr
+    else:  # not root: no sudo is made up
+        assert "sudo ok" not in proc.stdout
+
+
+def test_a_term_stops_the_interactive_script_before_its_next_command(tmp_path):
+    """An interactive bash ignores SIGTERM: scancel's TERM (or a time limit's) ended the
+    running command and the script went on to the next one until KillWait's SIGKILL."""
+    import signal
+    import time
+
+    (tmp_path / "env.sh").write_text("")
+    (tmp_path / "run.sh").write_text(jobscript.user_script(
+        f"sleep 30\ntouch {tmp_path / 'went-on'}\n"))
+    (tmp_path / "node.sh").write_text(jobscript.node_script(
+        job_dir=str(tmp_path), workdir=str(tmp_path / "w"), rank_var="RANK", has_setup=False,
+        has_run=True))
+    (tmp_path / "home").mkdir()
+    proc = subprocess.Popen(["bash", str(tmp_path / "node.sh"), "run"], start_new_session=True,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")})
+    time.sleep(1.5)
+    os_kill = __import__("os").killpg
+    os_kill(proc.pid, signal.SIGTERM)  # as Slurm signals every process of the step
+    assert proc.wait(timeout=20) == 143
+    time.sleep(0.5)
+    assert not (tmp_path / "went-on").exists()
+
+
+def test_a_bashrc_that_execs_another_shell_or_exits_does_not_end_the_job(tmp_path):
+    """``[[ $- == *i* ]] && exec zsh`` (a login shell switch where chsh is not allowed) or an
+    ``exit`` in ~/.bashrc ended the interactive script at once, exit 0: a job that never ran
+    its code read as succeeded. And RHEL's root .bashrc aliases rm, cp and mv to their ``-i``
+    forms, whose prompt reads no answer and does nothing."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text(_GUARDED_BASHRC + "alias rm='rm -i' cp='cp -i' mv='mv -i'\n"
+                                  "[[ $- == *i* ]] && exec sh\nexit 0\n")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "old").write_text("x")
+    proc = _node(tmp_path, "rm old && echo reached; exit 7\n", {})
+    assert (proc.returncode, proc.stdout) == (7, "reached\n"), proc.stderr
+    assert not (tmp_path / "w" / "old").exists()
+    assert "~/.bashrc: exec sh skipped" in proc.stderr
+    assert "~/.bashrc: exit 0 skipped" in proc.stderr
+
+
+def test_the_sudo_stand_in_takes_options_and_assignments(tmp_path):
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("the stand-in is root's only (CI runs as root)")
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("bash", "mkdir", "id", "env", "printenv"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    proc = _node(tmp_path, "sudo DEBIAN_FRONTEND=noninteractive printenv DEBIAN_FRONTEND\n"
+                           "sudo -u; echo after-a-lone-u\n", {}, path=str(bare))
+    assert proc.stdout == "noninteractive\nafter-a-lone-u\n", proc.stderr
+
+
+def test_a_missing_script_says_so(tmp_path):
+    proc = _node(tmp_path, "true\n", {})
+    (tmp_path / "run.sh").unlink()
+    proc = subprocess.run(["/bin/bash", str(tmp_path / "node.sh"), "run"], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+                          timeout=30)
+    assert proc.returncode == 127 and "run.sh cannot be read" in proc.stderr

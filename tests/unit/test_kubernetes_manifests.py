@@ -20,6 +20,7 @@ import kubernetes_validate
 import pytest
 
 from airflow_skypilot.backends.base import JobState, Offer
+from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.backends.kubernetes import (
     KubernetesBackend,
     KubernetesSettings,
@@ -170,7 +171,7 @@ def test_no_user_text_reaches_a_field_kubernetes_expands():
     assert "whoami" not in text
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["/bin/bash", "-c", m.BOOTSTRAP]
-    assert deps["ConfigMap"]["data"]["run.sh"] == "echo $(whoami)\n"
+    assert deps["ConfigMap"]["data"]["run.sh"] == jobscript.PROLOGUE + "echo $(whoami)\n"
 
 
 def test_labels_make_the_job_and_its_pods_findable():
@@ -348,6 +349,69 @@ def test_workdir_and_file_mounts_are_unpacked(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "from workdir\nfrom a dir mount\nfrom a file mount\n" in proc.stdout
     assert proc.stdout.rstrip().endswith(".skyignore pkg")
+
+
+def test_a_relative_mount_is_under_the_workdir_and_sky_workdir_is_it_on_every_rank(tmp_path):
+    """SkyPilot: a relative destination is under ~/sky_workdir, the cwd of setup and run.
+    Here it was unpacked under $HOME, and ~/sky_workdir did not exist."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "f.txt").write_text("from a dir mount\n")
+    (tmp_path / "one.cfg").write_text("from a file mount\n")
+    task = load_task({"num_nodes": 2, "file_mounts": {
+        "relative_dir": str(data), "conf/one.cfg": str(tmp_path / "one.cfg"),
+        "~/sky_workdir/via_home/one.cfg": str(tmp_path / "one.cfg")},
+        "setup": "test -f relative_dir/f.txt && echo setup-sees-it",
+        "run": "test -f relative_dir/f.txt && test -f ~/sky_workdir/relative_dir/f.txt && "
+               "cat conf/one.cfg via_home/one.cfg && "
+               'test "$(cd ~/sky_workdir && pwd -P)" = "$(pwd -P)" && echo same-dir'})
+    for rank in (0, 1):  # every node links its own ~/sky_workdir
+        proc, root = _run_pod(tmp_path, task, rank=rank, name="sky-rel")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "setup-sees-it" in proc.stdout and "same-dir" in proc.stdout
+        assert proc.stdout.count("from a file mount") == 2
+        assert not (root / "home" / "relative_dir").exists()
+
+
+@pytest.mark.parametrize("there", ["dangling link", "empty dir", "dir of files", "file"])
+def test_what_is_at_sky_workdir_already_is_replaced_only_when_nothing_is_lost(tmp_path, there):
+    """A link (from an earlier job) or an empty directory (an image's) gives way; a directory
+    of files or a file is left as it is, with a note, and the job runs all the same."""
+    home = tmp_path / "h"
+    home.mkdir()
+    link = home / "sky_workdir"
+    if there == "dangling link":
+        link.symlink_to(tmp_path / "gone")
+    elif there == "file":
+        link.write_text("mine\n")
+    else:
+        link.mkdir()
+        if there == "dir of files":
+            (link / "keep.txt").write_text("mine\n")
+    (tmp_path / "one.cfg").write_text("from a file mount\n")
+    task = load_task({"file_mounts": {"rel/one.cfg": str(tmp_path / "one.cfg")},
+                      "run": "cat rel/one.cfg"})
+    proc, root = _run_pod(tmp_path, task, rank=None, extra_env={"HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    assert "from a file mount" in proc.stdout
+    if there in ("dangling link", "empty dir"):
+        assert link.is_symlink() and os.path.samefile(link, root / m.WORKDIR_MOUNT.lstrip("/"))
+    else:
+        assert not link.is_symlink() and "~/sky_workdir is there already" in proc.stderr
+        assert (link / "keep.txt" if there == "dir of files" else link).read_text() == "mine\n"
+
+
+def test_a_home_of_slash_has_sky_workdir_as_the_workdir_already(tmp_path):
+    """An image's user without a home (HOME=/): ~/sky_workdir is the workdir's own mount
+    path, nothing to link and nothing to warn about."""
+    (tmp_path / "one.cfg").write_text("from a file mount\n")
+    task = load_task({"file_mounts": {"rel/one.cfg": str(tmp_path / "one.cfg")},
+                      "run": "cat ~/sky_workdir/rel/one.cfg"})
+    proc, root = _run_pod(tmp_path, task, rank=None,
+                          extra_env={"HOME": str(tmp_path / "rootNone")})  # the pod's "/"
+    assert proc.returncode == 0, proc.stderr
+    assert "from a file mount" in proc.stdout and "sky_workdir" not in proc.stderr
+    assert not (root / m.WORKDIR_MOUNT.lstrip("/")).is_symlink()
 
 
 def test_a_workdir_too_large_for_its_secret_is_refused(tmp_path):

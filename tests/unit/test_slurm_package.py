@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 
 from airflow_skypilot.backends.base import JobHandle
+from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.backends.slurm import SlurmBackend, logs, offers, submit
 from airflow_skypilot.backends.slurm.cluster import parse_cluster
 from airflow_skypilot.backends.slurm.remote import Chmod, MakeDirs, PutFile, WriteFile
@@ -73,7 +74,7 @@ def test_the_job_files_and_their_upload_plan(tmp_path):
                       "--account=ml", "--no-requeue"):
         assert f"#SBATCH {directive}\n" in sbatch
     assert files["secrets.sh"][1] == 0o600 and "s3cr3t" not in files["env.sh"][0]
-    assert files["run.sh"][0] == "python pkg/train.py\n"
+    assert files["run.sh"][0] == jobscript.PROLOGUE + "python pkg/train.py\n"
     plan = submit.upload_plan(task, job_dir, files, "/home/u")
     assert plan[:2] == [MakeDirs(job_dir, 0o700), Chmod(job_dir, 0o700)]
     written = {s.path: s.mode for s in plan if isinstance(s, WriteFile)}

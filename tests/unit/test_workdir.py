@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
 
 
@@ -19,3 +21,130 @@ def test_skyignore_lines_plus_git(tmp_path):
 def test_without_skyignore_only_git_is_left_out(tmp_path):
     assert ignore_patterns(str(tmp_path)) == [".git"]
     assert not is_ignored("anything/at/all.py", [".git"])
+
+
+# --- where a relative file mount lands: under the job's workdir, as SkyPilot's ~/sky_workdir --
+
+
+def _mount_sources(tmp_path):
+    data = tmp_path / "data"
+    (data / "deep").mkdir(parents=True, exist_ok=True)
+    (data / "deep" / "f.txt").write_text("from a dir mount\n")
+    (tmp_path / "one.cfg").write_text("from a file mount\n")
+    return str(data), str(tmp_path / "one.cfg")
+
+
+def _relative_mounts(tmp_path, **fields):
+    from airflow_skypilot.spec import load_task
+
+    data, one = _mount_sources(tmp_path)
+    return load_task({"run": "x", **fields, "file_mounts": {
+        "relative_dir": data, "./dot/one.cfg": one, "top.cfg": one,
+        "~/home.cfg": one, "/abs/a.cfg": one}})
+
+
+def test_slurm_puts_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
+    """It went to the login node's $HOME (a relative SFTP path), not the job's cwd."""
+    from airflow_skypilot.backends.slurm import submit
+    from airflow_skypilot.backends.slurm.remote import MakeDirs, PutFile
+
+    job_dir = "/home/u/.airflow-skypilot/jobs/sky-x"
+    wd = f"{job_dir}/workdir"
+    for fields in ({}, {"workdir": str(tmp_path / "data")}):  # with a workdir or none
+        plan = submit.upload_plan(_relative_mounts(tmp_path, **fields), job_dir, {}, "/home/u")
+        puts = [s.remote for s in plan if isinstance(s, PutFile)]
+        assert {f"{wd}/relative_dir/deep/f.txt", f"{wd}/dot/one.cfg", f"{wd}/top.cfg",
+                "/home/u/home.cfg", "/abs/a.cfg"} <= set(puts), puts
+        assert not [p for p in puts if not p.startswith("/")]  # nothing left to SFTP's cwd
+        # the workdir is made, and filled, before any mount goes into it
+        assert plan.index(MakeDirs(wd, 0o700)) < plan.index(MakeDirs(f"{wd}/relative_dir",
+                                                                     0o755))
+        if fields:
+            assert puts.index(f"{wd}/deep/f.txt") < puts.index(f"{wd}/relative_dir/deep/f.txt")
+    assert submit.mount_target("relative_dir", "/home/u", wd) == f"{wd}/relative_dir"
+    assert submit.mount_target("./a/b/", "/home/u", wd) == f"{wd}/a/b"
+    assert submit.mount_target("~/a", "/home/u", wd) == "/home/u/a"
+    assert submit.mount_target("~", "/home/u", wd) == "/home/u"
+    assert submit.mount_target("/a/b", "/home/u", wd) == "/a/b"
+
+
+def test_kubernetes_unpacks_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
+    """It was unpacked under "$HOME", not the pod's cwd ($AIRFLOW_SKYPILOT_WORKDIR)."""
+    from airflow_skypilot.backends.kubernetes import bundle
+
+    wd = '"$AIRFLOW_SKYPILOT_WORKDIR"'
+    for fields in ({}, {"workdir": str(tmp_path / "data")}):
+        got = bundle.bundle(_relative_mounts(tmp_path, **fields)).targets
+        words = [word for _, word in got]
+        if fields:  # the workdir first: the mounts go over it, never under it
+            assert got[0] == ("workdir.tgz.b64", wd)
+            words = words[1:]
+        # sorted by destination: ./dot/one.cfg, /abs/a.cfg, relative_dir, top.cfg, ~/home.cfg
+        assert words == [f"{wd}/./dot", '"$AIRFLOW_SKYPILOT_ROOT"/abs', f"{wd}/relative_dir",
+                         wd, '"$HOME"']
+
+
+def test_aws_copies_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
+    """It was copied under "$HOME", not the node's cwd ($JOB_DIR/workdir)."""
+    import subprocess
+
+    from airflow_skypilot.backends.aws.userdata import mounts_script
+
+    script, local = mounts_script(_relative_mounts(tmp_path))
+    assert '"$JOB_DIR"/workdir/relative_dir' in script and '"$HOME"/home.cfg' in script
+    home, job = tmp_path / "home", tmp_path / "job"
+    home.mkdir()
+    (job / "mounts").mkdir(parents=True)
+    for path, name in local:  # the payload as the bootstrap unpacks it
+        subprocess.run(["cp", "-a", path, str(job / name)], check=True)
+    kept = "\n".join(line for line in script.splitlines() if "/abs/" not in line)
+    done = subprocess.run(["bash", "-c", kept], env={"HOME": str(home), "JOB_DIR": str(job),
+                                                     "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert (job / "workdir" / "relative_dir" / "deep" / "f.txt").read_text() == \
+        "from a dir mount\n"
+    assert (job / "workdir" / "dot" / "one.cfg").exists()
+    assert (job / "workdir" / "top.cfg").exists() and (home / "home.cfg").exists()
+    assert not (home / "relative_dir").exists() and not (home / "top.cfg").exists()
+
+
+@pytest.mark.parametrize("there", [None, "dir of files"])
+def test_aws_bootstrap_makes_sky_workdir_the_workdir_before_the_mounts(tmp_path, there):
+    """The node's ~/sky_workdir (SkyPilot's workdir, where its tasks cd) is the job's
+    workdir, so a mount under it lands there too; a directory of files already there is left
+    as it is (a note in the log) and the job's relative mounts still are in its cwd."""
+    import subprocess
+
+    from airflow_skypilot.spec import load_task
+    from tests.unit.test_aws_backend import _imds, _render, _stubs
+
+    data, one = _mount_sources(tmp_path)
+    fake, env = _stubs(tmp_path)
+    _imds(fake, 0, "10.0.0.5")
+    check = "test -f relative_dir/deep/f.txt && test -f ~/sky_workdir/relative_dir/deep/f.txt"
+    mounts = {"relative_dir": data}
+    if there:
+        (tmp_path / "home" / "sky_workdir").mkdir()
+        (tmp_path / "home" / "sky_workdir" / "keep.txt").write_text("mine\n")
+        check = "test -f relative_dir/deep/f.txt && test -f ~/sky_workdir/keep.txt"
+    else:
+        mounts["~/sky_workdir/via_home/one.cfg"] = one
+        check += ' && cat via_home/one.cfg && test "$(cd ~/sky_workdir; pwd -P)" = "$(pwd -P)"'
+    # the files the job makes get the usual umask, not the bootstrap's 077 (SkyPilot's nodes)
+    check += ' && touch made && test "$(stat -c %a made)" = 644'
+    task = load_task({"file_mounts": mounts, "run": f"{check} && echo found-them"})
+    script, _ = _render(task, log_interval=1)
+    (tmp_path / "user-data").write_text(script)
+    proc = subprocess.run(["bash", str(tmp_path / "user-data")], env=env, capture_output=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = fake / "s3" / "bucket/jobs/sky-job-1/rank-0"
+    log = (out / "log").read_text()
+    assert (out / "exit_code").read_text() == "0\n", log
+    assert "found-them" in log
+    if there:
+        assert "sky_workdir kept" in log
+    else:
+        assert "from a file mount" in log
+        assert (tmp_path / "home" / "sky_workdir").is_symlink()

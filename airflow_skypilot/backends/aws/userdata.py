@@ -23,6 +23,14 @@ setup) run. The log goes to ``<job prefix>rank-<r>/log`` every few seconds and o
 end, *before* ``rank-<r>/exit_code``: when the marker is there, the log is complete. A spot
 interruption notice writes ``rank-<r>/preempted``. Finally ``shutdown -h now`` (the instance's
 shutdown behaviour is terminate). Anything unexpected ends in ``rank-<r>/bootstrap_error``.
+
+The bootstrap's ``umask 077`` keeps its own files private; setup and run get the usual 022
+(files a job makes are 0644, as on SkyPilot's nodes).
+
+Before the file mounts go in place, ``~/sky_workdir`` (SkyPilot's workdir) becomes a link to the
+job's workdir, the cwd of setup and run, unless something other than a link or an empty
+directory is there (kept, with a note in the log). A relative mount destination is under the
+workdir, as SkyPilot's is under ``~/sky_workdir``.
 """
 
 from __future__ import annotations
@@ -111,8 +119,8 @@ def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
         target = dst
         if target == "~" or target.startswith("~/"):
             target_word = '"$HOME"' + (word(target[1:]) if len(target) > 1 else "")
-        elif not target.startswith("/"):  # under the home, as on Slurm (SFTP) and Kubernetes
-            target_word = '"$HOME"/' + word(target)
+        elif not target.startswith("/"):  # under the workdir (run's cwd), as SkyPilot's
+            target_word = '"$JOB_DIR"/workdir/' + word(target)  # under ~/sky_workdir
         else:
             target_word = word(target)
         if isinstance(src, str) and src.startswith("s3://"):
@@ -195,7 +203,7 @@ IMDS="${AWS_EC2_METADATA_SERVICE_ENDPOINT:-http://169.254.169.254}"
 export HOME
 JOB_DIR="$HOME/.airflow-skypilot/$JOB"
 export JOB_DIR
-mkdir -p "$JOB_DIR" && cd "$JOB_DIR" || exit 1
+mkdir -p "$JOB_DIR/workdir" && cd "$JOB_DIR" || exit 1
 rm -f "$JOB_DIR/stop"
 LOG="$JOB_DIR/node.log"
 exec >>"$LOG" 2>&1
@@ -306,12 +314,14 @@ if [ "$NUM_NODES" -gt 1 ]; then
 fi
 export AIRFLOW_SKYPILOT_RANK="$RANK" AIRFLOW_SKYPILOT_IPS="$IPS"
 
+W=~/sky_workdir; [ ! -e "$W" ] || [ -L "$W" ] || rmdir "$W" &&
+  ln -sfn "$JOB_DIR/workdir" "$W" || say "$W kept"
 if [ -x "$JOB_DIR/mounts.sh" ]; then
   bash "$JOB_DIR/mounts.sh" || finish bootstrap_error "file_mounts failed"
 fi
 
 say "setup"
-bash "$JOB_DIR/node.sh" setup
+(umask 022; exec bash "$JOB_DIR/node.sh" setup)
 rc=$?
 [ $rc -eq 0 ] || { say "setup failed with exit code $rc; run skipped"; finish exit_code "$rc"; }
 
@@ -329,7 +339,7 @@ if [ "$NUM_NODES" -gt 1 ]; then
 fi
 
 say "run"
-bash "$JOB_DIR/node.sh" run
+(umask 022; exec bash "$JOB_DIR/node.sh" run)
 rc=$?
 finish exit_code "$rc"
 """

@@ -1,7 +1,8 @@
 """What every backend runs on each node: the task's setup, then its run, with SkyPilot's env.
 
-The user's ``setup`` and ``run`` are shipped verbatim as their own files and executed with
-bash; nothing the user wrote is ever pasted into a quoted shell string. Env values are quoted
+The user's ``setup`` and ``run`` are shipped verbatim as their own files, after SkyPilot's
+prologue (:data:`PROLOGUE`), and executed as SkyPilot executes them, with ``bash -i``;
+nothing the user wrote is ever pasted into a quoted shell string. Env values are quoted
 with :func:`shlex.quote` (which keeps spaces, quotes, ``$(...)`` and newlines byte for byte).
 Secrets go into a separate file that only the job's user can read, never into the job script.
 """
@@ -104,10 +105,13 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         lines.append(f'export SKYPILOT_NODE_IPS="${{{ips_var}}}"')
     lines += [
         f"mkdir -p {workdir} && cd {workdir} || exit 1",
+        # for the prologue, which reads them again after the user's ~/.bashrc
+        'export AIRFLOW_SKYPILOT_JOB_DIR AIRFLOW_SKYPILOT_WORKDIR="$PWD"',
         'case "$1" in',
         "  setup)",
         '    export SKYPILOT_SETUP_NODE_RANK="$SKYPILOT_NODE_RANK"',
         '    export SKYPILOT_SETUP_NODE_IPS="$SKYPILOT_NODE_IPS"',
+        '    export SKYPILOT_SETUP_NUM_GPUS_PER_NODE="$SKYPILOT_NUM_GPUS_PER_NODE"',
         '    AIRFLOW_SKYPILOT_SCRIPT="$AIRFLOW_SKYPILOT_JOB_DIR/setup.sh" ;;' if has_setup
         else "    exit 0 ;;",
         "  run)",
@@ -115,10 +119,17 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         else "    exit 0 ;;",
         '  *) echo "node.sh: expected setup or run, got $1" >&2; exit 2 ;;',
         "esac",
+        'if [ ! -r "$AIRFLOW_SKYPILOT_SCRIPT" ]; then',
+        '  echo "airflow-skypilot: $AIRFLOW_SKYPILOT_SCRIPT cannot be read" >&2; exit 127',
+        "fi",
+        "# As SkyPilot runs it: `bash -i` (the prologue reads ~/.bashrc, --norc: once, with its",
+        "# errors shown); the notes of job control that fails without a terminal go nowhere (fd 3",
+        "# is the stderr the prologue takes back).",
         "# Secret values never reach the job's log in clear: every line of output is filtered.",
         'if [ -z "${AIRFLOW_SKYPILOT_SECRET_NAMES:-}" ]; then '
-        'exec bash "$AIRFLOW_SKYPILOT_SCRIPT"; fi',
-        'bash "$AIRFLOW_SKYPILOT_SCRIPT" 2>&1 | awk -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
+        'exec bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&2 2>/dev/null; fi',
+        'bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&1 2>/dev/null '
+        '| awk -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
         f"  {shlex.quote(_MASK_AWK)}",
         'exit "${PIPESTATUS[0]}"',
     ]
@@ -147,9 +158,61 @@ _MASK_AWK = r"""BEGIN {
 }"""
 
 
-def user_script(body: str | None) -> str:
-    """The task's setup/run as its own file, verbatim."""
-    return body if body is None or body.endswith("\n") else body + "\n"
+#: What SkyPilot puts before every setup and run (``sky/skylet/log_lib.py``
+#: ``make_task_bash_script``; it runs the script with ``bash -i``): the user's ``~/.bashrc``
+#: (``conda init``, module loads, the exports a setup appends to it, which SkyPilot's docs
+#: suggest for handing values to run), conda's shell function, ``PYTHONUNBUFFERED``, the workdir,
+#: then the task's envs (over whatever the ``.bashrc`` set). And what its images give that a
+#: bare one may not: ``sudo`` for root where none is installed. Then, our own: an interactive
+#: shell ignores SIGTERM, so a TERM (scancel, a time limit) would let the script go on to its
+#: next command; it would expand ``!`` in strings and write the user's history file; a
+#: ``.bashrc`` that ``exec``\ s another shell or exits (a login shell switch, common on HPC
+#: clusters) would end the job "successfully" without running it: while it is read, ``exec``
+#: and ``exit`` only say so; and root's ``rm``/``cp``/``mv -i`` aliases (RHEL's) would answer
+#: their own prompt "no" and do nothing.
+PROLOGUE = """\
+# airflow-skypilot: SkyPilot's prologue of every setup and run; the task's script follows it.
+if { true >&3; } 2>/dev/null; then exec 2>&3 3>&-; fi
+set +m +o history +H
+trap 'exit 143' TERM
+if [ -f ~/.bashrc ]; then
+  exec() { echo "airflow-skypilot: ~/.bashrc: exec $* skipped" >&2; }
+  exit() { echo "airflow-skypilot: ~/.bashrc: exit $* skipped" >&2; }
+  source ~/.bashrc
+  unset -f exec exit
+fi
+unalias rm cp mv 2>/dev/null
+unset HISTFILE
+set -a
+. "$(conda info --base 2> /dev/null)/etc/profile.d/conda.sh" > /dev/null 2>&1 || true
+set +a
+export PYTHONUNBUFFERED=1
+if [ "$(id -u 2>/dev/null)" = 0 ] && ! command -v sudo > /dev/null 2>&1; then
+  sudo() {  # root already: run the command, its options dropped
+    while [ $# -gt 0 ]; do
+      case $1 in
+        -[ughpCDrtUT]) shift; [ $# -gt 0 ] && shift ;;
+        --) shift; break ;;
+        -*) shift ;;
+        *) break ;;
+      esac
+    done
+    case ${1:-} in *=*) env "$@" ;; *) "$@" ;; esac
+  }
+  export -f sudo
+fi
+. "$AIRFLOW_SKYPILOT_JOB_DIR/env.sh"
+if [ -r "$AIRFLOW_SKYPILOT_JOB_DIR/secrets.sh" ]; then . "$AIRFLOW_SKYPILOT_JOB_DIR/secrets.sh"; fi
+cd "$AIRFLOW_SKYPILOT_WORKDIR" || exit 1
+# --- the task's script ---
+"""
+
+
+def user_script(body: str | None) -> str | None:
+    """The task's setup/run as its own file: :data:`PROLOGUE`, then the user's text verbatim."""
+    if body is None:
+        return None
+    return PROLOGUE + (body if body.endswith("\n") else body + "\n")
 
 
 def job_name(dag_id: str, task_id: str, run_id: str, try_number: int, attempt: int = 0,

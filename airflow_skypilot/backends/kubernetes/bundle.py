@@ -71,16 +71,24 @@ def _tree(local: str) -> list[tuple[str, str]]:
     return [(path, rel) for path, rel, _ in walk(local)]
 
 
+#: main.sh's variable holding the job's workdir (the pod's cwd during setup and run)
+WORKDIR_WORD = '"$AIRFLOW_SKYPILOT_WORKDIR"'
+
+
 def _dest_dir_word(dst: str, secrets: Mapping[str, str]) -> str:
     """A bash word for a file mount's destination directory inside the pod (main.sh, in the
-    ConfigMap: a secret filled into it is a reference to the pod's env from the Secret)."""
+    ConfigMap: a secret filled into it is a reference to the pod's env from the Secret).
+    A relative one (``""``: the workdir itself) is under the job's workdir, as SkyPilot puts
+    it under its workdir ``~/sky_workdir``."""
     if dst in ("~", "~/"):
         return '"$HOME"'
     if dst.startswith("~/"):
         return '"$HOME"/' + node_word(dst[2:], secrets)
     if dst.startswith("/"):
         return '"$AIRFLOW_SKYPILOT_ROOT"' + node_word(dst, secrets)
-    return '"$HOME"/' + node_word(dst, secrets)
+    if dst in ("", "."):
+        return WORKDIR_WORD
+    return WORKDIR_WORD + "/" + node_word(dst, secrets)
 
 
 def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
@@ -92,7 +100,7 @@ def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
         if not os.path.isdir(workdir):
             raise BundleTooLarge(f"workdir {workdir} is not a directory")
         out.data["workdir.tgz.b64"] = _tar_b64(_tree(workdir), raw_limit)
-        out.targets.append(("workdir.tgz.b64", '"$AIRFLOW_SKYPILOT_WORKDIR"'))
+        out.targets.append(("workdir.tgz.b64", WORKDIR_WORD))  # first: mounts go over it
     for i, (dst, src) in enumerate(sorted(task.file_mounts.items())):
         path = local_source(task, src)
         key = f"mount-{i}.tgz.b64"
@@ -101,8 +109,8 @@ def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
             out.targets.append((key, _dest_dir_word(dst.rstrip("/") or "/", task.secrets)))
         elif os.path.isfile(path):
             out.data[key] = _tar_b64([(path, os.path.basename(dst.rstrip("/")))], raw_limit)
-            parent = os.path.dirname(dst.rstrip("/")) or ("~" if not dst.startswith("/")
-                                                           else "/")
+            # "" (a file right in the workdir) for a relative one, "/" for one at the root
+            parent = os.path.dirname(dst.rstrip("/")) or ("/" if dst.startswith("/") else "")
             out.targets.append((key, _dest_dir_word(parent, task.secrets)))
         else:
             raise BundleTooLarge(masked(f"file_mounts {dst}: {src} does not exist",

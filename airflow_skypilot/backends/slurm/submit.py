@@ -22,6 +22,7 @@ command (:func:`gc_script`); never the dir of a job Slurm still has queued or ru
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 import time
 from collections.abc import Mapping
@@ -379,20 +380,32 @@ def _tree(local: str, remote: str) -> list[UploadStep]:
     return steps
 
 
+def mount_target(dst: str, home: str, workdir: str) -> str:
+    """Where a file mount lands, as an absolute path: ``~`` is ``home``, an absolute path is
+    itself, and anything else is under the job's ``workdir`` (its cwd during setup and run),
+    as SkyPilot puts a relative destination under its workdir ``~/sky_workdir``."""
+    if dst == "~" or dst.startswith(("~/", "/")):
+        return abs_remote(dst, home)
+    return posixpath.normpath(f"{workdir}/{dst}")
+
+
 def upload_plan(task: Task, job_dir: str, files: Mapping[str, tuple[str, int]],
                 home: str) -> list[UploadStep]:
     """The job dir and its files, the local workdir into ``workdir/``, then the local file
-    mounts at their targets (``~`` is ``home``)."""
+    mounts at their targets (``~`` is ``home``; a relative one is under ``workdir/``, made
+    whether or not the task has a workdir). SkyPilot's order: the workdir first, then the
+    mounts, so a mount under the workdir is never overwritten by it."""
     steps: list[UploadStep] = [MakeDirs(job_dir, 0o700), Chmod(job_dir, 0o700)]
     steps += [WriteFile(f"{job_dir}/{name}", content, mode)
               for name, (content, mode) in files.items()]
-    steps.append(MakeDirs(f"{job_dir}/workdir", 0o700))
+    workdir = f"{job_dir}/workdir"
+    steps.append(MakeDirs(workdir, 0o700))
     if isinstance(task.workdir, str):
-        steps += _tree(local_source(task, task.workdir), f"{job_dir}/workdir")
+        steps += _tree(local_source(task, task.workdir), workdir)
     for dst, src in task.file_mounts.items():
         if isinstance(src, str) and "://" not in src:
             local = local_source(task, src)
-            target = abs_remote(dst, home)
+            target = mount_target(dst, home, workdir)
             if os.path.isdir(local):
                 steps += _tree(local, target)
             else:
