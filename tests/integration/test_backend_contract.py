@@ -43,6 +43,16 @@ def target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     yield from _target(request, monkeypatch)
 
 
+KEEPING = [t for t in TARGETS if t.keeps_nodes]
+
+
+@pytest.fixture(params=KEEPING, ids=[t.id for t in KEEPING])
+def keeping_target(request: pytest.FixtureRequest,
+                   monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
+    """:func:`target`, of the backends whose nodes stay until every rank's run has ended."""
+    yield from _target(request, monkeypatch)
+
+
 QUEUED = [t for t in TARGETS if t.has_queue]
 
 
@@ -487,6 +497,31 @@ def test_setup_and_run_run_as_skypilot_runs_them(target):
     assert status.state == JobState.SUCCEEDED, (status, log)
     assert "got=from-setup env=from-envs interactive=i unbuffered=1" in log, log
     assert "no job control" not in log and "terminal process group" not in log, log
+
+
+def test_a_rank_whose_run_ends_first_keeps_its_node_until_the_job_ends(keeping_target):
+    """SkyPilot keeps every node of a job until the job ends: a worker rank that starts a
+    daemon (``ray start``, an MPI target) and exits leaves it to the ranks still running.
+    AWS powered the node off at once; Slurm's proctrack/cgroup kills a task's leftovers when
+    it ends (the sandbox's proctrack/linuxproc does not, so only AWS fails without it here)."""
+    target = keeping_target
+    backend = target.backend()
+    beat = Path(shared_dir()) / f"beat-{uuid.uuid4().hex[:10]}"
+    task = _task(target, gpus=1, num_nodes=2, run=(
+        'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then\n'
+        # a daemon as `ray start` leaves one: its output elsewhere (a pipe to srun it held
+        # would keep Slurm's step up regardless), and here a life of its own of a minute
+        f'  (for i in $(seq 60); do date +%s > {beat}; sleep 1; done) >/dev/null 2>&1 '
+        '</dev/null &\n'
+        '  exit 0\n'
+        'fi\n'
+        f'sleep 15; age=$(( $(date +%s) - $(cat {beat} 2>/dev/null || echo 0) ))\n'
+        'echo "rank 1 daemon last beat ${age}s ago"; [ "$age" -le 5 ]'))
+    handle, _ = _submit(target, backend, task)
+    status = _wait(target, backend, handle)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, (status, log)
+    assert "daemon last beat" in log, log
 
 
 def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):

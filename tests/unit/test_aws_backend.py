@@ -692,7 +692,7 @@ def test_user_data_is_small_and_has_no_secret():
                       "envs": TRICKY, "secrets": {"HF_TOKEN": secret, "DB_PASS": "pw$(x)"}})
     script, payload = _render(task, sorted(task.secrets))
     # well under EC2's 16 KB with the payload inline (since SkyPilot's prologue went into
-    # setup.sh and run.sh: 8.1 KiB, was 7.9)
+    # setup.sh and run.sh, and the run barrier into the bootstrap: 8.2 KiB, was 7.9)
     assert ud.user_data_size(script) < 9 * 1024 < ud.USER_DATA_BUDGET
     files = _unpack(payload)
     everything = script.encode() + b"".join(files.values())
@@ -858,8 +858,10 @@ def test_bootstrap_runs_setup_and_run_with_env_and_secrets(tmp_path):
     assert log.rstrip().endswith("exit_code: 4")  # the last upload is after the run
 
 
-def test_bootstrap_second_rank_lists_its_peers_and_waits_for_setup(tmp_path):
-    task = load_task({"num_nodes": 2, "run": 'echo "ips=$(echo $SKYPILOT_NODE_IPS | tr " " ,)"'})
+def _second_rank(tmp_path, run: str):
+    """Rank 1 of a 2-node job's bootstrap, rank 0's setup done already: (fake, env, rank 0's
+    S3 prefix as a dir); the user-data at tmp_path/user-data."""
+    task = load_task({"num_nodes": 2, "run": run})
     script, _ = _render(task, barrier_interval=1)
     fake, env = _stubs(tmp_path)
     _imds(fake, 1, "10.0.0.9")
@@ -868,13 +870,36 @@ def test_bootstrap_second_rank_lists_its_peers_and_waits_for_setup(tmp_path):
     done.mkdir(parents=True)
     (done / "setup_done").write_text("0\n")  # rank 0 finished its setup already
     (tmp_path / "user-data").write_text(script)
-    proc = subprocess.run(["bash", str(tmp_path / "user-data")], env=env, capture_output=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    return fake, env, done
+
+
+def test_bootstrap_second_rank_lists_its_peers_and_waits_for_setup(tmp_path):
+    fake, env, done = _second_rank(tmp_path, 'echo "ips=$(echo $SKYPILOT_NODE_IPS | tr " " ,)"')
+    proc = subprocess.Popen(["bash", str(tmp_path / "user-data")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = fake / "s3" / "bucket/jobs/sky-job-1/rank-1"
+    deadline = time.monotonic() + 60
+    while not (out / "run_done").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # its run ended well: the node stays up (SkyPilot's nodes live until the job ends) while
+    # rank 0 runs, then ends when rank 0's run has ended too
+    time.sleep(2.5)
+    assert proc.poll() is None and not (out / "exit_code").exists()
+    assert not (fake / "shutdown").exists()
+    (done / "run_done").write_text("0\n")
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
     assert (out / "exit_code").read_text() == "0\n"
     assert (out / "setup_done").exists()
     assert "ips=10.0.0.8,10.0.0.9" in (out / "log").read_text()
+
+
+def test_bootstrap_rank_that_waits_ends_when_another_rank_ends_otherwise(tmp_path):
+    fake, env, done = _second_rank(tmp_path, "true")
+    (done / "exit_code").write_text("3\n")  # rank 0's run failed: nothing to wait for
+    proc = subprocess.run(["bash", str(tmp_path / "user-data")], env=env, capture_output=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (fake / "s3" / "bucket/jobs/sky-job-1/rank-1" / "exit_code").read_text() == "0\n"
 
 
 def test_bootstrap_reports_missing_secrets_as_bootstrap_error(tmp_path):

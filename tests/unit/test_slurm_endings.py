@@ -176,11 +176,15 @@ def test_a_tasks_export_none_still_lets_the_steps_see_what_the_job_script_export
 
 #: a stand-in srun for two nodes: runs the step's command once per rank (its own process
 #: group, SLURM_NODEID set); in the run step, ``$LOSE``'s whole process group is SIGKILLed a
-#: second in (its node lost, or srun's --kill-on-bad-exit: no chance to write anything)
+#: second in (its node lost, or srun's --kill-on-bad-exit: no chance to write anything), and
+#: a second later the step ends, as Slurm ends it (a node failure ends the job; a bad exit the
+#: step): the other rank, if it still waits for its peer's exit code, goes too
 _SRUN_2 = """#!/bin/bash
 while [ "$1" != bash ]; do shift; done
 for r in 0 1; do SLURM_NODEID=$r setsid "$@" & p[$r]=$!; done
-if [ -n "$LOSE" ] && [ "${@: -1}" = run ]; then sleep 1; kill -9 -- -${p[$LOSE]}; fi
+if [ -n "$LOSE" ] && [ "${@: -1}" = run ]; then
+  sleep 1; kill -9 -- -${p[$LOSE]}; sleep 1; kill -9 -- -${p[0]} -${p[1]} 2>/dev/null
+fi
 rc=0; for r in 0 1; do wait ${p[$r]} || rc=1; done; exit $rc
 """
 

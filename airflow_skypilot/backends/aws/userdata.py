@@ -24,6 +24,10 @@ end, *before* ``rank-<r>/exit_code``: when the marker is there, the log is compl
 interruption notice writes ``rank-<r>/preempted``. Finally ``shutdown -h now`` (the instance's
 shutdown behaviour is terminate). Anything unexpected ends in ``rank-<r>/bootstrap_error``.
 
+A node whose run ended well stays up (``run_done``) until every node's has, or another node
+ended otherwise: as on SkyPilot, whose nodes live until the job ends, a daemon a worker rank
+started (``ray start``, an MPI target) lives on for the ranks still running.
+
 The bootstrap's ``umask 077`` keeps its own files private; setup and run get the usual 022
 (files a job makes are 0644, as on SkyPilot's nodes).
 
@@ -325,22 +329,29 @@ say "setup"
 rc=$?
 [ $rc -eq 0 ] || { say "setup failed with exit code $rc; run skipped"; finish exit_code "$rc"; }
 
-if [ "$NUM_NODES" -gt 1 ]; then
-  mark setup_done 0 || finish bootstrap_error "cannot write to $S3"
+barrier() {  # marker: 0 once every node wrote it, 1 when another node ended first, 2: unwritten
+  local listing
+  mark "$1" 0 || return 2
   while :; do
     if listing=$(aws s3 ls --recursive "$S3"); then
-      [ "$(grep -c '/setup_done$' <<< "$listing")" -ge "$NUM_NODES" ] && break
-      if grep -Eq '/rank-[0-9]+/(exit_code|bootstrap_error)$' <<< "$listing"; then
-        finish aborted "another node failed before run; run not started"
-      fi
+      [ "$(grep -c "/$1\$" <<< "$listing")" -ge "$NUM_NODES" ] && return 0
+      grep -Eq '/rank-[0-9]+/(exit_code|bootstrap_error|aborted)$' <<< "$listing" && return 1
     fi
     sleep "$BARRIER_INTERVAL"
   done
+}
+if [ "$NUM_NODES" -gt 1 ]; then
+  barrier setup_done
+  case $? in
+    1) finish aborted "another node failed before run; run not started" ;;
+    2) finish bootstrap_error "cannot write to $S3" ;;
+  esac
 fi
 
 say "run"
 (umask 022; exec bash "$JOB_DIR/node.sh" run)
 rc=$?
+[ $rc -ne 0 ] || [ "$NUM_NODES" -eq 1 ] || barrier run_done || :
 finish exit_code "$rc"
 """
 

@@ -208,9 +208,16 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
 #: pause, holds the node with nothing running: srun then waits "Requested nodes are busy"
 #: until the time limit), nor one the task's own script started with srun.
 #: Each node then writes its own exit code, ``exit_code.<phase>.<rank>`` (a lost node writes none).
+#: A node whose run ended well waits for every node's exit code before its task ends: Slurm's
+#: proctrack/cgroup kills what a task leaves behind when it ends, and SkyPilot keeps every node
+#: until the job ends (a daemon a worker rank started, ``ray start`` or an MPI target, lives on
+#: for the ranks still running; a failing rank ends the step, ``--kill-on-bad-exit``). A node
+#: that could not write its own exit code does not wait (the others' may be missing too).
 _STEP = ('--overlap --kill-on-bad-exit=1 --ntasks-per-node=1 -N "$SLURM_JOB_NUM_NODES" '
          'bash -c \'touch "$0/began.$1" || exit; bash "$0/node.sh" "$1"; c=$?; '
-         'f="$0/exit_code.$1.${SLURM_NODEID:-0}"; echo $c > "$f.tmp" && mv "$f.tmp" "$f"; '
+         'f="$0/exit_code.$1.${SLURM_NODEID:-0}"; echo $c > "$f.tmp" && mv "$f.tmp" "$f" '
+         '&& [ $c -eq 0 ] && [ "$1" = run ] && until [ "$(ls "$0" | grep -c '
+         '"^exit_code\\.run\\.[0-9]*$")" -ge "$SLURM_JOB_NUM_NODES" ]; do sleep 2; done; '
          'exit $c\' "$JOB_DIR"')
 
 
