@@ -49,8 +49,11 @@ class Placer:
 
     def __init__(self, hook: SkyPilotCapacityHook, policy: str, *, cooldown: float,
                  confirm_timeout: float, log: logging.Logger,
-                 ledger: PlacementLedger | None = None, silence: float | None = None):
+                 ledger: PlacementLedger | None = None, silence: float | None = None,
+                 launcher: str = ""):
         self.hook = hook
+        #: ``SKYPILOT_USER`` (SkyPilot's: who launched the job): the task's Airflow owner
+        self.launcher = launcher
         self.silence = silence
         self.ledger = ledger or PlacementLedger("")
         self.policy = policy
@@ -179,6 +182,8 @@ class Placer:
         same is swept, and the next copy gets a name of its own)."""
         env = {"SKYPILOT_TASK_ID": run.task_env_id,
                "SKYPILOT_ATTEMPT": str(identity.attempt_number(run.try_number, run.attempt))}
+        if self.launcher:
+            env["SKYPILOT_USER"] = self.launcher
         until = time.time() + self.cooldown
         self.submitting = (offer.connection, run.job_name)
         try:

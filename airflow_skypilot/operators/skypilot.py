@@ -322,7 +322,8 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
     def _placer(self) -> Placer:
         return Placer(self._hook(), self.policy, cooldown=self._cooldown,
                       confirm_timeout=self.confirm_timeout, log=self.log,
-                      ledger=PlacementLedger(ledger_path()), silence=self._silence)
+                      ledger=PlacementLedger(ledger_path()), silence=self._silence,
+                      launcher=self.owner)
 
     def _reconcile(self, context: Context, run: RunState, task: Task
                    ) -> tuple[JobHandle | None, JobStatus | None]:

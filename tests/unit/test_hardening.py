@@ -118,7 +118,7 @@ def test_secret_and_env_override_names_must_be_env_var_names():
                                   "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE",
                                   "SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_SETUP_NODE_IPS",
                                   "SKYPILOT_SETUP_NUM_GPUS_PER_NODE",
-                                  "SKYPILOT_CLUSTER_INFO", "SKYPILOT_ATTEMPT"])
+                                  "SKYPILOT_CLUSTER_INFO", "SKYPILOT_ATTEMPT", "SKYPILOT_USER"])
 def test_a_secret_cannot_replace_what_airflow_skypilot_sets(name):
     message = f"{name!r} is set by airflow-skypilot for every job; a secret cannot replace it"
     assert _problems(f"run: x\nsecrets:\n  {name}: fake\n") == [

@@ -81,6 +81,7 @@ def test_execute_places_submits_pushes_and_defers():
     job = FakeBackend.jobs[handle["job_id"]]
     assert job["env"]["SKYPILOT_TASK_ID"].startswith("sky-airflow_dag_train_manual__1_")
     assert job["env"]["SKYPILOT_ATTEMPT"] == "1000"
+    assert job["env"]["SKYPILOT_USER"] == "airflow"  # the task's owner (Airflow's default)
     assert ti.xcom[XCOM_HANDLE]["job_id"] == handle["job_id"]
     assert ti.xcom[XCOM_PLACEMENT]["chosen"]["connection"] == "c1"
 
