@@ -28,7 +28,7 @@ def interrupt(signum, frame):
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, interrupt)
 sys.argv[0] = "pytest"
-sys.exit(pytest.console_main())
+sys.exit(int(pytest.main()))
 ' -q -p no:cacheprovider --durations=15)
 base=${SKYPILOT_SANDBOX_PORT_BASE:-28000}
 second=(env SKYPILOT_SANDBOX_PORT_BASE=$((base + 500)) SKYPILOT_SANDBOX_DIR="$PWD/.sandbox-b")

@@ -39,7 +39,7 @@ def note(text):
     with open(os.environ["FAKE_LOG"], "a") as fh:
         fh.write(text + "\\n")
 
-def console_main():
+def main():  # pytest.main(): the arguments from sys.argv
     args = sys.argv[1:]
     shard = "e2e" if "tests/e2e" in args else "rest"
     note(f"pytest {shard} start {' '.join(args)}")
@@ -55,7 +55,7 @@ def console_main():
     return rc
 
 if __name__ == "__main__":  # python -m pytest
-    sys.exit(console_main())
+    sys.exit(main())
 """
 
 
