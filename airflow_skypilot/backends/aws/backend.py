@@ -212,12 +212,8 @@ class AwsBackend(Backend):
             raise BackendUnreachable(
                 f"{self.conn_id}: a launch of {job_name} began {time.time() - began:.0f}s ago "
                 "and no instance of it is listed yet; it may still show up")
-        s = self.settings
-        for where in [region] if region else s.regions:
-            launch.delete_secrets(self._clients, s, where, job_name)
-        for key in (launch.PAYLOAD_OBJECT, INTENT_OBJECT):
-            if error := launch.s3_delete(self._clients, s, s.job_prefix(job_name) + key):
-                self.log.warning("%s", error)
+        self._remove(job_name, [region] if region else self.settings.regions,
+                     (launch.PAYLOAD_OBJECT, INTENT_OBJECT))
         self.log.info("A launch of %s on %s got no answer and made no instance: its secrets "
                       "and objects are removed", job_name, self.conn_id)
 
@@ -388,13 +384,20 @@ class AwsBackend(Backend):
         return ids
 
     def _forget(self, handle: JobHandle) -> None:
-        s = self.settings
-        launch.delete_secrets(self._clients, s, region_of(handle), handle.job_name)
         # a handle rebuilt from the tags does not know: deleting what is not there is harmless
-        if handle.extra.get("payload_staged", True) and s.s3_bucket:
-            error = launch.s3_delete(self._clients, s,
-                                     s.job_prefix(handle.job_name) + launch.PAYLOAD_OBJECT)
-            if error:
+        staged = handle.extra.get("payload_staged", True) and self.settings.s3_bucket
+        self._remove(handle.job_name, [region_of(handle)],
+                     (launch.PAYLOAD_OBJECT,) if staged else ())
+
+    def _remove(self, job_name: str, regions: list[str], objects: tuple[str, ...]) -> None:
+        """What a job's instances read at boot: its secrets in SSM (in ``regions``) and its
+        ``objects`` under its S3 prefix (a failed delete is logged: the bucket's lifecycle
+        rule ends it)."""
+        s = self.settings
+        for where in regions:
+            launch.delete_secrets(self._clients, s, where, job_name)
+        for key in objects:
+            if error := launch.s3_delete(self._clients, s, s.job_prefix(job_name) + key):
                 self.log.warning("%s", error)
 
     # --- status ------------------------------------------------------------------------------
