@@ -114,12 +114,8 @@ class SharedPoller:
         finally:
             # a job subscribed again after this loop was cancelled: the loop started for it
             # uses the same backend, which is not closed under it
-            close = getattr(self.backend, "aclose", None)
-            if close is not None and not self._subs:
-                try:
-                    await close()
-                except Exception:  # closing a broken connection: nothing left to release
-                    pass
+            if not self._subs:
+                await _aclose(self.backend)
 
     async def _apoll_once(self) -> None:
         subs = list(self._subs)
@@ -176,12 +172,17 @@ class SharedPoller:
         except Exception:  # the connection cannot be read now: the old backend tries again
             return
         old, self.backend, self._prepared = self.backend, fresh, False
-        close = getattr(old, "aclose", None)
-        if close is not None:
-            try:
-                await close()
-            except Exception:  # closing a broken connection: nothing left to release
-                pass
+        await _aclose(old)
+
+
+async def _aclose(backend: Backend) -> None:
+    """Release a backend's async connections, if it holds any."""
+    close = getattr(backend, "aclose", None)
+    if close is not None:
+        try:
+            await close()
+        except Exception:  # closing a broken connection: nothing left to release
+            pass
 
 
 _POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], SharedPoller]]

@@ -72,6 +72,13 @@ def _ignore(trigger: Any, legacy: dict[str, Any]) -> None:
                             type(trigger).__name__, ", ".join(sorted(legacy)))
 
 
+def _xcom_of(ti: Any) -> dict[str, Any]:
+    """Where a trigger's task instance keeps its XComs (``map_index`` -1 when not mapped)."""
+    map_index = getattr(ti, "map_index", -1)
+    return {"dag_id": ti.dag_id, "task_id": ti.task_id, "run_id": ti.run_id,
+            "map_index": -1 if map_index is None else map_index}
+
+
 def _state_dict(state: RunState | dict[str, Any] | None) -> dict[str, Any] | None:
     """Triggers are serialized to JSON: a RunState travels as its dict."""
     return state.to_dict() if isinstance(state, RunState) else state
@@ -217,8 +224,8 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
             yield TriggerEvent({"status": "error", "handle": self.handle, "state": self.state,
                                 "message": f"cannot watch the job: {type(exc).__name__}: {exc}"})
             return
-        offset = await self._astart_offset(handle)
-        queue = poller.subscribe(handle, self.poll_interval, self.stream_logs, offset)
+        await self._astart_offset(handle)
+        queue = poller.subscribe(handle, self.poll_interval, self.stream_logs, self._offset)
         sweeper = asyncio.create_task(self._asweep_forever((handle.job_name,))) \
             if self._pending() else None
         silent_since: float | None = None
@@ -238,20 +245,19 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                                      self.unreachable_timeout, why)
                     if now - silent_since >= self.unreachable_timeout:
                         status = JobStatus.silent(handle.connection, now - silent_since, why)
-                        yield TriggerEvent(self._event(handle, status, "", offset))
+                        yield TriggerEvent(self._event(handle, status, "", self._offset))
                         return
                     continue
                 silent_since = None
                 for line in item.log.splitlines():
                     self.log.info("[%s] %s", handle.job_id, line)
+                grew, self._offset = item.log_offset > self._offset, item.log_offset
                 if item.status.state == JobState.RUNNING and (
-                        seen != JobState.RUNNING or item.log_offset > offset
-                        and time.time() - self._written_at >= WATCH_WRITE_EVERY):
+                        seen != JobState.RUNNING
+                        or grew and time.time() - self._written_at >= WATCH_WRITE_EVERY):
                     # its start, for the page; and how far its output was streamed (a
                     # triggerer restarted picks it up there, not at the deferral's offset)
-                    self._offset = item.log_offset
                     await self._awrite_watch(handle, item.status)
-                offset = self._offset = item.log_offset
                 seen = item.status.state
                 if spec is not None and item.status.state == JobState.PENDING \
                         and loop.time() >= next_look:
@@ -260,14 +266,16 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                     if to is not None:
                         yield TriggerEvent({
                             "status": "move", "handle": handle.to_dict(), "to": to.to_dict(),
-                            "reason": to.details.get("move_reason", ""), "log_offset": offset,
+                            "reason": to.details.get("move_reason", ""),
+                            "log_offset": self._offset,
                             "at": time.time(), "state": self.state})
                         return
                 if item.status.state.terminal:
                     if self.stream_logs:  # output written after the final poll
-                        offset = await self._astream(poller.backend, handle, offset)
+                        self._offset = await self._astream(poller.backend, handle,
+                                                           self._offset)
                     tail = await self._atail(poller.backend, handle)
-                    yield TriggerEvent(self._event(handle, item.status, tail, offset))
+                    yield TriggerEvent(self._event(handle, item.status, tail, self._offset))
                     return
         except Exception as exc:  # never crash the triggerer: report instead
             yield TriggerEvent({"status": "error", "handle": self.handle, "state": self.state,
@@ -327,41 +335,35 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
         try:
             from airflow.sdk.execution_time.xcom import XCom
 
-            map_index = getattr(ti, "map_index", -1)
-            await XCom.aset(XCOM_WATCH, record, dag_id=ti.dag_id, task_id=ti.task_id,
-                            run_id=ti.run_id, map_index=-1 if map_index is None else map_index)
+            await XCom.aset(XCOM_WATCH, record, **_xcom_of(ti))
         except Exception as exc:  # the page shows less; the watch goes on
             self.log.debug("Could not write the %s XCom: %s", XCOM_WATCH, exc)
         self._written_at = now  # tried: not again at every poll
 
-    async def _astart_offset(self, handle: JobHandle) -> int:
-        """Where to stream the job's output from: the deferral's offset, or, when a trigger
-        of this job in a triggerer that stopped wrote a later one to the watch XCom, that
-        one (else a restart repeats every line since the deferral in the task log)."""
+    async def _astart_offset(self, handle: JobHandle) -> None:
+        """Where to stream the job's output from (``_offset``): the deferral's offset, or,
+        when a trigger of this job in a triggerer that stopped wrote a later one to the watch
+        XCom, that one (else a restart repeats every line since the deferral in the task log)."""
         ti = getattr(self, "task_instance", None)
         if not self.stream_logs or ti is None:
-            return self.log_offset
+            return
         try:
             from airflow.sdk.execution_time.xcom import XCom
 
-            map_index = getattr(ti, "map_index", -1)
-            record = await asyncio.wait_for(XCom.aget_one(
-                key=XCOM_WATCH, dag_id=ti.dag_id, task_id=ti.task_id, run_id=ti.run_id,
-                map_index=-1 if map_index is None else map_index), WATCH_READ_TIMEOUT)
+            record = await asyncio.wait_for(XCom.aget_one(key=XCOM_WATCH, **_xcom_of(ti)),
+                                            WATCH_READ_TIMEOUT)
         except Exception as exc:  # the output may repeat; the watch goes on
             self.log.debug("Could not read the %s XCom: %s", XCOM_WATCH, exc)
-            return self.log_offset
+            return
         if not isinstance(record, dict) or (record.get("job_id"), record.get("connection")) \
                 != (handle.job_id, handle.connection):
-            return self.log_offset
+            return
         streamed = int(record.get("log_offset") or 0)
-        if streamed <= self.log_offset:
-            return self.log_offset
-        self.log.info("Job %s: its output up to byte %d was shown by an earlier watch of it "
-                      "(a triggerer that stopped); going on from there", handle.job_id,
-                      streamed)
-        self._offset = streamed
-        return streamed
+        if streamed > self._offset:
+            self.log.info("Job %s: its output up to byte %d was shown by an earlier watch of "
+                          "it (a triggerer that stopped); going on from there", handle.job_id,
+                          streamed)
+            self._offset = streamed
 
     async def _astream(self, backend: Backend, handle: JobHandle, offset: int) -> int:
         try:

@@ -446,7 +446,8 @@ async def test_a_trigger_started_again_goes_on_where_the_stopped_one_streamed_to
     store[trig.XCOM_WATCH] = {**store[trig.XCOM_WATCH], "job_id": "0"}
     other = SkyPilotJobTrigger(handle.to_dict(), poll_interval=0.02)
     other.task_instance = ti
-    assert await other._astart_offset(JobHandle.from_dict(handle.to_dict())) == 0
+    await other._astart_offset(JobHandle.from_dict(handle.to_dict()))
+    assert other._offset == 0
 
 
 async def test_two_triggers_on_one_job_each_get_the_output_from_their_own_offset():
