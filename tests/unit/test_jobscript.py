@@ -137,22 +137,31 @@ def test_conda_activate_works_as_conda_sh_is_sourced(tmp_path):
     assert (proc.returncode, proc.stdout) == (0, "env=myenv\n"), proc.stderr
 
 
-def test_python_output_is_unbuffered_and_sudo_works_for_root(tmp_path):
+def _image_without_sudo(tmp_path, uid: int, tools: tuple[str, ...]) -> str:
+    """A PATH of ``tools`` and no sudo (a slim image), whose ``id -u`` says ``uid``: the
+    prologue's choice is shown for root and for another user, whoever runs the tests."""
+    import shutil
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in tools:
+        (bare / tool).symlink_to(shutil.which(tool))
+    (bare / "id").write_text(f"#!/bin/sh\necho {uid}\n")
+    (bare / "id").chmod(0o755)
+    return str(bare)
+
+
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_python_output_is_unbuffered_and_sudo_works_for_root(tmp_path, uid):
     """Python's output reaches the log as it is printed (SkyPilot exports PYTHONUNBUFFERED:
     a job killed mid-run keeps the lines before); ``sudo`` where root has none (a slim
     image) runs the command without its options, as in SkyPilot's images."""
-    import os
-    import shutil
-
-    bare = tmp_path / "bin"  # an image without sudo
-    bare.mkdir()
-    for tool in ("bash", "mkdir", "id", "true"):
-        (bare / tool).symlink_to(shutil.which(tool))
+    path = _image_without_sudo(tmp_path, uid, ("bash", "mkdir", "true"))
     proc = _node(tmp_path, 'echo "unbuffered=$PYTHONUNBUFFERED"\n'
                            'sudo -E -u root true && echo "sudo ok"; bash -c "sudo true" && '
-                           'echo "sudo in a child ok"\n', {}, path=str(bare))
+                           'echo "sudo in a child ok"\n', {}, path=path)
     assert proc.stdout.startswith("unbuffered=1\n"), proc.stderr
-    if os.geteuid() == 0:
+    if uid == 0:
         assert proc.stdout == "unbuffered=1\nsudo ok\nsudo in a child ok\n", proc.stderr
     else:  # not root: no sudo is made up
         assert "sudo ok" not in proc.stdout
@@ -200,17 +209,9 @@ def test_a_bashrc_that_execs_another_shell_or_exits_does_not_end_the_job(tmp_pat
 
 
 def test_the_sudo_stand_in_takes_options_and_assignments(tmp_path):
-    import os
-    import shutil
-
-    if os.geteuid() != 0:
-        pytest.skip("the stand-in is root's only (CI runs as root)")
-    bare = tmp_path / "bin"
-    bare.mkdir()
-    for tool in ("bash", "mkdir", "id", "env", "printenv"):
-        (bare / tool).symlink_to(shutil.which(tool))
+    path = _image_without_sudo(tmp_path, 0, ("bash", "mkdir", "env", "printenv"))
     proc = _node(tmp_path, "sudo DEBIAN_FRONTEND=noninteractive printenv DEBIAN_FRONTEND\n"
-                           "sudo -u; echo after-a-lone-u\n", {}, path=str(bare))
+                           "sudo -u; echo after-a-lone-u\n", {}, path=path)
     assert proc.stdout == "noninteractive\nafter-a-lone-u\n", proc.stderr
 
 
