@@ -484,12 +484,15 @@ def test_a_namespace_that_cannot_be_listed_silences_only_its_own_jobs(k8s, kube)
     of the connection's other namespaces are still read (before, the whole poll failed and,
     after the silence, every job of the connection counted as lost and was placed again)."""
     from airflow_skypilot.exceptions import BackendError
+    from tests.e2e.conftest import shared_dir
     from tests.sandbox.kubernetes.server import FORBIDDEN_NAMESPACE_LABEL
 
     extra = k8s.connections()["k8s_sandbox"]["extra"]
     ok, lost = _namespace(kube), _namespace(kube)
+    marks = shared_dir()
     handles = {ns: _submit(KubernetesBackend("k8s_sandbox", KubernetesSettings.from_extra(
-        "k8s_sandbox", {**extra, "namespace": ns})), {"run": "echo hi; sleep 60"})
+        "k8s_sandbox", {**extra, "namespace": ns})), {"run": f"echo ran >> {marks}/{ns}; "
+                                                              "sleep 60"})
         for ns in (ok, lost)}
     backend = KubernetesBackend("k8s_sandbox")
     for h in handles.values():
@@ -515,8 +518,10 @@ def test_a_namespace_that_cannot_be_listed_silences_only_its_own_jobs(k8s, kube)
     finally:
         label(lost, None)
     assert backend.status([handles[lost]])[handles[lost].job_id].state == JobState.RUNNING
-    for h in handles.values():
+    for ns, h in handles.items():
         backend.cancel(h)
+        # the silence changed nothing of the job: its code ran once, nothing went again
+        assert open(f"{marks}/{ns}").read() == "ran\n"
 
 
 def test_workdir_and_file_mounts_reach_the_pod(k8s, tmp_path):
