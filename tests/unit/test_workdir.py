@@ -40,7 +40,22 @@ def _relative_mounts(tmp_path, **fields):
     data, one = _mount_sources(tmp_path)
     return load_task({"run": "x", **fields, "file_mounts": {
         "relative_dir": data, "./dot/one.cfg": one, "top.cfg": one,
-        "~/home.cfg": one, "/abs/a.cfg": one}})
+        "~/home.cfg": one, "/abs/a.cfg": one, "../up.cfg": one}})
+
+
+def test_a_file_mount_destination_lands_where_skypilots_would():
+    """One rule for every backend: SkyPilot joins a relative destination to ~/sky_workdir,
+    so ``../x`` is ~/x there (it landed in the job's own dir here)."""
+    from airflow_skypilot.backends.common.workdir import mount_destination
+
+    assert mount_destination("~") == mount_destination("~/") == ("home", "")
+    assert mount_destination("~/a/b/") == ("home", "a/b")
+    assert mount_destination("/a/b") == ("root", "/a/b")
+    assert mount_destination("rel") == ("workdir", "rel")
+    assert mount_destination("./a/b/") == ("workdir", "a/b")
+    assert mount_destination(".") == mount_destination("") == ("workdir", "")
+    assert mount_destination("../x") == mount_destination("a/../../x") == ("home", "x")
+    assert mount_destination("..") == ("home", "")
 
 
 def test_slurm_puts_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
@@ -54,7 +69,7 @@ def test_slurm_puts_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
         plan = submit.upload_plan(_relative_mounts(tmp_path, **fields), job_dir, {}, "/home/u")
         puts = [s.remote for s in plan if isinstance(s, PutFile)]
         assert {f"{wd}/relative_dir/deep/f.txt", f"{wd}/dot/one.cfg", f"{wd}/top.cfg",
-                "/home/u/home.cfg", "/abs/a.cfg"} <= set(puts), puts
+                "/home/u/home.cfg", "/abs/a.cfg", "/home/u/up.cfg"} <= set(puts), puts
         assert not [p for p in puts if not p.startswith("/")]  # nothing left to SFTP's cwd
         # the workdir is made, and filled, before any mount goes into it
         assert plan.index(MakeDirs(wd, 0o700)) < plan.index(MakeDirs(f"{wd}/relative_dir",
@@ -66,6 +81,7 @@ def test_slurm_puts_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
     assert submit.mount_target("~/a", "/home/u", wd) == "/home/u/a"
     assert submit.mount_target("~", "/home/u", wd) == "/home/u"
     assert submit.mount_target("/a/b", "/home/u", wd) == "/a/b"
+    assert submit.mount_target("../b", "/home/u", wd) == "/home/u/b"
 
 
 def test_kubernetes_unpacks_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
@@ -79,9 +95,10 @@ def test_kubernetes_unpacks_a_relative_file_mount_under_the_jobs_workdir(tmp_pat
         if fields:  # the workdir first: the mounts go over it, never under it
             assert got[0] == ("workdir.tgz.b64", wd)
             words = words[1:]
-        # sorted by destination: ./dot/one.cfg, /abs/a.cfg, relative_dir, top.cfg, ~/home.cfg
-        assert words == [f"{wd}/./dot", '"$AIRFLOW_SKYPILOT_ROOT"/abs', f"{wd}/relative_dir",
-                         wd, '"$HOME"']
+        # sorted by destination: ../up.cfg, ./dot/one.cfg, /abs/a.cfg, relative_dir, top.cfg,
+        # ~/home.cfg
+        assert words == ['"$HOME"', f"{wd}/dot", '"$AIRFLOW_SKYPILOT_ROOT"/abs',
+                         f"{wd}/relative_dir", wd, '"$HOME"']
 
 
 def test_aws_copies_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
@@ -107,6 +124,7 @@ def test_aws_copies_a_relative_file_mount_under_the_jobs_workdir(tmp_path):
     assert (job / "workdir" / "dot" / "one.cfg").exists()
     assert (job / "workdir" / "top.cfg").exists() and (home / "home.cfg").exists()
     assert not (home / "relative_dir").exists() and not (home / "top.cfg").exists()
+    assert (home / "up.cfg").exists() and not (job / "up.cfg").exists()  # ~/sky_workdir/..
 
 
 @pytest.mark.parametrize("there", [None, "dir of files"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import posixpath
 
 from airflow_skypilot.spec.task import Task
 
@@ -56,3 +57,22 @@ def local_source(task: Task, src: str) -> str:
     if not os.path.isabs(path) and task.base_dir:
         path = os.path.join(task.base_dir, path)
     return os.path.normpath(path)
+
+
+def mount_destination(dst: str) -> tuple[str, str]:
+    """Where a file mount's destination lands, as SkyPilot reads it: ``("home", rest)`` for
+    ``~`` and ``~/rest``, ``("root", dst)`` for an absolute path, else ``("workdir", rest)``
+    (``rest`` "" for the workdir itself): SkyPilot puts a relative destination under its
+    workdir ``~/sky_workdir``, so one that climbs out of it (``../x``) lands in the home, as
+    ``~/sky_workdir/../x`` does there. Every backend maps the three anchors to its own paths."""
+    if dst == "~" or dst.startswith("~/"):
+        rest = posixpath.normpath(dst[2:] or ".").lstrip("/")
+        return "home", "" if rest == "." else rest
+    if dst.startswith("/"):
+        return "root", dst
+    rel = posixpath.normpath(dst)
+    if rel == "..":
+        return "home", ""
+    if rel.startswith("../"):
+        return "home", posixpath.normpath("sky_workdir/" + rel)
+    return "workdir", "" if rel == "." else rel

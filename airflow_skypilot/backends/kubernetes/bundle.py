@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from airflow_skypilot.backends.common.jobscript import node_word
-from airflow_skypilot.backends.common.workdir import local_source, walk
+from airflow_skypilot.backends.common.workdir import local_source, mount_destination, walk
 from airflow_skypilot.spec.fill import masked
 from airflow_skypilot.spec.task import Task
 
@@ -77,18 +77,13 @@ WORKDIR_WORD = '"$AIRFLOW_SKYPILOT_WORKDIR"'
 
 def _dest_dir_word(dst: str, secrets: Mapping[str, str]) -> str:
     """A bash word for a file mount's destination directory inside the pod (main.sh, in the
-    ConfigMap: a secret filled into it is a reference to the pod's env from the Secret).
-    A relative one (``""``: the workdir itself) is under the job's workdir, as SkyPilot puts
-    it under its workdir ``~/sky_workdir``."""
-    if dst in ("~", "~/"):
-        return '"$HOME"'
-    if dst.startswith("~/"):
-        return '"$HOME"/' + node_word(dst[2:], secrets)
-    if dst.startswith("/"):
-        return '"$AIRFLOW_SKYPILOT_ROOT"' + node_word(dst, secrets)
-    if dst in ("", "."):
-        return WORKDIR_WORD
-    return WORKDIR_WORD + "/" + node_word(dst, secrets)
+    ConfigMap: a secret filled into it is a reference to the pod's env from the Secret), by
+    :func:`mount_destination`'s rule (``""``: the workdir itself)."""
+    anchor, rest = mount_destination(dst)
+    if anchor == "root":
+        return '"$AIRFLOW_SKYPILOT_ROOT"' + node_word(rest, secrets)
+    base = '"$HOME"' if anchor == "home" else WORKDIR_WORD
+    return base + "/" + node_word(rest, secrets) if rest else base
 
 
 def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:

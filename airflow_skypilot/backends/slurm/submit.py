@@ -30,7 +30,7 @@ from typing import Any
 
 from airflow_skypilot.backends.base import JobHandle, Offer
 from airflow_skypilot.backends.common import jobscript
-from airflow_skypilot.backends.common.workdir import local_source, walk
+from airflow_skypilot.backends.common.workdir import local_source, mount_destination, walk
 from airflow_skypilot.backends.slurm.remote import (
     Chmod,
     MakeDirs,
@@ -388,12 +388,13 @@ def _tree(local: str, remote: str) -> list[UploadStep]:
 
 
 def mount_target(dst: str, home: str, workdir: str) -> str:
-    """Where a file mount lands, as an absolute path: ``~`` is ``home``, an absolute path is
-    itself, and anything else is under the job's ``workdir`` (its cwd during setup and run),
-    as SkyPilot puts a relative destination under its workdir ``~/sky_workdir``."""
-    if dst == "~" or dst.startswith(("~/", "/")):
-        return abs_remote(dst, home)
-    return posixpath.normpath(f"{workdir}/{dst}")
+    """Where a file mount lands, as an absolute path (:func:`mount_destination`'s rule: the
+    home, the root, or the job's ``workdir``, its cwd during setup and run)."""
+    anchor, rest = mount_destination(dst)
+    if anchor == "root":
+        return rest
+    base = home if anchor == "home" else workdir
+    return posixpath.normpath(f"{base}/{rest}") if rest else base
 
 
 def upload_plan(task: Task, job_dir: str, files: Mapping[str, tuple[str, int]],
