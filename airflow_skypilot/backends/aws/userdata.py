@@ -317,8 +317,7 @@ if [ "$NUM_NODES" -gt 1 ]; then
 fi
 export AIRFLOW_SKYPILOT_RANK="$RANK" AIRFLOW_SKYPILOT_IPS="$IPS"
 
-W=~/sky_workdir; [ ! -e "$W" ] || [ -L "$W" ] || rmdir "$W" &&
-  ln -sfn "$JOB_DIR/workdir" "$W" || say "$W kept"
+{sky_workdir_link}
 if [ -x "$JOB_DIR/mounts.sh" ]; then
   bash "$JOB_DIR/mounts.sh" || finish bootstrap_error "file_mounts failed"
 fi
@@ -353,6 +352,8 @@ rc=$?
 [ $rc -ne 0 ] || [ "$NUM_NODES" -eq 1 ] || barrier run_done || :
 finish exit_code "$rc"
 """
+_SCRIPT = _SCRIPT.replace("{sky_workdir_link}",
+                          jobscript.sky_workdir_link('"$JOB_DIR/workdir"', note="say"))
 
 
 def render_user_data(boot: Bootstrap) -> str:

@@ -138,6 +138,20 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
 
 #: awk program: replace each secret's value (each line of it, if it has several) by ``***``.
 #: Values shorter than 4 characters are left alone, as Airflow's own masker does.
+def sky_workdir_link(workdir: str, note: str) -> str:
+    """Bash making ``~/sky_workdir``, SkyPilot's workdir (its tasks ``cd ~/sky_workdir``), a
+    link to the job's ``workdir`` (a bash word), on a node that runs one job (Kubernetes,
+    AWS), before anything is unpacked: a mount under ``~/sky_workdir/`` lands in the workdir
+    too. A link already there is replaced, and so is an empty directory (an image's); anything
+    else is kept, and ``note`` (a command taking a message) says so. Nothing to do when it is
+    the workdir already (a HOME of ``/`` on Kubernetes)."""
+    return (f'W=~/sky_workdir; if [ ! "$W" -ef {workdir} ]; then\n'
+            f'  {{ [ ! -e "$W" ] || [ -L "$W" ] || rmdir "$W" 2>/dev/null; }} &&\n'
+            f'    ln -sfn {workdir} "$W" 2>/dev/null ||\n'
+            f'    {note} "$W kept (not a link, nor an empty directory); the workdir is "{workdir}\n'
+            'fi')
+
+
 _MASK_AWK = r"""BEGIN {
   n = split(names, ns, " ")
   for (i = 1; i <= n; i++) {

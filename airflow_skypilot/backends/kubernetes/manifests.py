@@ -80,24 +80,6 @@ def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
 # --- scripts --------------------------------------------------------------------------------
 
 
-#: ``~/sky_workdir``, SkyPilot's workdir (its tasks ``cd ~/sky_workdir``), is the job's own
-#: workdir: a link made on every node before anything is unpacked (a mount under
-#: ``~/sky_workdir/`` lands in the workdir too). A link already there is replaced, and so is
-#: an empty directory (an image's); anything else is left as it is, with a note (but when it
-#: is the workdir already: a HOME of ``/``)
-SKY_WORKDIR_LINK = [
-    'mkdir -p "$AIRFLOW_SKYPILOT_WORKDIR"',
-    'if [ ~/sky_workdir -ef "$AIRFLOW_SKYPILOT_WORKDIR" ]; then :',
-    'elif [ -L ~/sky_workdir ] || [ ! -e ~/sky_workdir ] || rmdir ~/sky_workdir 2>/dev/null; then',
-    '  ln -sfn "$AIRFLOW_SKYPILOT_WORKDIR" ~/sky_workdir 2>/dev/null || echo "airflow-skypilot:'
-    ' could not link ~/sky_workdir to the workdir $AIRFLOW_SKYPILOT_WORKDIR" >&2',
-    "else",
-    '  echo "airflow-skypilot: ~/sky_workdir is there already (not a link, nor an empty'
-    ' directory): left as it is; the workdir is $AIRFLOW_SKYPILOT_WORKDIR" >&2',
-    "fi",
-]
-
-
 def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain: str,
                 targets: list[tuple[str, str]]) -> str:
     """The pod's entry point: node addresses, unpack files, then setup and run via node.sh."""
@@ -118,7 +100,9 @@ def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain
     else:
         lines.append('export SKYPILOT_NODE_IPS="${AIRFLOW_SKYPILOT_POD_IP:-127.0.0.1}"')
     lines += [
-        *SKY_WORKDIR_LINK,
+        'mkdir -p "$AIRFLOW_SKYPILOT_WORKDIR"',
+        jobscript.sky_workdir_link('"$AIRFLOW_SKYPILOT_WORKDIR"',
+                                   note=">&2 echo airflow-skypilot:"),
         "unpack() {  # bundle Secret key, target directory",
         '  mkdir -p "$2" && base64 -d "$AIRFLOW_SKYPILOT_BUNDLE_DIR/$1" | tar -xzf - -C "$2"',
         "}",
