@@ -1,4 +1,4 @@
-"""Fixtures shared by the unit tests of the operator's moves and looks."""
+"""Fixtures shared by the unit tests: a home of their own, and the operator's moves and looks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ import pytest
 from airflow_skypilot import rebalance
 from airflow_skypilot.backends import registry
 from tests.fakes import FakeBackend, offer
+
+
+@pytest.fixture(autouse=True)
+def _own_home(tmp_path_factory, monkeypatch):
+    """An empty ``$HOME`` for every unit test: the job scripts they run read ``~/.bashrc``,
+    as SkyPilot's prologue does, and the machine's own (a ``pyenv init`` whose rehash waits
+    60 s for a lock a killed job left behind, a ``conda init``) must not decide a test, nor a
+    test's killed job leave such a lock for the machine's user."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
 
 
 @pytest.fixture

@@ -167,19 +167,24 @@ def test_python_output_is_unbuffered_and_sudo_works_for_root(tmp_path, uid):
         assert "sudo ok" not in proc.stdout
 
 
-def test_a_term_stops_the_interactive_script_before_its_next_command(tmp_path):
+@pytest.mark.parametrize("slow_bashrc", [False, True])
+def test_a_term_stops_the_interactive_script_before_its_next_command(tmp_path, slow_bashrc):
     """An interactive bash ignores SIGTERM: scancel's TERM (or a time limit's) ended the
-    running command and the script went on to the next one until KillWait's SIGKILL."""
+    running command and the script went on to the next one until KillWait's SIGKILL. A TERM
+    while a slow ~/.bashrc is read (``pyenv init`` waiting for its rehash lock) reached the
+    trap's ``exit``, which the prologue shadows there: the job went on to run."""
     import signal
     import time
 
     (tmp_path / "env.sh").write_text("")
     (tmp_path / "run.sh").write_text(jobscript.user_script(
-        f"sleep 30\ntouch {tmp_path / 'went-on'}\n"))
+        f"sleep {1 if slow_bashrc else 30}\ntouch {tmp_path / 'went-on'}\n"))
     (tmp_path / "node.sh").write_text(jobscript.node_script(
         job_dir=str(tmp_path), workdir=str(tmp_path / "w"), rank_var="RANK", has_setup=False,
         has_run=True))
     (tmp_path / "home").mkdir()
+    if slow_bashrc:
+        (tmp_path / "home" / ".bashrc").write_text("sleep 3\n")
     proc = subprocess.Popen(["bash", str(tmp_path / "node.sh"), "run"], start_new_session=True,
                             env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")})
     time.sleep(1.5)

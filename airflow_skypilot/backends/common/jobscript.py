@@ -182,13 +182,14 @@ _MASK_AWK = r"""BEGIN {
 #: next command; it would expand ``!`` in strings and write the user's history file; a
 #: ``.bashrc`` that ``exec``\ s another shell or exits (a login shell switch, common on HPC
 #: clusters) would end the job "successfully" without running it: while it is read, ``exec``
-#: and ``exit`` only say so; and root's ``rm``/``cp``/``mv -i`` aliases (RHEL's) would answer
+#: and ``exit`` only say so (the TERM trap's ``exit`` is the builtin: a TERM while a slow
+#: ``.bashrc`` is read still ends the script); and root's ``rm``/``cp``/``mv -i`` aliases (RHEL's) would answer
 #: their own prompt "no" and do nothing.
 PROLOGUE = """\
 # airflow-skypilot: SkyPilot's prologue of every setup and run; the task's script follows it.
 if { true >&3; } 2>/dev/null; then exec 2>&3 3>&-; fi
 set +m +o history +H
-trap 'exit 143' TERM
+trap 'builtin exit 143' TERM
 if [ -f ~/.bashrc ]; then
   exec() { echo "airflow-skypilot: ~/.bashrc: exec $* skipped" >&2; }
   exit() { echo "airflow-skypilot: ~/.bashrc: exit $* skipped" >&2; }
