@@ -178,14 +178,20 @@ def test_a_tasks_export_none_still_lets_the_steps_see_what_the_job_script_export
 #: group, SLURM_NODEID set); in the run step, ``$LOSE``'s whole process group is SIGKILLed a
 #: second in (its node lost, or srun's --kill-on-bad-exit: no chance to write anything), and
 #: a second later the step ends, as Slurm ends it (a node failure ends the job; a bad exit the
-#: step): the other rank, if it still waits for its peer's exit code, goes too
+#: step): the other rank, if it still waits for its peer's exit code, goes too. A rank that
+#: exits with a failure of its own ends the other (``--kill-on-bad-exit``), as srun does.
 _SRUN_2 = """#!/bin/bash
 while [ "$1" != bash ]; do shift; done
 for r in 0 1; do SLURM_NODEID=$r setsid "$@" & p[$r]=$!; done
 if [ -n "$LOSE" ] && [ "${@: -1}" = run ]; then
   sleep 1; kill -9 -- -${p[$LOSE]}; sleep 1; kill -9 -- -${p[0]} -${p[1]} 2>/dev/null
 fi
-rc=0; for r in 0 1; do wait ${p[$r]} || rc=1; done; exit $rc
+rc=0
+for _ in 0 1; do
+  wait -n && continue
+  rc=1; kill -9 -- -${p[0]} -${p[1]} 2>/dev/null
+done
+exit $rc
 """
 
 
@@ -220,6 +226,17 @@ def test_a_rank_whose_node_died_is_an_infrastructure_failure_after_slurm_forgets
     assert not (tmp_path / "exit_code.run.1").exists()
     assert status.state == JobState.INFRA_FAILED and status.state.infra_failure
     assert "rank 1" in status.reason
+
+
+def test_a_rank_that_cannot_write_its_exit_code_ends_the_step_instead_of_a_wait_for_it(
+        tmp_path):
+    """Its run ended well, but its node could not write the job dir: it ended with code 0
+    and no file, and the other rank waited for that file until the job's time limit."""
+    (tmp_path / "exit_code.run.1.tmp").mkdir()  # rank 1's write fails
+    status = _two_nodes(tmp_path)
+    assert (tmp_path / "exit_code.run.0").read_text().strip() == "0"
+    assert not (tmp_path / "exit_code.run.1").exists()
+    assert status.state == JobState.INFRA_FAILED and "rank 1" in status.reason
 
 
 def test_a_rank_that_failed_of_its_own_is_the_users_failure_with_its_code(tmp_path):

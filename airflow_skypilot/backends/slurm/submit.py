@@ -212,13 +212,16 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
 #: proctrack/cgroup kills what a task leaves behind when it ends, and SkyPilot keeps every node
 #: until the job ends (a daemon a worker rank started, ``ray start`` or an MPI target, lives on
 #: for the ranks still running; a failing rank ends the step, ``--kill-on-bad-exit``). A node
-#: that could not write its own exit code does not wait (the others' may be missing too).
+#: that could not write its own exit code ends with a failure, even after a run that ended
+#: well, so the step ends: the others would wait for it until the time limit, and its rank
+#: reads as one whose node was lost (infrastructure: its node cannot write the job dir).
 _STEP = ('--overlap --kill-on-bad-exit=1 --ntasks-per-node=1 -N "$SLURM_JOB_NUM_NODES" '
          'bash -c \'touch "$0/began.$1" || exit; bash "$0/node.sh" "$1"; c=$?; '
-         'f="$0/exit_code.$1.${SLURM_NODEID:-0}"; echo $c > "$f.tmp" && mv "$f.tmp" "$f" '
-         '&& [ $c -eq 0 ] && [ "$1" = run ] && until [ "$(ls "$0" | grep -c '
-         '"^exit_code\\.run\\.[0-9]*$")" -ge "$SLURM_JOB_NUM_NODES" ]; do sleep 2; done; '
-         'exit $c\' "$JOB_DIR"')
+         'f="$0/exit_code.$1.${SLURM_NODEID:-0}"; { echo $c > "$f.tmp" && mv "$f.tmp" "$f"; } '
+         '|| { echo "airflow-skypilot: could not write $f (exit code $c)" >&2; '
+         'exit $((c ? c : 1)); }; [ $c -eq 0 ] && [ "$1" = run ] && until [ "$(ls "$0" | '
+         'grep -c "^exit_code\\.run\\.[0-9]*$")" -ge "$SLURM_JOB_NUM_NODES" ]; do sleep 2; '
+         'done; exit $c\' "$JOB_DIR"')
 
 
 def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: str) -> str:
