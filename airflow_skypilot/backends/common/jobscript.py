@@ -183,8 +183,8 @@ _MASK_AWK = r"""BEGIN {
 #: ``.bashrc`` that ``exec``\ s another shell or exits (a login shell switch, common on HPC
 #: clusters) would end the job "successfully" without running it: while it is read, ``exec``
 #: and ``exit`` only say so (the TERM trap's ``exit`` is the builtin: a TERM while a slow
-#: ``.bashrc`` is read still ends the script); and root's ``rm``/``cp``/``mv -i`` aliases (RHEL's) would answer
-#: their own prompt "no" and do nothing.
+#: ``.bashrc`` is read still ends the script); and root's ``rm``/``cp``/``mv -i`` aliases
+#: (RHEL's) would answer their own prompt "no" and do nothing.
 PROLOGUE = """\
 # airflow-skypilot: SkyPilot's prologue of every setup and run; the task's script follows it.
 if { true >&3; } 2>/dev/null; then exec 2>&3 3>&-; fi
