@@ -132,6 +132,21 @@ class Knobs:
       see none of each other).
 
     ``max_moves``: bound on moves per job for the ``+moves`` strategies (placement.MAX_MOVES).
+
+    Diagnostic (no backend can do it): ``oracle``: every on-prem start estimate the placement
+    code reads (a Slurm or Kubernetes offer's start and free-now, a waiting job's own start)
+    is the start the simulator would give the job if submitted now, the place played forward
+    with the jobs present (real run times, the scheduler's own order; later arrivals unknown).
+    What-if: ``aws_keep_large``: an AWS offer of an instance with fewer GPUs than the largest
+    type is not free now (start unknown) when its launch would leave room in the vCPU quota
+    for fewer instances of the largest GPU count (the fewest vCPUs among them) than now: a
+    small job does not break up the quota an 8-GPU job needs (no backend does it).
+    What-if: ``paid_priority``: a look that would move a waiting job to a paid place free now
+    lets another waiting job have that room first when the room cannot take both and the
+    other saves more wait per second of the room (its estimated wait left over its time limit,
+    from its last look: what waiting jobs' looks would publish in the ledger; no backend or
+    ledger does it). ``paid_priority_place``: a new placement too (its wait saved: the best
+    unpaid place's estimated wait).
     """
 
     slurm_estimate: str = "backfill"
@@ -141,6 +156,10 @@ class Knobs:
     aws_types: str = "exact"
     herd_avoid: bool = True
     max_moves: int = placement.MAX_MOVES
+    oracle: bool = False
+    aws_keep_large: bool = False
+    paid_priority: bool = False
+    paid_priority_place: bool = False
 
     def label(self) -> str:
         base = Knobs()
@@ -436,6 +455,84 @@ def after_plan(plan: Plan, g: int) -> float:
         t = heap[0][0]
 
 
+# --- the oracle (a diagnostic: ``Knobs.oracle``) -------------------------------------------------
+
+
+def oracle_slurm(place: Any, t: float, extra: BJob | None, targets: set[int]
+                 ) -> dict[int, float]:
+    """When each pending job (and ``extra``, appended last) starts if nothing else arrives: the
+    place's backfill (plans at time limits, ``SlurmPlace.schedule``) played forward over the
+    running jobs' real ends. Stops once every job of ``targets`` has started."""
+    run = [copy.copy(j) for j in place.running]
+    pend = [copy.copy(j) for j in place.pending] + ([extra] if extra is not None else [])
+    out: dict[int, float] = {}
+    now = t
+    while True:
+        profile = Profile(now, place.caps, run)
+        for bj in list(pend):
+            slot = profile.earliest(bj.gpus, bj.limit or 0.0, now)
+            if slot is None:
+                continue
+            when, node = slot
+            profile.take(node, when, bj.limit or 0.0, bj.gpus)
+            if when <= now:
+                pend.remove(bj)
+                bj.node, bj.start = node, now
+                run.append(bj)
+                out[bj.seq] = now
+        later = [j.start + j.actual for j in run if j.start + j.actual > now]
+        if targets <= out.keys() or not pend or not later:
+            return out
+        now = min(later)
+        run = [j for j in run if j.start + j.actual > now]
+
+
+def oracle_k8s(place: Any, t: float, extra: BJob | None, targets: set[int]) -> dict[int, float]:
+    """The same for the Kubernetes scheduler (``K8sPlace.schedule``: any pending pod that fits
+    binds, oldest first) over the running pods' real ends."""
+    free = [c - u for c, u in zip(place.caps, place.used, strict=True)]
+    ends = [(j.start + j.actual, j.node, j.gpus) for j in place.running]
+    heapq.heapify(ends)
+    pend = list(place.pending) + ([extra] if extra is not None else [])
+    out: dict[int, float] = {}
+    now = t
+    while True:
+        for bj in list(pend):
+            n = _best_fit(free, bj.gpus)
+            if n is not None:
+                free[n] -= bj.gpus
+                heapq.heappush(ends, (now + bj.actual, n, bj.gpus))
+                out[bj.seq] = now
+                pend.remove(bj)
+        if targets <= out.keys() or not pend or not ends:
+            return out
+        now = ends[0][0]
+        while ends and ends[0][0] <= now:
+            _, n, g = heapq.heappop(ends)
+            free[n] += g
+
+
+def oracle_offers(offers: list[Offer], t: float, start_of: Callable[[int], float | None]
+                  ) -> list[Offer]:
+    """``offers`` with the oracle's start (``start_of(gpus)``, simulated seconds) in place of
+    the backend's estimate and free room."""
+    for o in offers:
+        if not o.fits:
+            continue
+        g = int(math.ceil(o.gpus_per_node * o.num_nodes))
+        start = start_of(g)
+        o.details["estimate"] = "oracle"
+        if start is None:
+            o.est_start, o.nodes_free = None, 0
+        elif start <= t + 1e-6:
+            o.est_start = EPOCH + t
+            o.nodes_free = max(o.nodes_free or 0, o.num_nodes)
+            o.gpus_free = max(o.gpus_free or 0, g)
+        else:
+            o.est_start, o.nodes_free = EPOCH + start, 0
+    return offers
+
+
 # --- places --------------------------------------------------------------------------------------
 
 
@@ -631,6 +728,8 @@ class SlurmPlace(Place):
     def own_start(self, bj: BJob, t: float) -> float | None:
         """A waiting job's status ``est_start``: squeue's StartTime (its slot in the backfill
         plan), discounted as ``slurm.status.parse_status`` does."""
+        if self.knobs.oracle and bj.state == "pending":
+            return self.oracle_own(t).get(bj.seq)
         if self.knobs.own_estimate == "none" or bj.state != "pending":
             return None
         planned = self.reserved.get(bj.seq)
@@ -640,12 +739,25 @@ class SlurmPlace(Place):
         ratio = self.discount()
         return when if ratio is None else t + (when - t) * ratio
 
+    def oracle_own(self, t: float) -> dict[int, float]:
+        """``Knobs.oracle``: when each of our pending jobs really starts (no later arrivals)."""
+        ours = {j.seq for j in self.pending if j.owner is not None}
+        return self.cached(("oracle-own", t), lambda: oracle_slurm(self, t, None, ours))
+
+    def oracle_new(self, t: float, g: int, limit: float) -> float | None:
+        """``Knobs.oracle``: when a new job of ``g`` GPUs and ``limit`` submitted now starts."""
+        return self.cached(("oracle-new", t, g, limit), lambda: oracle_slurm(
+            self, t, BJob(-1, g, limit, 0.0, t), {-1}).get(-1))
+
     # the probe ------------------------------------------------------------------------------
     def offers(self, task: Task, t: float, limit: float) -> list[Offer]:
         shapes = slurm_offers.probe_shapes(task, self.settings)
         key = ("state", t, tuple(shapes), limit)
         state = self.cached(key, lambda: parse_cluster(self._probe_text(t, shapes, limit)))
-        return slurm_offers.offers(task, state, self.settings, self.conn, lambda _t, _r: "")
+        out = slurm_offers.offers(task, state, self.settings, self.conn, lambda _t, _r: "")
+        if self.knobs.oracle:
+            oracle_offers(out, t, lambda g: self.oracle_new(t, g, limit))
+        return out
 
     def _probe_text(self, t: float, shapes: list[tuple[int, int, int, int]], limit: float
                     ) -> str:
@@ -771,6 +883,10 @@ class K8sPlace(Place):
 
     def own_start(self, bj: BJob, t: float) -> float | None:
         """What-if (``own_estimate=queue+k8s``): a waiting pod's own slot (no backend says)."""
+        if self.knobs.oracle and bj.state == "pending":
+            ours = {j.seq for j in self.pending if j.owner is not None}
+            return self.cached(("oracle-own", t),
+                               lambda: oracle_k8s(self, t, None, ours)).get(bj.seq)
         if self.knobs.k8s_estimate != "pod-ages" or self.knobs.own_estimate != "queue+k8s" \
                 or bj.state != "pending":
             return None
@@ -784,6 +900,9 @@ class K8sPlace(Place):
                 continue
             out.append(k8s_offers.offer(self.conn, "kubernetes", self.settings, task, req, view,
                                         unsupported="", bundle_error=""))
+        if self.knobs.oracle:
+            oracle_offers(out, t, lambda g: self.cached(("oracle-new", t, g), lambda: oracle_k8s(
+                self, t, BJob(-1, g, None, 0.0, t), {-1}).get(-1)))
         return out
 
     def _view(self, t: float) -> Any:
@@ -886,7 +1005,24 @@ class AwsPlace(Place):
                 continue
             types, why = self.types(req)
             out += aws_offers.offers_for(self.conn, self.settings, task, req, state, types, why)
-        return aws_offers.share_quotas(out)  # as ``probe_region``: the AZs draw on one quota
+        out = aws_offers.share_quotas(out)  # as ``probe_region``: the AZs draw on one quota
+        if self.knobs.aws_keep_large:
+            self.keep_large(out)
+        return out
+
+    def keep_large(self, offers: list[Offer]) -> None:
+        """``Knobs.aws_keep_large``: what the proposed change in ``aws/offers.py`` would do."""
+        most = max(i.gpus for i in AWS_TYPES.values())
+        big = min(i.vcpus for i in AWS_TYPES.values() if i.gpus == most)
+        room = self.sc.aws_quota_vcpus - self.used_vcpus()
+        for o in offers:
+            info = AWS_TYPES.get(o.instance_type or "")
+            if not o.fits or not o.free_now or info is None or info.gpus >= most:
+                continue
+            if (room - info.vcpus) // big < room // big:
+                o.nodes_free, o.est_start = 0, None
+                o.details["estimate"] = "unknown"
+                o.notes.append(f"quota kept for a {most}-GPU instance")
 
     def launch(self, bj: BJob, itype: str, t: float) -> bool:
         info = AWS_TYPES[itype]
@@ -930,6 +1066,9 @@ class Job:
     raced: list[str] = field(default_factory=list)
     left: set[str] = field(default_factory=set)  # places it moved away from
     trigger_gen: int = 0
+    #: its wait left as its last look (or its submission) estimated it, and when
+    look_wait: float | None = None
+    look_t: float = 0.0
 
 
 @dataclass
@@ -1070,6 +1209,7 @@ class Sim:
         self.onprem = [p for p in self.places.values() if p.onprem]
         self.back = 0
         self.paid_short = 0
+        self.result: Result | None = None  # set by ``compare``
 
     # events ---------------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None], prio: int = 1) -> None:
@@ -1188,6 +1328,15 @@ class Sim:
         now = EPOCH + self.t
         plan = placement.rank(self._hold(job, offers), self.policy, ordered=job.task.ordered,
                               blocked=job.blocked, now=now)
+        if plan.chosen is not None and self.knobs.paid_priority_place and plan.chosen.free_now \
+                and plan.chosen.price_per_hour > 0:
+            unpaid = [o for o in plan.ranked if o.price_per_hour == 0]
+            if unpaid:
+                job.look_wait, job.look_t = unpaid[0].wait_seconds, self.t
+                if self._defer_paid(job, unpaid[0], plan.chosen):
+                    plan = placement.rank([o for o in self._hold(job, offers)
+                                           if o.price_per_hour == 0], self.policy,
+                                          ordered=job.task.ordered, blocked=job.blocked, now=now)
         if plan.chosen is None:  # nothing viable now: look again after the reprobe interval
             self.at(self.t + self.sc.reprobe_interval, lambda: self._replace(job, conns))
             return
@@ -1387,6 +1536,7 @@ class Sim:
             return True
         if self.strategy != "skypilot":  # it submits on no estimate
             bj.free_now, bj.est_wait = offer.free_now, offer.wait_seconds
+            job.look_wait, job.look_t = offer.wait_seconds, self.t
         place.submit(bj, self.t)
         job.log.append((self.t, f"submit {offer.place_key} {offer.accelerator} "
                                 f"free={offer.free_now} est={offer.wait_seconds}"))
@@ -1417,17 +1567,49 @@ class Sim:
         current = rebalance._current(offers, handle, status)
         to = None
         if current is not None:
+            job.look_wait, job.look_t = current.wait_seconds, self.t
             others = [o for o in offers if o.place_key in set(job.places)]
             to = placement.reconsider(current, others, self.policy, ordered=job.task.ordered,
                                       blocked=job.blocked, waited_s=self.t - job.spec.arrival,
                                       moves=job.moves, max_moves=self.knobs.max_moves,
                                       now=EPOCH + self.t)
+            if to is not None and self.knobs.paid_priority and self._defer_paid(job, current, to):
+                to = None
         if to is None:
             self.at(self.t + self.sc.reprobe_interval, lambda: self._look(job, bj, gen))
             return
         job.log.append((self.t, f"reconsider -> {to.place_key}: "
                                 f"{to.details.get('move_reason')}"))
         self.at(self.t + self.sc.resume_s, lambda: self._move(job, bj, current, to, gen))
+
+    def _gain_rate(self, job: Job) -> float:
+        """``paid_priority``: the wait a job would save per second of a paid place's room."""
+        left = 2 * H if job.look_wait is None else max(0.0, job.look_wait
+                                                        - (self.t - job.look_t))
+        return left / job.spec.limit
+
+    def _defer_paid(self, job: Job, current: Offer, to: Offer) -> bool:
+        """``paid_priority``: whether ``job`` leaves the paid room ``to`` to another waiting
+        job that saves more wait per second of it (the room cannot take both)."""
+        if not to.free_now or to.price_per_hour <= current.price_per_hour \
+                or not isinstance(self.places[to.connection], AwsPlace):
+            return False
+        aws = self.places[to.connection]
+        after = self.sc.aws_quota_vcpus - aws.used_vcpus() - AWS_TYPES[to.instance_type].vcpus
+        mine = self._gain_rate(job)
+        for k in self.jobs:
+            if k is job or k.start is not None or k.copy is None or k.copy.state != "pending" \
+                    or k.moves >= self.knobs.max_moves \
+                    or not any(p.startswith(f"{to.connection}/") for p in k.places):
+                continue
+            need = min((i.vcpus for i in AWS_TYPES.values() if i.gpus == k.spec.gpus),
+                       default=None)
+            if need is None or need <= after:
+                continue  # no AWS type for it, or the room takes both
+            if self._gain_rate(k) > mine:
+                job.log.append((self.t, f"paid room left to job{k.spec.id}"))
+                return True
+        return False
 
     def _count_move(self, job: Job, current: Offer, to: Offer) -> None:
         if to.place_key in job.left:
@@ -1852,6 +2034,64 @@ def summary_rows(quick: bool) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _parse_value(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"True": True, "False": False}.get(text, text)
+
+
+def _assignments(items: list[str] | None) -> dict[str, Any]:
+    return {k: _parse_value(v) for k, _, v in (i.partition("=") for i in items or [])}
+
+
+def compare(strategies: list[str], seeds: list[int], knobs: Knobs, sc: Scenario,
+            breakdown: bool = False) -> str:
+    """``--only``: the named strategies (under ``knobs``) against SkyPilot's rule (the default
+    knobs) on ``seeds``: mean wait, its ratio, cloud $ and its ratio; ``--breakdown``: each
+    strategy's mean wait by job class and by the place the job started."""
+    sims: dict[str, list[Sim]] = {}
+    for name in ["skypilot", *[n for n in strategies if n != "skypilot"]]:
+        sims[name] = []
+        for seed in seeds:
+            sim = Sim(sc, Knobs() if name in ("skypilot", "one-cluster") else knobs, name, seed)
+            sim.result = sim.run()
+            sims[name].append(sim)
+    runs = {n: Summary(n, [sim.result for sim in v]) for n, v in sims.items()}
+    sky = runs["skypilot"]
+    lines = [f"seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}), knobs: {knobs.label()}",
+             "| strategy | mean wait (min) | sweeps / singles | vs SkyPilot's rule | cloud $ | "
+             "$ vs SkyPilot's | moves | queued copies started in < half their estimate | "
+             "real / estimated wait (median) |", "|---|---|---|---|---|---|---|---|---|"]
+    for n, r in runs.items():
+        lines.append(f"| {n} | {r.mean('mean_wait_min'):.2f} | {r.mean('sweeps_wait_min'):.1f} "
+                     f"/ {r.mean('singles_wait_min'):.1f} | {_ratio_text(r.ratio(sky))} | "
+                     f"{r.mean('cloud_usd'):.0f} | "
+                     f"{r.mean('cloud_usd') / sky.mean('cloud_usd'):.2f}x | "
+                     f"{r.mean('moves'):.1f} | {100 * r.mean('est_early'):.0f}% | "
+                     f"{r.mean('est_ratio'):.2f} |")
+    if breakdown:
+        total = len(seeds) * sc.jobs
+        for n, v in sims.items():
+            classes: dict[str, list[float]] = {}
+            for sim in v:
+                for j in sim.jobs:
+                    w = (j.start - j.spec.arrival) / 60
+                    kind = "sweep" if j.spec.sweep is not None else "single"
+                    for key in (f"{kind} {j.spec.gpus} GPU", f"{kind} (all)",
+                                f"{j.spec.gpus} GPU (all)", f"started on {j.where}",
+                                f"{j.spec.gpus} GPU on {j.where}"):
+                        classes.setdefault(key, []).append(w)
+            lines.append(f"\n{n}: class | jobs | mean wait (min) | share of the mean (min)")
+            for key in sorted(classes):
+                ws = classes[key]
+                lines.append(f"| {key} | {len(ws)} | {statistics.fmean(ws):.1f} | "
+                             f"{sum(ws) / total:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds, fewer knob rows")
@@ -1860,7 +2100,19 @@ def main() -> int:
                         help="also run the main strategies on seeds 0..N-1 (default 40; "
                              "--quick 0: none)")
     parser.add_argument("--json", help="write every run's numbers to this file")
+    parser.add_argument("--only", help="only these strategies (comma-separated), against "
+                        "SkyPilot's rule: a short table")
+    parser.add_argument("--knob", action="append", help="with --only: a Knobs field, k=v")
+    parser.add_argument("--scenario", action="append",
+                        help="with --only: a Scenario field, k=v")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="with --only: the mean wait by job class and where jobs started")
     args = parser.parse_args()
+    if args.only:
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [0, 1, 2, 3, 4]
+        print(compare(args.only.split(","), seeds, Knobs(**_assignments(args.knob)),
+                      Scenario(**_assignments(args.scenario)), args.breakdown))
+        return 0
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else \
         [0, 1] if args.quick else [0, 1, 2, 3, 4]
     wide = args.wide if args.wide is not None else 0 if args.quick else 40
