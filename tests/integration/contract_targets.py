@@ -170,6 +170,9 @@ class Target(ABC):
     #: does a node of a multi-node job stay until every rank's run has ended (SkyPilot's
     #: nodes do)? Kubernetes' pod of a rank ends with its run (README, known limits)
     keeps_nodes: ClassVar[bool] = True
+    #: does a workdir's ``.git`` travel (SkyPilot's rsync sends it)? Not in Kubernetes'
+    #: Secret of ~900 KiB (README)
+    ships_git: ClassVar[bool] = True
     #: GPUs of :attr:`accelerator` on each node that has them: a job of that many fills a node
     gpus_per_node: ClassVar[int]
     #: a shell command a job's rank runs to print its own address (as SKYPILOT_NODE_IPS
@@ -352,6 +355,7 @@ class KubernetesTarget(Target):
     # this machine's), so the rank checks the first label of the name the list has for it
     own_address = 'echo "$HOSTNAME"'
     keeps_nodes = False
+    ships_git = False
     max_status_queries = 3  # one Job list and one pod list per namespace, one node list
     label = "skypilot.airflow/job-name"
     quick_extras = {"request_timeout": 5}

@@ -499,6 +499,29 @@ def test_setup_and_run_run_as_skypilot_runs_them(target):
     assert "no job control" not in log and "terminal process group" not in log, log
 
 
+def test_a_git_workdir_travels_as_skypilots_rsync_sends_it(target, tmp_path):
+    """Without a .skyignore, SkyPilot leaves out what the .gitignore files (each from its own
+    folder, rsync's patterns) and .git/info/exclude list, and sends .git: a workdir's .venv
+    and data travelled here, and git did not work in the job."""
+    files = {".gitignore": ".venv/\n/data\n*.log\n", ".git/HEAD": "ref: refs/heads/main\n",
+             ".git/info/exclude": "secret.txt\n", "secret.txt": "s", ".venv/bin/py": "",
+             "data/big.bin": "", "src/data/keep.py": "", "run.log": "", "src/a.py": "",
+             "src/.gitignore": "/gen\n", "src/gen/out.py": "", "gen/top.py": ""}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    sent = ["src/data/keep.py", "src/a.py", "gen/top.py"]
+    left = ["secret.txt", ".venv", "data", "run.log", "src/gen"]
+    (sent if target.ships_git else left).append(".git/HEAD")
+    check = " && ".join([*(f"test -e {p}" for p in sent), *(f"test ! -e {p}" for p in left)])
+    backend = target.backend()
+    handle, _ = _submit(target, backend, _task(target, f"{check} && echo tree-as-sent",
+                                               workdir=str(tmp_path)))
+    status = _wait(target, backend, handle)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED and "tree-as-sent" in log, (status, log)
+
+
 def test_a_rank_whose_run_ends_first_keeps_its_node_until_the_job_ends(keeping_target):
     """SkyPilot keeps every node of a job until the job ends: a worker rank that starts a
     daemon (``ray start``, an MPI target) and exits leaves it to the ranks still running.

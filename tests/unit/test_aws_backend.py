@@ -539,6 +539,8 @@ class _FakeS3:
         if Key not in self.objects:
             raise _S3Error("NoSuchKey")
         data = self.objects[Key]
+        if Range and Range.startswith("bytes=-"):  # a suffix range: the last bytes
+            return {"Body": io.BytesIO(data[-int(Range.removeprefix("bytes=-")):])}
         if Range:
             start, _, end = Range.removeprefix("bytes=").partition("-")
             if int(start) >= len(data):
@@ -656,6 +658,61 @@ def test_the_log_of_several_ranks_is_rank_0_then_the_others_prefixed():
     assert len(s3.calls) == 1
 
 
+def test_a_rank_that_fails_while_rank_0_runs_is_in_the_log_and_the_tail_at_once():
+    """Rank 1 fails (its exit code and whole log are in S3) while rank 0 sleeps: the job is
+    FAILED, and its cleanup terminates rank 0 before every rank ends. Rank 1's output must
+    come with the next read and be in the failure's tail, not wait for rank 0's end; the
+    stream goes on from there without repeating or losing a line."""
+    from airflow_skypilot.backends.aws.logs import (
+        LOG_LIMIT,
+        SPLIT,
+        JobView,
+        read_log,
+        read_tail,
+    )
+    from airflow_skypilot.backends.aws.status import MarkerReader
+
+    handle, settings = _aws_handle("j", 2), AwsSettings(regions=["us-east-1"])
+    rank1 = b"FAILING 1\nrank1 Traceback: the real error\nairflow-skypilot: exit_code: 1\n"
+    failed = [("(rank 1) " + line) for line in rank1.decode().splitlines(keepends=True)]
+    objects = {"jobs/j/rank-0/log": b"r0 start\nr0 sleep", "jobs/j/rank-1/log": rank1}
+    got, offset = [], 0
+
+    def read(objects, gone=False, limit=LOG_LIMIT):
+        nonlocal offset
+        s3 = _FakeS3(objects)
+        view = JobView(MarkerReader(_FakeClients(s3)).read_many(settings, [handle])["j"], gone)
+        text, offset = read_log(_FakeClients(s3), settings, handle, offset, limit, view)
+        got.append(text)
+        return s3, view, text
+
+    read(objects)  # both run: rank 0 as it comes (a line without its end as well)
+    assert got == ["r0 start\nr0 sleep"] and offset == 17
+    objects["jobs/j/rank-1/exit_code"] = b"1\n"
+    s3, view, text = read(objects)  # rank 1 has ended: its log at once, prefixed
+    assert text == "".join(failed) and offset > SPLIT
+    after_rank1 = offset
+    tail = read_tail(_FakeClients(s3), settings, handle, view=view)
+    assert tail.endswith("(rank 1) rank1 Traceback: the real error\n"
+                         "(rank 1) airflow-skypilot: exit_code: 1\n") and "r0 start" in tail
+    assert read(objects)[2] == ""  # nothing new: nothing again
+    objects["jobs/j/rank-0/log"] = b"r0 start\nr0 sleep still\nr0 m\xc3\xa1s\n"
+    assert read(objects)[2] == " still\nr0 más\n"  # rank 0 goes on where it was
+    objects["jobs/j/rank-0/log"] += b"r0 killed"  # cleanup terminated it: final
+    assert read(objects, gone=True)[2] == "r0 killed\n"
+    end = offset
+    assert read(objects, gone=True)[2] == "" and offset == end
+    # every line once, rank 0's in order and rank 1's (prefixed) in order
+    assert "".join(got) == "r0 start\nr0 sleep" + "".join(failed) + " still\nr0 más\n" \
+        "r0 killed\n"
+    # from that offset once the job is final, in pieces: the same, never half a character
+    for limit in (1, 3, 4, 7):
+        got, offset = [], after_rank1
+        while read(objects, gone=True, limit=limit)[2]:
+            assert len(got) < 100
+        assert "".join(got) == " still\nr0 más\nr0 killed\n" and offset == end
+
+
 def test_log_decoding_keeps_partial_characters():
     data = "héllo ☃".encode()
     text, used = decode_log(data[:-1])
@@ -743,8 +800,10 @@ def test_payload_packs_what_the_workdir_rules_let_travel(tmp_path):
     with tarfile.open(fileobj=io.BytesIO(payload.data), mode="r:gz") as tar:
         members = tar.getmembers()
     tree = [m.name for m in members if m.name.startswith(("workdir", "mounts/"))]
-    # tar's own order (depth first, by name); .git and what .skyignore lists stay behind
-    assert tree == ["workdir", "workdir/.skyignore", "workdir/a", "workdir/a/f", "workdir/a-b",
+    # tar's own order (depth first, by name); what .skyignore lists stays behind, .git
+    # travels (SkyPilot's: git works in the job)
+    assert tree == ["workdir", "workdir/.git", "workdir/.git/HEAD", "workdir/.skyignore",
+                    "workdir/a", "workdir/a/f", "workdir/a-b",
                     "workdir/a-b/g", "workdir/a.txt", "workdir/b", "workdir/b/c",
                     "workdir/b/c/h", "workdir/task.yaml", "mounts/0", "mounts/0/x"]
     assert {(m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, "", "")}

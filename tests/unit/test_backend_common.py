@@ -167,7 +167,7 @@ def test_an_empty_pool_never_fits():
 
 # --- workdir walk ----------------------------------------------------------------------------
 
-def test_walk_skips_git_and_skyignore_and_lists_parents_first(tmp_path):
+def test_walk_skips_what_skyignore_lists_and_lists_parents_first(tmp_path):
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "HEAD").write_text("x")
     (tmp_path / "src" / "deep").mkdir(parents=True)
@@ -178,8 +178,8 @@ def test_walk_skips_git_and_skyignore_and_lists_parents_first(tmp_path):
     (tmp_path / ".skyignore").write_text("# comment\nlogs\n*.tmp\n")
     (tmp_path / "c.tmp").write_text("c")
     rels = [(rel, is_dir) for _, rel, is_dir in workdir.walk(str(tmp_path))]
-    assert rels == [("src", True), (".skyignore", False), ("b.txt", False),
-                    ("src/deep", True), ("src/deep/a.py", False)]
+    assert rels == [(".git", True), ("src", True), (".skyignore", False), ("b.txt", False),
+                    (".git/HEAD", False), ("src/deep", True), ("src/deep/a.py", False)]
 
 
 def test_local_sources_start_at_the_task_files_folder(tmp_path):

@@ -80,13 +80,14 @@ def test_the_job_files_and_their_upload_plan(tmp_path):
     written = {s.path: s.mode for s in plan if isinstance(s, WriteFile)}
     assert written[f"{job_dir}/secrets.sh"] == 0o600
     puts = [(s.local, s.remote) for s in plan if isinstance(s, PutFile)]
-    assert puts == [(str(tmp_path / "src" / "pkg" / "train.py"), f"{job_dir}/workdir/pkg/train.py"),
+    assert puts == [(str(tmp_path / "src" / ".git" / "HEAD"), f"{job_dir}/workdir/.git/HEAD"),
+                    (str(tmp_path / "src" / "pkg" / "train.py"), f"{job_dir}/workdir/pkg/train.py"),
                     (str(tmp_path / "data.txt"), "/home/u/in/data.txt")]
     pkg = MakeDirs(f"{job_dir}/workdir/pkg", 0o755)
     assert plan.index(pkg) < plan.index(PutFile(str(tmp_path / "src" / "pkg" / "train.py"),
                                                 f"{job_dir}/workdir/pkg/train.py"))
     dirs = [s.path for s in plan if isinstance(s, MakeDirs)]
-    assert "/home/u/in" in dirs and not any(".git" in d for d in dirs)
+    assert "/home/u/in" in dirs and f"{job_dir}/workdir/.git" in dirs  # SkyPilot ships .git
 
 
 def test_many_logs_are_read_in_one_script_each_from_its_offset():

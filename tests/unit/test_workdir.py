@@ -1,26 +1,73 @@
-"""The one rule for what a workdir ships: all but .git and what .skyignore lists."""
+"""The one rule for what a workdir ships: SkyPilot's rsync filters (.skyignore, else the
+.gitignore files and .git/info/exclude, with rsync's pattern rules), ``.git`` included."""
 
 from __future__ import annotations
 
 import pytest
 
-from airflow_skypilot.backends.common.workdir import ignore_patterns, is_ignored
+from airflow_skypilot.backends.common.workdir import parse_rules, walk
 
 
-def test_skyignore_lines_plus_git(tmp_path):
-    (tmp_path / ".skyignore").write_text("# data stays home\n\ndata/\n*.ckpt\n")
-    patterns = ignore_patterns(str(tmp_path))
-    assert patterns == [".git", "data/", "*.ckpt"]
-    assert is_ignored(".git", patterns)
-    assert is_ignored("data", patterns)  # a trailing slash names the directory
-    assert is_ignored("runs/last.ckpt", patterns)  # basename match at any depth
-    assert not is_ignored("train.py", patterns)
-    assert not is_ignored("src/data.py", patterns)
+def _tree(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
-def test_without_skyignore_only_git_is_left_out(tmp_path):
-    assert ignore_patterns(str(tmp_path)) == [".git"]
-    assert not is_ignored("anything/at/all.py", [".git"])
+def _shipped(root, **kw) -> set[str]:
+    return {rel for _, rel, is_dir in walk(str(root), **kw) if not is_dir}
+
+
+def test_skyignore_lines_and_nothing_else(tmp_path):
+    """With a .skyignore, only the .skyignore files count (SkyPilot: not .gitignore)."""
+    _tree(tmp_path, {".skyignore": "# data stays home\n\ndata/\n*.ckpt\n",
+                     ".gitignore": "train.py\n", "train.py": "", "src/data.py": "",
+                     "data/x.bin": "", "runs/last.ckpt": "", ".git/HEAD": "ref"})
+    assert _shipped(tmp_path) == {".skyignore", ".gitignore", "train.py", "src/data.py",
+                                  ".git/HEAD"}
+
+
+def test_without_skyignore_the_gitignore_files_and_git_info_exclude_count(tmp_path):
+    """A git workdir's .venv, data and checkpoints travelled (on Kubernetes, past its Secret's
+    size): SkyPilot leaves out what .gitignore lists, in every folder, and
+    .git/info/exclude; .git itself travels (``git`` works in the job)."""
+    _tree(tmp_path, {".gitignore": ".venv/\n/data\n*.log\n", ".git/HEAD": "ref",
+                     ".git/info/exclude": "secret.txt\n", "secret.txt": "",
+                     ".venv/bin/python": "", "data/big.bin": "", "src/data/keep.py": "",
+                     "run.log": "", "src/a.py": "", "src/.gitignore": "/gen\n",
+                     "src/gen/out.py": "", "gen/top.py": ""})
+    assert _shipped(tmp_path) == {".gitignore", ".git/HEAD", ".git/info/exclude",
+                                  "src/data/keep.py", "src/a.py", "src/.gitignore",
+                                  "gen/top.py"}
+    assert ".git/HEAD" not in _shipped(tmp_path, keep_git=False)
+
+
+@pytest.mark.parametrize("pattern, path, is_dir, excluded", [
+    ("data/*", "data/a.py", False, True),
+    ("data/*", "src/data/a.py", False, True),  # rsync: the end of the path (SkyPilot #3298)
+    ("/data/*", "src/data/a.py", False, False),
+    ("data/*.csv", "data/x/y.csv", False, False),  # * does not cross /
+    ("data/**.csv", "data/x/y.csv", False, True),
+    ("*.log", "a/b/c.log", False, True),  # no slash: the last component, at any depth
+    ("logs/", "logs", False, False),  # a file named like a dir-only pattern
+    ("logs/", "a/logs", True, True),
+    ("out/***", "out", True, True),
+    ("out/***", "out/x/y", False, True),
+    ("ch?p[0-9].pt", "chkp7.pt", False, True),
+    ("x[!a]", "xa", False, False),
+    ("!keep.log", "keep.log", False, False),  # git's negation: rsync reads a name
+])
+def test_rsyncs_pattern_rules(pattern, path, is_dir, excluded):
+    (rule,) = parse_rules(pattern) or (None,)
+    got = rule is not None and rule.matches(path, is_dir)
+    assert got is excluded
+
+
+def test_a_nested_ignore_files_patterns_start_at_its_folder(tmp_path):
+    _tree(tmp_path, {".skyignore": "", "a/.skyignore": "/x\nb/*.tmp\n", "a/x": "",
+                     "x": "", "a/b/t.tmp": "", "b/t.tmp": ""})
+    assert _shipped(tmp_path) == {".skyignore", "a/.skyignore", "x", "b/t.tmp"}
 
 
 # --- where a relative file mount lands: under the job's workdir, as SkyPilot's ~/sky_workdir --

@@ -68,7 +68,8 @@ def _tar_b64(entries: list[tuple[str, str]], raw_limit: int) -> str:
 
 def _tree(local: str) -> list[tuple[str, str]]:
     """Every file and directory under ``local`` that travels, archive-relative."""
-    return [(path, rel) for path, rel, _ in walk(local)]
+    # no .git: the Secret holds ~900 KiB packed, and a repository's history rarely fits
+    return [(path, rel) for path, rel, _ in walk(local, keep_git=False)]
 
 
 #: main.sh's variable holding the job's workdir (the pod's cwd during setup and run)
