@@ -25,6 +25,7 @@ from airflow_skypilot.cli import main as cli
 from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.spec import load_task
 from tests.conftest import use_connections, wait_for_job, wait_until
+from tests.e2e.conftest import shared_dir
 from tests.sandbox.aws.config import ACCESS_KEY_ID, BUCKET, SECRET_ACCESS_KEY
 
 pytestmark = pytest.mark.sandbox
@@ -251,6 +252,47 @@ def test_two_node_job_gets_ranks_and_both_ips(box):
     assert asyncio.run(_read_async(AwsBackend(CONN), handle, middle)) == \
         other.read_log(handle, middle)
     backend.cleanup(handle)
+
+
+def test_a_rank_that_fails_while_rank_0_sleeps_is_in_the_log_once_the_job_failed(box):
+    """Rank 1 fails at once, its error on stderr; rank 0 sleeps on (until the cleanup
+    terminates it). The job is FAILED then, and its log and failure tail hold rank 1's
+    output, prefixed, while rank 0 still runs; the stream goes on without repeating it."""
+    backend = AwsBackend(CONN)
+    marks = Path(shared_dir())  # one file per run of each rank's user code
+    task = load_task({
+        "num_nodes": 2,
+        "resources": {"accelerators": "A10G:1"},
+        "run": f'touch {marks}/ran-$SKYPILOT_NODE_RANK.$$\n'
+               'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then\n'
+               '  echo "FAILING 1"; echo "rank1 Traceback: the real error" >&2; exit 1\n'
+               'fi\n'
+               'echo "rank0 sleeping"; sleep 300',
+    })
+    name = _name("fail1")
+    handle = backend.submit(task, _offer(backend, task), name, {"SKYPILOT_TASK_ID": "tf"})
+    try:
+        status = _wait(backend, handle, timeout=120)
+        text, offset = backend.read_log(handle)
+        assert status.state == JobState.FAILED and status.reason == "exit code 1 on rank 1", text
+        assert [i["State"]["Name"] for i in _instances(box, name)][0] == "running"  # rank 0
+        for line in ("(rank 1) FAILING 1", "(rank 1) rank1 Traceback: the real error"):
+            assert line in text.splitlines()
+            assert line in backend.read_tail(handle).splitlines()
+            # from another process (nothing seen by a poll), and the triggerer's way
+            assert line in AwsBackend(CONN).read_tail(handle).splitlines()
+            assert line in asyncio.run(_read_async(AwsBackend(CONN), handle, 0))[0]
+        assert "rank0 sleeping" in text.splitlines()
+    finally:
+        backend.cleanup(handle)
+    # rank 0 terminated: its log is final; what comes next repeats nothing
+    wait_until(lambda: all(i["State"]["Name"] == "terminated" for i in _instances(box, name)),
+               timeout=30)
+    rest, end = AwsBackend(CONN).read_log(handle, offset)
+    assert "rank 1" not in rest and "rank0 sleeping" not in rest and end >= offset
+    assert AwsBackend(CONN).read_log(handle, end) == ("", end)
+    runs = sorted(p.name.split(".")[0] for p in marks.iterdir())
+    assert runs == ["ran-0", "ran-1"], runs  # each rank's user code ran once
 
 
 def test_capacity_error_in_one_az_moves_to_the_next(box):

@@ -663,13 +663,8 @@ def test_a_rank_that_fails_while_rank_0_runs_is_in_the_log_and_the_tail_at_once(
     FAILED, and its cleanup terminates rank 0 before every rank ends. Rank 1's output must
     come with the next read and be in the failure's tail, not wait for rank 0's end; the
     stream goes on from there without repeating or losing a line."""
-    from airflow_skypilot.backends.aws.logs import (
-        LOG_LIMIT,
-        SPLIT,
-        JobView,
-        read_log,
-        read_tail,
-    )
+    from airflow_skypilot.backends.aws import logs
+    from airflow_skypilot.backends.aws.logs import LOG_LIMIT, JobView, read_log, read_tail
     from airflow_skypilot.backends.aws.status import MarkerReader
 
     handle, settings = _aws_handle("j", 2), AwsSettings(regions=["us-east-1"])
@@ -690,7 +685,7 @@ def test_a_rank_that_fails_while_rank_0_runs_is_in_the_log_and_the_tail_at_once(
     assert got == ["r0 start\nr0 sleep"] and offset == 17
     objects["jobs/j/rank-1/exit_code"] = b"1\n"
     s3, view, text = read(objects)  # rank 1 has ended: its log at once, prefixed
-    assert text == "".join(failed) and offset > SPLIT
+    assert text == "".join(failed)
     after_rank1 = offset
     tail = read_tail(_FakeClients(s3), settings, handle, view=view)
     assert tail.endswith("(rank 1) rank1 Traceback: the real error\n"
@@ -706,11 +701,24 @@ def test_a_rank_that_fails_while_rank_0_runs_is_in_the_log_and_the_tail_at_once(
     assert "".join(got) == "r0 start\nr0 sleep" + "".join(failed) + " still\nr0 más\n" \
         "r0 killed\n"
     # from that offset once the job is final, in pieces: the same, never half a character
-    for limit in (1, 3, 4, 7):
+    for limit in (4, 5, 7):  # (as above: a read holds at least one character)
         got, offset = [], after_rank1
         while read(objects, gone=True, limit=limit)[2]:
             assert len(got) < 100
         assert "".join(got) == " still\nr0 más\nr0 killed\n" and offset == end
+    # while rank 0 runs, in pieces: each read is rank 0's next bytes, then the others'
+    objects["jobs/j/rank-0/log"] = b"r0 start\nr0 sleep still\nr0 m\xc3\xa1s\n"
+    for limit in (4, 5, 7, 64):
+        mine, others, offset = b"", b"", 17
+        for _ in range(100):
+            before = offset
+            data = read(objects, limit=limit)[2].encode()
+            if not data:
+                break
+            ours = offset % logs.SPLIT - before % logs.SPLIT  # two positions in one offset
+            mine, others = mine + data[:ours], others + data[ours:]
+            assert len(others) == offset // logs.SPLIT
+        assert mine == b" still\nr0 m\xc3\xa1s\n" and others.decode() == "".join(failed)
 
 
 def test_log_decoding_keeps_partial_characters():

@@ -19,13 +19,27 @@ the job is final, rank 0's length is the size its listing shows (nothing writes 
 an offset within rank 0 is a ranged read of it, an offset past it reads rank 0's last byte (for
 the newline) and the other ranks' logs, which are then joined and cut at the offset.
 
+A rank other than 0 may end long before rank 0 does: it failed, and the job with it, while
+rank 0 runs on until the job's cleanup terminates it. Its output, the failure's cause, must not
+wait for that. So once ranks 1..k have all ended (their logs are complete) and the job is not
+final, a read gives rank 0's new whole lines and then the new part of the other ranks' text
+(ranks 1..k, each line prefixed, as it will be in the final text), and from then on an offset
+counts two positions: ``offset % SPLIT`` in rank 0's log and ``offset // SPLIT`` in the other
+ranks' text (:class:`_Split`). Both only grow, so the offset does too, and a read goes on with
+each from where the last one stopped: nothing is repeated or lost, rank 0's lines written after
+the failed rank's are shown after its output, and a rank that ends later follows when every
+rank before it has ended too (or the job is final). Once the job is final, such an offset goes
+on the same way, with the newline after rank 0 when its last line had none. An offset below
+``SPLIT`` is one into the text above.
+
 Whether a job is final comes from a :class:`JobView`: what the status poll just before saw (the
 triggerer's case: no extra request), else, for a job of several nodes, its instances and then
 its listing (instances first: a job whose instances are gone has written everything it will
 before its listing is read). A read that ends inside a UTF-8 character leaves that character's
 bytes for the next read. No object yet (or nothing after the offset) is no new output, not an
 error. A failure's tail is the end of that text, read with suffix ranges (``bytes=-N``) of the
-ranks' logs, however long they are.
+ranks' logs, however long they are: rank 0's and those of every rank that has ended (all of them
+once the job is final), so a failed rank's last lines are in it while rank 0 still runs.
 """
 
 from __future__ import annotations
@@ -43,6 +57,9 @@ from airflow_skypilot.backends.base import TAIL_BYTES, JobHandle, tail_text
 from airflow_skypilot.backends.common.logs import join_logs, slice_log
 
 LOG_LIMIT = 1 << 20
+#: offsets at and past this count two positions: in rank 0's log (below) and in the other
+#: ranks' text (multiples); rank 0's log stays below 1 TiB
+SPLIT = 1 << 40
 #: S3 answers for "no log yet" / "nothing after this offset"
 _NOTHING_NEW = ("NoSuchKey", "InvalidRange", "416", "404")
 #: instance states after which a node writes nothing more
@@ -59,6 +76,13 @@ class JobView:
 
     def final(self, num_nodes: int) -> bool:
         return self.gone or all(self.markers.ended(r) for r in range(num_nodes))
+
+    def ended_after_0(self, num_nodes: int) -> int:
+        """k: ranks 1..k have all ended (their logs are complete; rank k+1 has not)."""
+        k = 0
+        while k + 1 < num_nodes and self.markers.ended(k + 1):
+            k += 1
+        return k
 
 
 def instances_gone(handle: JobHandle, insts: list[InstanceView]) -> bool:
@@ -180,6 +204,73 @@ class _Plan:
         return text, start + end
 
 
+class _Split:
+    """A read that counts two positions (``offset % SPLIT`` in rank 0's log, ``offset //
+    SPLIT`` in the other ranks' text): once ranks 1..k have ended before the job is final, or
+    from such an offset on. Rank 0's new whole lines (all of it, and the newline it may need,
+    once the job is final), then the other ranks' new text, within the limit."""
+
+    def __init__(self, handle: JobHandle, prefix: str, offset: int, limit: int,
+                 view: JobView | None):
+        self.prefix, self.limit = prefix, limit
+        self.at0, self.at_others = offset % SPLIT, offset // SPLIT
+        ranks = handle.num_nodes
+        self.final = view is not None and view.final(ranks)
+        self.others = ranks - 1 if self.final else \
+            view.ended_after_0(ranks) if view is not None else 0
+        self.size0 = view.markers.log_sizes.get(0, 0) if view is not None else 0
+
+    @classmethod
+    def of(cls, handle: JobHandle, prefix: str, offset: int, limit: int,
+           view: JobView | None) -> _Split | None:
+        """The plan when the offset counts two positions, or should from now on; None: the
+        one-position text (:class:`_Plan`)."""
+        plan = cls(handle, prefix, offset, limit, view)
+        if handle.num_nodes < 2 or (offset < SPLIT and (plan.final or not plan.others)):
+            return None
+        return plan
+
+    def reads(self) -> list[tuple[str, str | None] | None]:
+        """(key, range) of rank 0 (None: nothing to read), then the whole logs of ranks 1..k
+        (complete: they have ended)."""
+        key0 = _key(self.prefix, 0)
+        if not self.final:  # rank 0 runs: from the position, its whole lines
+            first = (key0, _range(self.at0, self.at0 + self.limit))
+        elif self.at0 < self.size0:  # up to its end
+            first = (key0, _range(self.at0, min(self.size0, self.at0 + self.limit)))
+        elif self.at0 == self.size0 and self.size0:  # its last byte: is a newline owed?
+            first = (key0, _range(self.size0 - 1, self.size0))
+        else:
+            first = None
+        return [first, *((_key(self.prefix, r), None) for r in range(1, self.others + 1))]
+
+    def _rank0(self, data: bytes) -> tuple[bytes, int]:
+        """Rank 0's bytes to give and its next position."""
+        if not self.final:
+            cut = data.rfind(b"\n") + 1
+            if not cut and len(data) >= self.limit:  # a line longer than a read: in pieces
+                cut = decode_log(data)[1]
+            return data[:cut], self.at0 + cut
+        if self.at0 >= self.size0:  # ``data`` is its last byte, if anything
+            owed = self.at0 == self.size0 and data not in (b"", b"\n")
+            return (b"\n", self.at0 + 1) if owed else (b"", self.at0)
+        end = self.at0 + len(data)
+        if end < self.size0:  # the limit ends inside rank 0
+            used = decode_log(data)[1]
+            return data[:used], self.at0 + used
+        owed = bool(data) and not data.endswith(b"\n")
+        return data + b"\n" * owed, end + owed
+
+    def answer(self, data: list[bytes]) -> tuple[str, int]:
+        mine, at0 = self._rank0(data[0])
+        others = join_logs([(0, b""), *enumerate(data[1:], 1)], True)
+        text, at_others = "", self.at_others
+        room = self.limit - len(mine)
+        if room > 0 and self.at_others < len(others):
+            text, at_others = slice_log(others, self.at_others, True, room)
+        return mine.decode("utf-8", "replace") + text, at0 + SPLIT * at_others
+
+
 def read_log(clients: AwsClients, settings: AwsSettings, handle: JobHandle, offset: int = 0,
              limit: int = LOG_LIMIT, view: JobView | None = None) -> tuple[str, int]:
     """The job's text from byte ``offset``: (text, next offset). ``view``: what the caller
@@ -188,6 +279,8 @@ def read_log(clients: AwsClients, settings: AwsSettings, handle: JobHandle, offs
     if not bucket:
         return "", offset
     get = _getter(clients, settings, bucket)
+    if split := _Split.of(handle, prefix, offset, limit, view):
+        return split.answer([get(*r) if r else b"" for r in split.reads()])
     plan = _Plan(handle, prefix, offset, limit, view)
     first = plan.first()
     data = get(*first) if first else b""
@@ -205,6 +298,8 @@ async def aread_log(clients: AwsClients, settings: AwsSettings, handle: JobHandl
     if not bucket:
         return "", offset
     get = await _agetter(clients, settings, bucket)
+    if split := _Split.of(handle, prefix, offset, limit, view):
+        return split.answer([await get(*r) if r else b"" for r in split.reads()])
     plan = _Plan(handle, prefix, offset, limit, view)
     first = plan.first()
     data = await get(*first) if first else b""
@@ -216,12 +311,14 @@ async def aread_log(clients: AwsClients, settings: AwsSettings, handle: JobHandl
 
 def _tail_reads(handle: JobHandle, prefix: str, max_bytes: int,
                 view: JobView | None) -> list[tuple[int, str, str]]:
-    """(rank, key, range) of the ends to read: rank 0's, and every rank's once the job is
-    final (its text then ends with the other ranks); one byte more than ``max_bytes`` says
-    whether a rank's start was cut."""
-    final = handle.num_nodes > 1 and view is not None and view.final(handle.num_nodes)
-    return [(r, _key(prefix, r), f"bytes=-{int(max_bytes) + 1}")
-            for r in range(handle.num_nodes if final else 1)]
+    """(rank, key, range) of the ends to read: rank 0's, and every rank's that has ended
+    (all of them once the job is final: its text then ends with the other ranks; before,
+    a rank that failed while rank 0 runs on holds the failure's cause); one byte more than
+    ``max_bytes`` says whether a rank's start was cut."""
+    final = view is not None and view.final(handle.num_nodes)
+    ranks = [r for r in range(handle.num_nodes) if r == 0 or final or (
+        view is not None and view.markers.ended(r))]
+    return [(r, _key(prefix, r), f"bytes=-{int(max_bytes) + 1}") for r in ranks]
 
 
 def read_tail(clients: AwsClients, settings: AwsSettings, handle: JobHandle,
