@@ -18,10 +18,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # chromium renders the UI pages headless in tests/e2e/test_ui_browser.py (driven over the
 # DevTools protocol: no chromedriver); postgresql and redis-server for the production-shaped
 # deployment test (tests/e2e/deployment.py runs its own postmaster and redis on free loopback
-# ports under a temp dir; the services the packages install are not used).
+# ports under a temp dir; the services the packages install are not used). rsync is the
+# reference the workdir filter is tested against (SkyPilot sends a workdir with it).
 DEBS := python3-venv python3-pip python3-dev gcc slurmctld slurmd slurm-client munge \
         openssh-server openssh-client util-linux procps iproute2 curl ca-certificates \
-        shellcheck docker-compose chromium postgresql redis-server
+        shellcheck docker-compose chromium postgresql redis-server rsync
 PYTEST_ARGS ?=
 
 .PHONY: help venv system-deps lint unit test demo sandbox sandbox-down sandbox-status clean

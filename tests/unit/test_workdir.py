@@ -1,73 +1,134 @@
 """The one rule for what a workdir ships: SkyPilot's rsync filters (.skyignore, else the
-.gitignore files and .git/info/exclude, with rsync's pattern rules), ``.git`` included."""
+.gitignore files and .git/info/exclude, with rsync's pattern rules), ``.git`` included;
+checked against the real rsync, SkyPilot's way of sending a workdir."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
-from airflow_skypilot.backends.common.workdir import parse_rules, walk
+from airflow_skypilot.backends.common.ignore import parse_rules
+from airflow_skypilot.backends.common.workdir import walk
 
 
 def _tree(root, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        if text.startswith("->"):  # a link
+            path.symlink_to(text[2:])
+        else:
+            path.write_text(text)
 
 
 def _shipped(root, **kw) -> set[str]:
-    return {rel for _, rel, is_dir in walk(str(root), **kw) if not is_dir}
+    """Files (and links: rsync -a sends a link to a folder as a link)."""
+    return {rel for path, rel, is_dir in walk(str(root), **kw)
+            if not is_dir or os.path.islink(path)}
 
 
-def test_skyignore_lines_and_nothing_else(tmp_path):
-    """With a .skyignore, only the .skyignore files count (SkyPilot: not .gitignore)."""
-    _tree(tmp_path, {".skyignore": "# data stays home\n\ndata/\n*.ckpt\n",
-                     ".gitignore": "train.py\n", "train.py": "", "src/data.py": "",
-                     "data/x.bin": "", "runs/last.ckpt": "", ".git/HEAD": "ref"})
-    assert _shipped(tmp_path) == {".skyignore", ".gitignore", "train.py", "src/data.py",
-                                  ".git/HEAD"}
+def _rsync_ships(root, dst) -> set[str]:
+    """What SkyPilot's own rsync command sends (sky/utils/command_runner.py's filters)."""
+    top = os.path.join(root, ".skyignore")
+    args = ["--filter=dir-merge,- .skyignore"] if os.path.isfile(top) else \
+        ["--filter=dir-merge,- .gitignore"] + (
+            [f"--exclude-from={root}/.git/info/exclude"]
+            if os.path.isfile(f"{root}/.git/info/exclude") else [])
+    subprocess.run(["rsync", "-a", *args, f"{root}/", f"{dst}/"], check=True)
+    return {os.path.relpath(os.path.join(d, f), dst) for d, dirs, files in os.walk(dst)
+            for f in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]}
 
 
-def test_without_skyignore_the_gitignore_files_and_git_info_exclude_count(tmp_path):
+#: trees with ignore files: each case's files are the same for walk() and for rsync
+_CASES = {
+    "gitignore basics": {".gitignore": ".venv/\n/data\n*.log\n", ".git/HEAD": "ref",
+                         ".git/info/exclude": "secret.txt\n", "secret.txt": "",
+                         ".venv/bin/python": "", "data/big.bin": "", "src/data/keep.py": "",
+                         "run.log": "", "src/a.py": "", "src/.gitignore": "/gen\n",
+                         "src/gen/out.py": "", "gen/top.py": ""},
+    "skyignore wins": {".skyignore": "# data stays home\n\ndata/\n*.ckpt\n",
+                       ".gitignore": "train.py\n", "train.py": "", "src/data.py": "",
+                       "data/x.bin": "", "runs/last.ckpt": "", ".git/HEAD": "ref"},
+    "double star": {".gitignore": "**/node_modules/\n**/__pycache__\na/**/b.txt\n"
+                                  "data/**.csv\n",
+                    "node_modules/x.js": "", "web/node_modules/y.js": "",
+                    "__pycache__/m.pyc": "", "a/b.txt": "", "a/x/b.txt": "",
+                    "data/x/y.csv": "", "keep.py": ""},
+    "slashes match the end": {".gitignore": "data/*\n/top/*\nlogs/\n",
+                              "src/data/a.py": "", "data/b.py": "", "src/top/c.py": "",
+                              "top/d.py": "", "logs": "", "x/logs/e.txt": ""},
+    "nested files see the whole path": {
+        ".gitignore": "", "src/.gitignore": "src/gen\n*/*.tmp\n**/foo\n", "src/gen/a.py": "",
+        "src/foo": "", "src/d/foo": "", "src/t.tmp": "", "b/t.tmp": "", "src/keep.py": ""},
+    "spaces and comments": {".gitignore": "foo \n#bar\n;baz\n  qux\n!keep\n", "foo": "",
+                            "#bar": "", "baz": "", "qux": "", "keep": ""},
+    "triple star": {".gitignore": "out/***\n", "out/x/y": "", "z/out": "", "a.py": ""},
+    "classes and escapes": {".gitignore": "ckpt[[:digit:]].pt\nx[!a]\nbad[\na\\*\n",
+                            "ckpt7.pt": "", "ckptx.pt": "", "xa": "", "xb": "", "bad[": "",
+                            "a*": "", "ab": ""},
+    "exclude-from prefixes": {".gitignore": "", ".git/info/exclude": "- foo\n+ bar\nbar\n",
+                              "foo": "", "bar": "", "baz": ""},
+    "links": {".gitignore": "ldata/\n", "real/f": "", "ldata": "->real"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_what_travels_is_what_rsync_sends_with_skypilots_filters(tmp_path, case):
     """A git workdir's .venv, data and checkpoints travelled (on Kubernetes, past its Secret's
-    size): SkyPilot leaves out what .gitignore lists, in every folder, and
-    .git/info/exclude; .git itself travels (``git`` works in the job)."""
-    _tree(tmp_path, {".gitignore": ".venv/\n/data\n*.log\n", ".git/HEAD": "ref",
-                     ".git/info/exclude": "secret.txt\n", "secret.txt": "",
-                     ".venv/bin/python": "", "data/big.bin": "", "src/data/keep.py": "",
-                     "run.log": "", "src/a.py": "", "src/.gitignore": "/gen\n",
-                     "src/gen/out.py": "", "gen/top.py": ""})
-    assert _shipped(tmp_path) == {".gitignore", ".git/HEAD", ".git/info/exclude",
-                                  "src/data/keep.py", "src/a.py", "src/.gitignore",
-                                  "gen/top.py"}
-    assert ".git/HEAD" not in _shipped(tmp_path, keep_git=False)
+    size), and patterns were read as fnmatch does: the same tree through walk() and through
+    the real rsync, SkyPilot's way of sending it, leaves the same files behind."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _tree(src, _CASES[case])
+    assert _shipped(src) == _rsync_ships(src, dst)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_trees_and_patterns_travel_as_rsync_sends_them(tmp_path, seed):
+    """Trees and ignore files drawn at random (a fixed seed each) from names and patterns
+    that exercise every rule: walk() and the real rsync leave the same files behind."""
+    import random
+
+    rnd = random.Random(seed)
+    names = ["a", "b", "data", "src", "x.log", "y.py", "node_modules", "gen", "out"]
+    pats = ["*.log", "/data", "data/", "data/*", "src/*", "/src/gen", "**/node_modules",
+            "**/*.py", "a/**", "out/***", "?.py", "[ab]", "gen/", "src/**/y.py", "b/a",
+            "*/x.log", "- a", "+ b"]
+    files = {}
+    for _ in range(rnd.randint(4, 14)):
+        path = "/".join(rnd.choice(names) for _ in range(rnd.randint(1, 4)))
+        if not any(p.startswith(path + "/") or path.startswith(p + "/") for p in files):
+            files[path] = ""
+    dirs = sorted({p.rpartition("/")[0] for p in files} - {""})
+    for folder in ["", *rnd.sample(dirs, min(2, len(dirs)))]:
+        ignore = (folder + "/" if folder else "") + ".gitignore"
+        if not any(p.startswith(ignore + "/") for p in files):
+            files[ignore] = "\n".join(rnd.sample(pats, rnd.randint(1, 4))) + "\n"
+    if rnd.random() < 0.4:
+        files[".git/info/exclude"] = "\n".join(rnd.sample(pats, 2)) + "\n"
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _tree(src, files)
+    assert _shipped(src) == _rsync_ships(src, dst), files
+
+
+def test_git_travels_but_not_when_left_out_and_everywhere_then(tmp_path):
+    _tree(tmp_path, {".git/HEAD": "ref", "vendor/x/.git/HEAD": "ref", "a.py": ""})
+    assert _shipped(tmp_path) == {".git/HEAD", "vendor/x/.git/HEAD", "a.py"}
+    assert _shipped(tmp_path, keep_git=False) == {"a.py"}
 
 
 @pytest.mark.parametrize("pattern, path, is_dir, excluded", [
-    ("data/*", "data/a.py", False, True),
     ("data/*", "src/data/a.py", False, True),  # rsync: the end of the path (SkyPilot #3298)
     ("/data/*", "src/data/a.py", False, False),
-    ("data/*.csv", "data/x/y.csv", False, False),  # * does not cross /
-    ("data/**.csv", "data/x/y.csv", False, True),
-    ("*.log", "a/b/c.log", False, True),  # no slash: the last component, at any depth
+    ("**/node_modules/", "node_modules", True, True),  # a leading **/ may be no folder
     ("logs/", "logs", False, False),  # a file named like a dir-only pattern
-    ("logs/", "a/logs", True, True),
-    ("out/***", "out", True, True),
-    ("out/***", "out/x/y", False, True),
-    ("ch?p[0-9].pt", "chkp7.pt", False, True),
-    ("x[!a]", "xa", False, False),
-    ("!keep.log", "keep.log", False, False),  # git's negation: rsync reads a name
+    ("out/***", "out", False, False),  # the folder, not a file
+    ("!keep.log", "keep.log", False, False),
 ])
 def test_rsyncs_pattern_rules(pattern, path, is_dir, excluded):
-    (rule,) = parse_rules(pattern) or (None,)
-    got = rule is not None and rule.matches(path, is_dir)
-    assert got is excluded
-
-
-def test_a_nested_ignore_files_patterns_start_at_its_folder(tmp_path):
-    _tree(tmp_path, {".skyignore": "", "a/.skyignore": "/x\nb/*.tmp\n", "a/x": "",
-                     "x": "", "a/b/t.tmp": "", "b/t.tmp": ""})
-    assert _shipped(tmp_path) == {".skyignore", "a/.skyignore", "x", "b/t.tmp"}
+    rules = parse_rules(pattern)
+    assert any(rule.matches(path, is_dir) for rule in rules) is excluded
 
 
 # --- where a relative file mount lands: under the job's workdir, as SkyPilot's ~/sky_workdir --
@@ -96,13 +157,25 @@ def test_a_file_mount_destination_lands_where_skypilots_would():
     from airflow_skypilot.backends.common.workdir import mount_destination
 
     assert mount_destination("~") == mount_destination("~/") == ("home", "")
-    assert mount_destination("~/a/b/") == ("home", "a/b")
+    assert mount_destination("~/a/b/") == ("home", "a/b/")
     assert mount_destination("/a/b") == ("root", "/a/b")
     assert mount_destination("rel") == ("workdir", "rel")
-    assert mount_destination("./a/b/") == ("workdir", "a/b")
+    assert mount_destination("./a/b/") == ("workdir", "a/b/")
     assert mount_destination(".") == mount_destination("") == ("workdir", "")
-    assert mount_destination("../x") == mount_destination("a/../../x") == ("home", "x")
+    assert mount_destination("../x") == mount_destination("./../x") == ("home", "x")
     assert mount_destination("..") == ("home", "")
+    assert mount_destination("../../x") == ("home", "../x")
+
+
+def test_a_secret_in_a_destination_is_never_normalised_out_of_sight():
+    """The destination was normalised before the secret in it was looked for: a value with
+    ``//`` or a trailing ``/`` was no longer found, and went into the script in clear."""
+    from airflow_skypilot.backends.kubernetes.bundle import _dest_dir_word
+
+    for dst, value in (("~/team//abc/data", "team//abc"), ("~/https://h/x/d", "https://h/x"),
+                       ("./in/tok/", "tok/")):
+        word = _dest_dir_word(dst, {"S": value})
+        assert value not in word and '"${S}"' in word, word
 
 
 def test_slurm_puts_a_relative_file_mount_under_the_jobs_workdir(tmp_path):

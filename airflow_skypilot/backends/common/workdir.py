@@ -1,155 +1,49 @@
 """Which local files travel to the job, and from where: one rule for every backend.
 
-What SkyPilot's rsync leaves out of a local ``workdir`` or file-mount directory stays here too
-(SFTP upload on Slurm, Secret archive on Kubernetes, user-data payload on AWS): with a
-``.skyignore`` at the tree's top, what the ``.skyignore`` files list; without one, what the
-``.gitignore`` files list and ``.git/info/exclude`` (SkyPilot's ``--filter='dir-merge,-
-.gitignore'`` and ``--exclude-from``). ``.git`` itself travels, as in SkyPilot (``git`` works in
-the job), unless a list names it; Kubernetes leaves it out (its Secret holds ~900 KiB).
-
-Patterns are rsync's, which differ from git's (SkyPilot issue #3298): a file's patterns apply
-from its own folder down; ``/x`` is anchored there; ``x/`` names directories only; a pattern
-with a ``/`` inside or ``**`` matches the end of the path at any depth (``data/*`` leaves out
-``src/data/a.py``), one without only the last component; ``*`` and ``?`` do not cross ``/``,
-``**`` does, ``x/***`` is ``x`` and all in it. A left-out directory is not entered. Lines that
-are empty or start with ``#`` are skipped, and so are git's negations (``!x``: rsync reads them
-as a file named ``!x``). Relative sources start at the task YAML's folder, not the worker's cwd.
+What SkyPilot's rsync leaves out of a local ``workdir`` or file-mount folder stays here too
+(SFTP upload on Slurm, Secret archive on Kubernetes, user-data payload on AWS): what the
+``.skyignore`` files list, or without one at the top, the ``.gitignore`` files and
+``.git/info/exclude`` (:mod:`~airflow_skypilot.backends.common.ignore`). ``.git`` itself
+travels, as in SkyPilot (``git`` works in the job), unless a list names it; Kubernetes leaves
+every ``.git`` out (its Secret holds ~900 KiB). Relative sources start at the task YAML's
+folder, not the worker's cwd; relative destinations at the job's workdir.
 """
 
 from __future__ import annotations
 
 import os
-import posixpath
-import re
-from dataclasses import dataclass
 
+from airflow_skypilot.backends.common.ignore import Filter
 from airflow_skypilot.spec.task import Task
-
-SKYIGNORE = ".skyignore"
-GITIGNORE = ".gitignore"
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One exclude pattern, anchored at ``base`` (its file's folder, tree-relative, "" = top)."""
-
-    base: str
-    regex: re.Pattern[str]
-    anchored: bool  # matched against the whole path below ``base``
-    whole_path: bool  # has a "/" inside or "**": the end of the path, at any depth
-    dir_only: bool
-
-    def matches(self, rel: str, is_dir: bool) -> bool:
-        if self.dir_only and not is_dir:
-            return False
-        if self.base:
-            if not rel.startswith(self.base + "/"):
-                return False
-            rel = rel[len(self.base) + 1:]
-        if self.anchored:
-            return bool(self.regex.fullmatch(rel))
-        if not self.whole_path:
-            return bool(self.regex.fullmatch(rel.rsplit("/", 1)[-1]))
-        parts = rel.split("/")
-        return any(self.regex.fullmatch("/".join(parts[i:])) for i in range(len(parts)))
-
-
-def _glob_regex(glob: str) -> str:
-    """rsync's wildcards: ``**`` any text, ``*`` and ``?`` within one component, ``[...]``."""
-    out, i = [], 0
-    while i < len(glob):
-        c = glob[i]
-        if glob.startswith("**", i):
-            out.append(".*")
-            i += 2
-            while i < len(glob) and glob[i] == "*":
-                i += 1
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[" and (end := glob.find("]", i + 2)) != -1:
-            body = glob[i + 1:end]
-            body = "^" + body[1:] if body.startswith("!") else body
-            out.append("[" + body.replace("\\", "\\\\") + "]")
-            i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out)
-
-
-def parse_rules(text: str, base: str = "") -> list[Rule]:
-    """The exclude rules of one ignore file whose folder is ``base`` (tree-relative)."""
-    rules = []
-    for line in text.splitlines():
-        pattern = line.strip()
-        if not pattern or pattern.startswith(("#", "!")):
-            continue
-        dir_only = pattern.endswith("/")
-        pattern = pattern.rstrip("/")
-        anchored = pattern.startswith("/")
-        pattern = pattern.lstrip("/")
-        if not pattern:
-            continue
-        if pattern.endswith("/***"):  # the folder and everything in it
-            regex = _glob_regex(pattern[:-4]) + "(?:/.*)?"
-        else:
-            regex = _glob_regex(pattern)
-        rules.append(Rule(base, re.compile(regex, re.S), anchored,
-                          "/" in pattern or "**" in pattern, dir_only))
-    return rules
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
-    except OSError:
-        return ""
-
-
-def ignore_file(root: str) -> str:
-    """The name of the ignore files that count in the tree ``root`` (SkyPilot's choice)."""
-    return SKYIGNORE if os.path.isfile(os.path.join(root, SKYIGNORE)) else GITIGNORE
-
-
-def top_rules(root: str) -> list[Rule]:
-    """What counts everywhere in the tree: without a .skyignore, ``.git/info/exclude``."""
-    if ignore_file(root) == SKYIGNORE:
-        return []
-    return parse_rules(_read(os.path.join(root, ".git", "info", "exclude")))
 
 
 def walk(local: str, keep_git: bool = True) -> list[tuple[str, str, bool]]:
     """``(path, tree-relative path, is_dir)`` of everything under ``local`` that travels,
     parents before children, in a stable order (the same tree renders the same bytes).
-    ``keep_git=False`` leaves ``.git`` out as well."""
-    name = ignore_file(local)
-    rules: dict[str, list[Rule]] = {"": top_rules(local)}
+    ``keep_git=False`` leaves every ``.git`` out as well."""
+    rules = Filter(local)
     out: list[tuple[str, str, bool]] = []
     for root, dirs, files in os.walk(local):
         rel_root = os.path.relpath(root, local).replace(os.sep, "/")
         rel_root = "" if rel_root == "." else rel_root
-        parent = rules[rel_root] if rel_root in rules else []
-        mine = parent + parse_rules(_read(os.path.join(root, name)), rel_root)
+        rules.enter(rel_root, None if not rel_root else rel_root.rpartition("/")[0])
 
-        def kept(rel: str, is_dir: bool, mine: list[Rule] = mine) -> bool:
-            if not keep_git and rel.split("/", 1)[0] == ".git":
+        def kept(name: str, is_dir: bool, rel_root: str = rel_root) -> bool:
+            if not keep_git and name == ".git":
                 return False
-            return not any(rule.matches(rel, is_dir) for rule in mine)
+            rel = f"{rel_root}/{name}" if rel_root else name
+            # a link to a folder is not entered, and no folder for a dir-only pattern
+            real_dir = is_dir and not os.path.islink(os.path.join(local, rel))
+            return not rules.left_out(rel_root, rel, real_dir)
 
-        def rel_of(entry: str, rel_root: str = rel_root) -> str:
-            return f"{rel_root}/{entry}" if rel_root else entry
-
-        dirs[:] = sorted(d for d in dirs if kept(rel_of(d), True))
-        for d in dirs:
-            rules[rel_of(d)] = mine
-            out.append((os.path.join(root, d), rel_of(d), True))
-        for f in sorted(files):
-            if kept(rel_of(f), os.path.isdir(os.path.join(root, f))):
-                out.append((os.path.join(root, f), rel_of(f), False))
+        dirs[:] = sorted(d for d in dirs if kept(d, True))
+        for name in dirs:
+            rel = f"{rel_root}/{name}" if rel_root else name
+            out.append((os.path.join(root, name), rel, True))
+        for name in sorted(files):
+            if kept(name, False):
+                out.append((os.path.join(root, name), f"{rel_root}/{name}" if rel_root
+                            else name, False))
     return out
 
 
@@ -167,15 +61,23 @@ def mount_destination(dst: str) -> tuple[str, str]:
     ``~`` and ``~/rest``, ``("root", dst)`` for an absolute path, else ``("workdir", rest)``
     (``rest`` "" for the workdir itself): SkyPilot puts a relative destination under its
     workdir ``~/sky_workdir``, so one that climbs out of it (``../x``) lands in the home, as
-    ``~/sky_workdir/../x`` does there. Every backend maps the three anchors to its own paths."""
+    ``~/sky_workdir/../x`` does there. Every backend maps the three anchors to its own paths.
+
+    Only the leading ``~/``, ``./`` and ``../`` are read; the rest is kept as written (no
+    normalising): a secret filled into it must still be found there, to be written as a
+    reference to the secret and never in clear."""
     if dst == "~" or dst.startswith("~/"):
-        rest = posixpath.normpath(dst[2:] or ".").lstrip("/")
-        return "home", "" if rest == "." else rest
+        return "home", dst[2:].lstrip("/")
     if dst.startswith("/"):
         return "root", dst
-    rel = posixpath.normpath(dst)
-    if rel == "..":
-        return "home", ""
-    if rel.startswith("../"):
-        return "home", posixpath.normpath("sky_workdir/" + rel)
-    return "workdir", "" if rel == "." else rel
+    rest, ups = dst, 0
+    while True:
+        if rest in (".", "./") or rest.startswith("./"):
+            rest = rest[2:].lstrip("/")
+        elif rest in ("..", "../") or rest.startswith("../"):
+            rest, ups = rest[3:].lstrip("/"), ups + 1
+        else:
+            break
+    if ups:  # out of ~/sky_workdir: the home, or above it
+        return "home", "../" * (ups - 1) + rest
+    return "workdir", rest
