@@ -397,7 +397,7 @@ def test_what_is_at_sky_workdir_already_is_replaced_only_when_nothing_is_lost(tm
     if there in ("dangling link", "empty dir"):
         assert link.is_symlink() and os.path.samefile(link, root / m.WORKDIR_MOUNT.lstrip("/"))
     else:
-        assert not link.is_symlink() and "sky_workdir kept (not a link" in proc.stderr
+        assert not link.is_symlink() and "sky_workdir kept: not a link" in proc.stderr
         assert (link / "keep.txt" if there == "dir of files" else link).read_text() == "mine\n"
 
 

@@ -148,7 +148,8 @@ def sky_workdir_link(workdir: str, note: str) -> str:
     return (f'W=~/sky_workdir; if [ ! "$W" -ef {workdir} ]; then\n'
             f'  {{ [ ! -e "$W" ] || [ -L "$W" ] || rmdir "$W" 2>/dev/null; }} &&\n'
             f'    ln -sfn {workdir} "$W" 2>/dev/null ||\n'
-            f'    {note} "$W kept (not a link, nor an empty directory); the workdir is "{workdir}\n'
+            f'    {note} "$W kept: not a link nor an empty directory, or no link could be made;'
+            f' the workdir is "{workdir}\n'
             'fi')
 
 
