@@ -112,10 +112,17 @@ def test_random_trees_and_patterns_travel_as_rsync_sends_them(tmp_path, seed):
     assert _shipped(src) == _rsync_ships(src, dst), files
 
 
-def test_git_travels_but_not_when_left_out_and_everywhere_then(tmp_path):
-    _tree(tmp_path, {".git/HEAD": "ref", "vendor/x/.git/HEAD": "ref", "a.py": ""})
-    assert _shipped(tmp_path) == {".git/HEAD", "vendor/x/.git/HEAD", "a.py"}
+def test_git_travels_but_not_when_left_out_and_everywhere_then(tmp_path, caplog, monkeypatch):
+    from airflow_skypilot.backends.common import workdir
+
+    _tree(tmp_path, {".git/HEAD": "ref", ".git/objects/a": "", "vendor/x/.git/HEAD": "ref",
+                     "a.py": ""})
+    assert _shipped(tmp_path) == {".git/HEAD", ".git/objects/a", "vendor/x/.git/HEAD", "a.py"}
     assert _shipped(tmp_path, keep_git=False) == {"a.py"}
+    assert ".git travels" not in caplog.text
+    monkeypatch.setattr(workdir, "GIT_FILES_NOTED", 1)  # a long history: a note of the cost
+    _shipped(tmp_path)
+    assert ".git travels with it, as in SkyPilot (2 files)" in caplog.text
 
 
 @pytest.mark.parametrize("pattern, path, is_dir, excluded", [

@@ -11,10 +11,16 @@ folder, not the worker's cwd; relative destinations at the job's workdir.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from airflow_skypilot.backends.common.ignore import Filter
 from airflow_skypilot.spec.task import Task
+
+log = logging.getLogger(__name__)
+
+#: a ``.git`` with more files than this gets a note: each is a request (SFTP) or in the payload
+GIT_FILES_NOTED = 2000
 
 
 def walk(local: str, keep_git: bool = True) -> list[tuple[str, str, bool]]:
@@ -44,6 +50,10 @@ def walk(local: str, keep_git: bool = True) -> list[tuple[str, str, bool]]:
             if kept(name, False):
                 out.append((os.path.join(root, name), f"{rel_root}/{name}" if rel_root
                             else name, False))
+    git = sum(1 for _, rel, is_dir in out if not is_dir and rel.startswith(".git/"))
+    if git > GIT_FILES_NOTED:
+        log.warning("%s/.git travels with it, as in SkyPilot (%d files): list .git/ in its "
+                    ".skyignore or .gitignore to leave the history behind", local, git)
     return out
 
 
