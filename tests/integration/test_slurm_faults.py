@@ -330,6 +330,31 @@ def test_a_failed_multi_node_job_gives_every_failed_ranks_code_while_squeue_list
     assert status.reason == "exit code 3 on rank 1"
 
 
+def _ranks(marks: Path, run: str) -> str:
+    """A 2-node run: each rank notes in ``marks`` that it ran, waits until both did (a rank
+    failing at once would have srun kill the other before that), then runs ``run``."""
+    return (f"echo ran >> {marks}/ran.$SKYPILOT_NODE_RANK; until [ -e {marks}/ran.0 ] && "
+            f"[ -e {marks}/ran.1 ]; do sleep 0.2; done; {run}")
+
+
+def test_a_failing_ranks_last_lines_all_reach_the_log(slurm):
+    """Rank 1 prints to stdout and stderr and exits 1 at once, rank 0 sleeping: srun's
+    --kill-on-bad-exit ended the step before srun forwarded all of it (a line lost in 4 runs
+    of 6, twice the stderr one, where a traceback goes)."""
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    task = load_task({"num_nodes": 2, "resources": {"accelerators": "A100:1"}, "run": _ranks(
+        marks, 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then echo "out one"; echo "out two"; '
+               'echo "Traceback: boom" >&2; exit 1; fi; sleep 120')})
+    name = _name("lastlines")
+    offer = next(o for o in backend.probe(task) if o.fits)
+    status, log = _ended(backend, backend.submit(task, offer, name, {"SKYPILOT_TASK_ID": name}),
+                         90)
+    assert (status.state, status.exit_codes) == (JobState.FAILED, [1]), (status, log)
+    assert "1: out one\n1: out two\n1: Traceback: boom\n" in log, log
+    assert (_ran(marks, "ran.0"), _ran(marks, "ran.1")) == (["ran"], ["ran"])
+
+
 def _forgotten(handle):
     """``handle`` as a later poll sees it once Slurm forgot the job (after MinJobAge, without
     accounting): the same job dir, an id squeue and sacct no longer know."""

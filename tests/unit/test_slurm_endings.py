@@ -179,10 +179,12 @@ def test_a_tasks_export_none_still_lets_the_steps_see_what_the_job_script_export
 #: second in (its node lost, or srun's --kill-on-bad-exit: no chance to write anything), and
 #: a second later the step ends, as Slurm ends it (a node failure ends the job; a bad exit the
 #: step): the other rank, if it still waits for its peer's exit code, goes too. A rank that
-#: exits with a failure of its own ends the other (``--kill-on-bad-exit``), as srun does.
+#: exits with a failure of its own ends the other (``--kill-on-bad-exit``), as srun does. It
+#: forwards none of the ranks' output: srun may end the step before it forwarded a rank's
+#: last lines, and cuts the long ones; what reaches the log is what the ranks wrote there.
 _SRUN_2 = """#!/bin/bash
 while [ "$1" != bash ]; do shift; done
-for r in 0 1; do SLURM_NODEID=$r setsid "$@" & p[$r]=$!; done
+for r in 0 1; do SLURM_NODEID=$r setsid "$@" > /dev/null 2>&1 & p[$r]=$!; done
 if [ -n "$LOSE" ] && [ "${@: -1}" = run ]; then
   sleep 1; kill -9 -- -${p[$LOSE]}; sleep 1; kill -9 -- -${p[0]} -${p[1]} 2>/dev/null
 fi
@@ -195,12 +197,18 @@ exit $rc
 """
 
 
-def _two_nodes(tmp_path, down: str = "", **env_vars: str):
-    """Run the real job script of a 2-node job with :data:`_SRUN_2`, then the real status
-    script once Slurm forgot the job (squeue and sacct answer nothing about it)."""
+def _two_nodes(tmp_path, down: str = "", before: str = "", fails: bool = True,
+               **env_vars: str):
+    """Run the real job script of a 2-node job with :data:`_SRUN_2` (its run: ``before``,
+    then as the variables say), then the real status script once Slurm forgot the job
+    (squeue and sacct answer nothing about it). Each rank notes that it ran in ``ran.<rank>``."""
     _, got = _offers({"accelerators": "A100:2"})
     task = load_task({"num_nodes": 2, "resources": {"accelerators": "A100:2"},
-                      "run": 'if [ "$SKYPILOT_NODE_RANK" = "${SLEEP_RANK:-}" ]; then sleep 30; '
+                      # both ranks ran before either fails (and srun kills the other)
+                      "run": f'echo ran >> {tmp_path}/ran.$SKYPILOT_NODE_RANK; until [ -e '
+                             f'{tmp_path}/ran.0 ] && [ -e {tmp_path}/ran.1 ]; do sleep 0.1; '
+                             f'done; {before}\n'
+                             'if [ "$SKYPILOT_NODE_RANK" = "${SLEEP_RANK:-}" ]; then sleep 30; '
                              'fi; eval exit "\\${RC_$SKYPILOT_NODE_RANK:-0}"'})
     for name, (text, mode) in submit.render(task, got["batch"], SETTINGS, "sky-x", {},
                                             str(tmp_path)).items():
@@ -215,7 +223,9 @@ def _two_nodes(tmp_path, down: str = "", **env_vars: str):
     env.update(SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[1-2]", **env_vars)
     done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env,
                           capture_output=True, text=True, timeout=30)
-    assert done.returncode != 0, done.stderr
+    assert (done.returncode != 0) == fails, done.stderr
+    for rank in (0, 1):  # each rank's user code ran, once
+        assert (tmp_path / f"ran.{rank}").read_text() == "ran\n"
     return _read_once_forgotten(tmp_path, env)
 
 
@@ -233,7 +243,9 @@ def test_a_rank_that_cannot_write_its_exit_code_ends_the_step_instead_of_a_wait_
     """Its run ended well, but its node could not write the job dir: it ended with code 0
     and no file, and the other rank waited for that file until the job's time limit."""
     (tmp_path / "exit_code.run.1.tmp").mkdir()  # rank 1's write fails
-    status = _two_nodes(tmp_path)
+    # after rank 0 wrote its own: srun kills it (--kill-on-bad-exit) as rank 1 fails
+    status = _two_nodes(tmp_path, before=f"[ $SKYPILOT_NODE_RANK = 0 ] || until [ -e "
+                                         f"{tmp_path}/exit_code.run.0 ]; do sleep 0.1; done")
     assert (tmp_path / "exit_code.run.0").read_text().strip() == "0"
     assert not (tmp_path / "exit_code.run.1").exists()
     assert status.state == JobState.INFRA_FAILED and "rank 1" in status.reason
@@ -259,6 +271,46 @@ def test_a_rank_without_a_code_whose_node_slurm_has_down_is_lost_beside_a_failed
     status = _two_nodes(tmp_path, down="n2", RC_0="1", LOSE="1", SLEEP_RANK="1")
     assert status.state == JobState.INFRA_FAILED and "rank 1" in status.reason
     assert status.exit_codes == [1]
+
+
+def test_a_failing_ranks_last_lines_reach_the_log_though_srun_ends_the_step_at_once(
+        tmp_path):
+    """srun's --kill-on-bad-exit ends the step as rank 1 fails, before srun forwarded its last
+    lines (its traceback on stderr): each rank writes its own into the log, in order."""
+    status = _two_nodes(tmp_path, RC_1="3", SLEEP_RANK="0", before=(
+        '[ "$SKYPILOT_NODE_RANK" = 1 ] && { echo "out one"; echo "out two"; '
+        'echo "Traceback: boom" >&2; }'))
+    assert (status.state, status.exit_codes) == (JobState.FAILED, [3])
+    assert (tmp_path / "slurm.log").read_text() == (
+        "1: out one\n1: out two\n1: Traceback: boom\n")
+
+
+def test_long_lines_of_ranks_printing_at_once_reach_the_log_whole_with_one_prefix(tmp_path):
+    """srun --label cuts a line at 1,024 bytes, each piece prefixed; and a long line written
+    in pieces could have the other rank's between them."""
+    status = _two_nodes(tmp_path, fails=False, before=(
+        'head -c 300000 /dev/zero | tr "\\0" "$SKYPILOT_NODE_RANK"; echo; '
+        'echo "rank $SKYPILOT_NODE_RANK done"'))
+    assert status.state == JobState.SUCCEEDED
+    lines = (tmp_path / "slurm.log").read_text().splitlines()
+    assert sorted(lines) == ["0: " + "0" * 300_000, "0: rank 0 done",
+                             "1: " + "1" * 300_000, "1: rank 1 done"]
+    assert lines.index("0: rank 0 done") > lines.index("0: " + "0" * 300_000)
+
+
+def test_a_daemon_a_rank_left_holding_its_output_keeps_neither_rank_from_ending(tmp_path):
+    """A rank's writer ends when no one holds its pipe, which a daemon the task started (``ray
+    start``) may keep open: the rank waits for it a few seconds, not until the time limit."""
+    start = time.monotonic()
+    try:
+        status = _two_nodes(tmp_path, fails=False, before=(
+            f"sleep 30 & echo $! > {tmp_path}/daemon.$SKYPILOT_NODE_RANK; echo started"))
+        log = (tmp_path / "slurm.log").read_text()  # written as it came, the pipe still open
+    finally:
+        for pid in tmp_path.glob("daemon.*"):
+            subprocess.run(["kill", pid.read_text().strip()], check=False)
+    assert status.state == JobState.SUCCEEDED and time.monotonic() - start < 20
+    assert sorted(log.splitlines()) == ["0: started", "1: started"]
 
 
 def test_a_single_node_job_writes_and_reads_its_exit_code_as_before(tmp_path):

@@ -31,6 +31,7 @@ from typing import Any
 from airflow_skypilot.backends.base import JobHandle, Offer
 from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.backends.common.workdir import local_source, mount_destination, walk
+from airflow_skypilot.backends.slurm import logs
 from airflow_skypilot.backends.slurm.remote import (
     Chmod,
     MakeDirs,
@@ -212,16 +213,16 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
 #: proctrack/cgroup kills what a task leaves behind when it ends, and SkyPilot keeps every node
 #: until the job ends (a daemon a worker rank started, ``ray start`` or an MPI target, lives on
 #: for the ranks still running; a failing rank ends the step, ``--kill-on-bad-exit``). A node
-#: that could not write its own exit code ends with a failure, even after a run that ended
-#: well, so the step ends: the others would wait for it until the time limit, and its rank
-#: reads as one whose node was lost (infrastructure: its node cannot write the job dir).
+#: of several that could not write its own exit code ends with a failure, even after a run
+#: that ended well, so the step ends: the others would wait for it until the time limit, and
+#: its rank reads as one whose node was lost (infrastructure: it cannot write the job dir).
+#: ``@node@`` runs node.sh: in a multi-node job, :data:`logs.RANKED` (each rank writes its own log).
 _STEP = ('--overlap --kill-on-bad-exit=1 --ntasks-per-node=1 -N "$SLURM_JOB_NUM_NODES" '
-         'bash -c \'touch "$0/began.$1" || exit; bash "$0/node.sh" "$1"; c=$?; '
-         'f="$0/exit_code.$1.${SLURM_NODEID:-0}"; { echo $c > "$f.tmp" && mv "$f.tmp" "$f"; } '
-         '|| { echo "airflow-skypilot: could not write $f (exit code $c)" >&2; '
-         'exit $((c ? c : 1)); }; [ $c -eq 0 ] && [ "$1" = run ] && until [ "$(ls "$0" | '
-         'grep -c "^exit_code\\.run\\.[0-9]*$")" -ge "$SLURM_JOB_NUM_NODES" ]; do sleep 2; '
-         'done; exit $c\' "$JOB_DIR"')
+         'bash -c \'touch "$0/began.$1" || exit; @node@ f="$0/exit_code.$1.${SLURM_NODEID:-0}"; '
+         '{ echo $c > "$f.tmp" && mv "$f.tmp" "$f"; } || { echo "airflow-skypilot: could not write '
+         '$f (exit code $c)" >&2; exit $((c ? c : SLURM_JOB_NUM_NODES > 1)); }; [ $c -eq 0 ] && '
+         '[ "$1" = run ] && until [ "$(ls "$0" | grep -c "^exit_code\\.run\\.[0-9]*$")" -ge '
+         '"$SLURM_JOB_NUM_NODES" ]; do sleep 2; done; exit $c\' "$JOB_DIR"')
 
 
 def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: str) -> str:
@@ -250,6 +251,7 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
             raise SubmissionError(f"sbatch option {directive!r} contains the control character "
                                   f"{match.group()!r}: refused", retry_elsewhere=False)
     label = " --label" if task.num_nodes > 1 else ""
+    step = _STEP.replace("@node@", logs.RANKED if label else 'bash "$0/node.sh" "$1"; c=$?;')
     jd = shlex.quote(job_dir)
     lines = ["#!/bin/bash"] + [f"#SBATCH {shlex.quote(d)}" for d in directives] + [
         "# airflow-skypilot: generated; the task's own scripts are setup.sh and run.sh.",
@@ -303,7 +305,7 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         "launch() {",
         "  local wait=5 deadline=$((SECONDS + STEP_RETRY))",
         "  while :; do",
-        f"    srun{label} {_STEP} \"$1\" &",
+        f"    srun{label} {step} \"$1\" &",
         "    step=$!; wait $step; rc=$?; step=",
         '    if [ $rc -eq 0 ] || [ -e "$JOB_DIR/began.$1" ]; then return $rc; fi',
         '    sleep 2 & wait $!  # a task launched late still notes that it began',
