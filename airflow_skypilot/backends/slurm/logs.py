@@ -24,12 +24,13 @@ from airflow_skypilot.backends.base import TAIL_BYTES, JobHandle, tail_text
 #: and then writes unbuffered (the line and ORS apart, hence ``ORS=""``). The writer ignores
 #: SIGTERM (scancel, a time limit: what the task prints then is kept, and never meets a closed
 #: pipe), and is waited for 5 s at most: a daemon the task started (``ray start``) may hold its
-#: pipe open. A log it cannot open: its output goes through srun, as before.
+#: pipe open. Neither holds what it need not: node.sh gets no fd 5 (a daemon that sends its
+#: output elsewhere holds no pipe), the writer not srun's stderr (srun would wait for it).
 RANKED = ('w=$((SLURM_JOB_NUM_NODES - 1)); printf -v p "%${#w}d: " "${SLURM_NODEID:-0}"; '
           's=$(type -P stdbuf) && s+=" -o4M"; i=; awk -W version 2>&1 </dev/null | grep -q mawk && '
-          'i="-W interactive"; exec 5> >(exec >>"$0/slurm.log"; trap "" TERM; exec $s awk $i '
-          '-v p="$p" -v ORS= "{print p \\$0 \\"\\n\\"; fflush()}"); a=$!; '
-          'bash "$0/node.sh" "$1" >&5 2>&5; c=$?; exec 5>&-; '
+          'i="-W interactive"; exec 5> >(exec >>"$0/slurm.log" 2>&1; trap "" TERM; exec $s awk '
+          '$i -v p="$p" -v ORS= "{print p \\$0 \\"\\n\\"; fflush()}"); a=$!; '
+          'bash "$0/node.sh" "$1" >&5 2>&5 5>&-; c=$?; exec 5>&-; '
           'for _ in {1..50}; do kill -0 $a 2>/dev/null || break; sleep 0.1; done;')
 
 #: what one read returns at most: one job (worker side), each job of a batch (triggerer side)
