@@ -582,6 +582,23 @@ def test_two_node_job_sees_the_skypilot_env_on_every_rank(target):
     assert _async(reader, lambda: reader.aread_log(handle, 0)) == (log, end)
 
 
+def test_every_node_of_a_job_has_a_workdir_of_its_own(target, tmp_path):
+    """SkyPilot's nodes each have their ~/sky_workdir: a setup that makes a folder there
+    (``[ -d repo ] || git clone``, ``uv venv``) runs once per node. On Slurm the ranks shared
+    one folder on the shared file system: the second ``mkdir`` failed, and so did the job."""
+    (tmp_path / "train.py").write_text("print('shipped')\n")
+    backend = target.backend()
+    task = _task(target, gpus=1, num_nodes=2, workdir=str(tmp_path),
+                 setup="mkdir made-by-setup && touch made-by-setup/$SKYPILOT_NODE_RANK",
+                 run='test -f train.py && [ "$(ls made-by-setup)" = "$SKYPILOT_NODE_RANK" ] '
+                     '&& echo "own-workdir-$SKYPILOT_NODE_RANK"')
+    handle, _ = _submit(target, backend, task)
+    status = _wait(target, backend, handle)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, (status, log)
+    assert "own-workdir-0" in log and "own-workdir-1" in log, log
+
+
 def test_secret_reaches_the_job_but_is_never_in_clear(target, caplog, capfd):
     caplog.set_level(logging.INFO)  # what a task log shows (DEBUG adds this test's own calls)
     token = f"ct-secret-{uuid.uuid4().hex[:12]}"

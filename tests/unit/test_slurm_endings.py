@@ -214,6 +214,7 @@ def _two_nodes(tmp_path, down: str = "", before: str = "", fails: bool = True,
                                             str(tmp_path)).items():
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(mode)
+    (tmp_path / "workdir").mkdir()  # as the upload makes it (each rank works in a copy)
     env = _stubs(tmp_path, "")
     (tmp_path / "bin" / "srun").write_text(_SRUN_2)
     (tmp_path / "bin" / "scontrol").write_text(

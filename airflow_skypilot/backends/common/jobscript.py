@@ -82,12 +82,15 @@ def skypilot_env(task: Task, *, task_id: str, num_gpus_per_node: int, cluster_in
 
 
 def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
-                has_setup: bool, has_run: bool) -> str:
+                has_setup: bool, has_run: bool, copy_of: str = "") -> str:
     """The script each node runs as ``node.sh setup|run``.
 
     ``rank_var`` names the variable holding this node's rank (e.g. ``SLURM_NODEID``,
     ``JOB_COMPLETION_INDEX``); ``ips_var``, if given, names a variable with the node IPs.
     ``job_dir`` and ``workdir`` are shell words (already quoted or ``"$VAR"`` forms).
+    ``copy_of``: the workdir starts as a copy of that folder, made on the node's first call
+    (the nodes of a multi-node job on one shared file system: SkyPilot's have a workdir each,
+    and a setup such as ``[ -d repo ] || git clone ...`` or ``uv venv`` in it would race).
     """
     lines = [
         "#!/bin/bash",
@@ -103,6 +106,15 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
     ]
     if ips_var:
         lines.append(f'export SKYPILOT_NODE_IPS="${{{ips_var}}}"')
+    if copy_of:
+        lines += [
+            f"if [ ! -d {workdir} ]; then",
+            f'  rm -rf {workdir}.part && cp -a --reflink=auto {copy_of} {workdir}.part &&'
+            f" mv {workdir}.part {workdir} ||",
+            '    { echo "airflow-skypilot: could not copy the workdir for this node" >&2;'
+            " exit 1; }",
+            "fi",
+        ]
     lines += [
         f"mkdir -p {workdir} && cd {workdir} || exit 1",
         # for the prologue, which reads them again after the user's ~/.bashrc

@@ -360,10 +360,14 @@ def render(task: Task, offer: Offer, settings: SlurmSettings, job_name: str,
         task, task_id=env.get("SKYPILOT_TASK_ID", job_name),
         num_gpus_per_node=jobscript.gpus_per_node(req.accelerator_count),
         cluster_info=info, extra=env)
-    node = jobscript.node_script(job_dir=shlex.quote(job_dir),
-                                 workdir=shlex.quote(f"{job_dir}/workdir"),
-                                 rank_var="SLURM_NODEID", has_setup=bool(task.setup),
-                                 has_run=bool(task.run))
+    # several nodes share the job dir: each works in its own copy of the workdir, as each of
+    # SkyPilot's nodes has one
+    many = task.num_nodes > 1
+    node = jobscript.node_script(
+        job_dir=shlex.quote(job_dir), rank_var="SLURM_NODEID", has_setup=bool(task.setup),
+        workdir='"$AIRFLOW_SKYPILOT_JOB_DIR/workdir.${SLURM_NODEID:-0}"' if many
+        else shlex.quote(f"{job_dir}/workdir"), has_run=bool(task.run),
+        copy_of='"$AIRFLOW_SKYPILOT_JOB_DIR/workdir"' if many else "")
     meta = {
         "cluster": settings.cluster, "partition": offer.location, "num_nodes": task.num_nodes,
         "accelerator": req.accelerator or "", "gpus_per_node": req.accelerator_count,
