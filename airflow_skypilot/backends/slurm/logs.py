@@ -4,7 +4,7 @@ The bytes come back base64-encoded after an ``@@log`` line, so the offset counts
 decoded characters) and a multi-byte character cut at the read limit is not lost. The triggerer
 reads every streamed job of a connection in one command, one ``@@log <job id>`` frame each.
 A failure's tail is read from the file's end (``tail -c``), however long the log: every rank
-writes into that one file (:data:`RANKED`), so its end is the job's end.
+writes into that one file (``srun --label``), so its end is the job's end.
 """
 
 from __future__ import annotations
@@ -14,24 +14,6 @@ import shlex
 from collections.abc import Sequence
 
 from airflow_skypilot.backends.base import TAIL_BYTES, JobHandle, tail_text
-
-#: How each rank of a multi-node job runs node.sh (in the step's ``bash -c``: ``$0`` the job dir,
-#: ``$1`` the phase; ``c`` its exit code): it appends its output to the log itself, not through
-#: srun, which cuts a --label'ed line at 1,024 bytes and drops what it has not forwarded when
-#: --kill-on-bad-exit ends the step (a failing rank's last lines, its traceback). Each line gets
-#: --label's prefix (``0: ``) and goes in one write (O_APPEND): gawk's buffer, made 4 MiB by
-#: stdbuf, is flushed after each line; mawk waits for a full input buffer unless interactive,
-#: and then writes unbuffered (the line and ORS apart, hence ``ORS=""``). The writer ignores
-#: SIGTERM (scancel, a time limit: what the task prints then is kept, and never meets a closed
-#: pipe), and is waited for 5 s at most: a daemon the task started (``ray start``) may hold its
-#: pipe open. Neither holds what it need not: node.sh gets no fd 5 (a daemon that sends its
-#: output elsewhere holds no pipe), the writer not srun's stderr (srun would wait for it).
-RANKED = ('w=$((SLURM_JOB_NUM_NODES - 1)); printf -v p "%${#w}d: " "${SLURM_NODEID:-0}"; '
-          's=$(type -P stdbuf) && s+=" -o4M"; i=; awk -W version 2>&1 </dev/null | grep -q mawk && '
-          'i="-W interactive"; exec 5> >(exec >>"$0/slurm.log" 2>&1; trap "" TERM; exec $s awk '
-          '$i -v p="$p" -v ORS= "{print p \\$0 \\"\\n\\"; fflush()}"); a=$!; '
-          'bash "$0/node.sh" "$1" >&5 2>&5 5>&-; c=$?; exec 5>&-; '
-          'for _ in {1..50}; do kill -0 $a 2>/dev/null || break; sleep 0.1; done;')
 
 #: what one read returns at most: one job (worker side), each job of a batch (triggerer side)
 READ_LIMIT = 1 << 20

@@ -31,7 +31,6 @@ from typing import Any
 from airflow_skypilot.backends.base import JobHandle, Offer
 from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.backends.common.workdir import local_source, mount_destination, walk
-from airflow_skypilot.backends.slurm import logs
 from airflow_skypilot.backends.slurm.remote import (
     Chmod,
     MakeDirs,
@@ -216,13 +215,17 @@ def parse_lookup(out: str, settings: SlurmSettings, conn_id: str,
 #: of several that could not write its own exit code ends with a failure, even after a run
 #: that ended well, so the step ends: the others would wait for it until the time limit, and
 #: its rank reads as one whose node was lost (infrastructure: it cannot write the job dir).
-#: ``@node@`` runs node.sh: in a multi-node job, :data:`logs.RANKED` (each rank writes its own log).
+#: A rank that fails in a job of several waits a second before it ends: srun ends the step
+#: at once (--kill-on-bad-exit) and drops the output it has not forwarded yet, the failing
+#: rank's last lines (its traceback).
 _STEP = ('--overlap --kill-on-bad-exit=1 --ntasks-per-node=1 -N "$SLURM_JOB_NUM_NODES" '
-         'bash -c \'touch "$0/began.$1" || exit; @node@ f="$0/exit_code.$1.${SLURM_NODEID:-0}"; '
-         '{ echo $c > "$f.tmp" && mv "$f.tmp" "$f"; } || { echo "airflow-skypilot: could not write '
-         '$f (exit code $c)" >&2; exit $((c ? c : SLURM_JOB_NUM_NODES > 1)); }; [ $c -eq 0 ] && '
-         '[ "$1" = run ] && until [ "$(ls "$0" | grep -c "^exit_code\\.run\\.[0-9]*$")" -ge '
-         '"$SLURM_JOB_NUM_NODES" ]; do sleep 2; done; exit $c\' "$JOB_DIR"')
+         'bash -c \'touch "$0/began.$1" || exit; bash "$0/node.sh" "$1"; c=$?; '
+         'f="$0/exit_code.$1.${SLURM_NODEID:-0}"; { echo $c > "$f.tmp" && mv "$f.tmp" "$f"; } '
+         '|| { echo "airflow-skypilot: could not write $f (exit code $c)" >&2; '
+         'c=$((c ? c : SLURM_JOB_NUM_NODES > 1)); }; [ $c -ne 0 ] && [ "$SLURM_JOB_NUM_NODES" '
+         '-gt 1 ] && sleep 1; [ $c -eq 0 ] && [ "$1" = run ] && [ -e "$f" ] && until [ "$(ls '
+         '"$0" | grep -c "^exit_code\\.run\\.[0-9]*$")" -ge "$SLURM_JOB_NUM_NODES" ]; do '
+         'sleep 2; done; exit $c\' "$JOB_DIR"')
 
 
 def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: str) -> str:
@@ -251,7 +254,6 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
             raise SubmissionError(f"sbatch option {directive!r} contains the control character "
                                   f"{match.group()!r}: refused", retry_elsewhere=False)
     label = " --label" if task.num_nodes > 1 else ""
-    step = _STEP.replace("@node@", logs.RANKED if label else 'bash "$0/node.sh" "$1"; c=$?;')
     jd = shlex.quote(job_dir)
     lines = ["#!/bin/bash"] + [f"#SBATCH {shlex.quote(d)}" for d in directives] + [
         "# airflow-skypilot: generated; the task's own scripts are setup.sh and run.sh.",
@@ -305,7 +307,7 @@ def _sbatch_script(task: Task, offer: Offer, settings: SlurmSettings, job_dir: s
         "launch() {",
         "  local wait=5 deadline=$((SECONDS + STEP_RETRY))",
         "  while :; do",
-        f"    srun{label} {step} \"$1\" &",
+        f"    srun{label} {_STEP} \"$1\" &",
         "    step=$!; wait $step; rc=$?; step=",
         '    if [ $rc -eq 0 ] || [ -e "$JOB_DIR/began.$1" ]; then return $rc; fi',
         '    sleep 2 & wait $!  # a task launched late still notes that it began',
