@@ -187,6 +187,10 @@ def test_cleanup_keeps_the_log_and_the_next_submit_removes_old_dirs(slurm, monke
     assert wait_for_job(backend, done, {JobState.SUCCEEDED}, 60).state == JobState.SUCCEEDED
     job_dir = Path(done.extra["job_dir"])
     assert (job_dir / "workdir").is_dir() and (job_dir / "run.sh").exists()
+    for copy in ("workdir.0", "workdir.1", "workdir.1.part"):  # the ranks' own (2+ nodes)
+        (job_dir / copy / "venv").mkdir(parents=True)
+        for path in (job_dir / copy, job_dir / copy / "venv"):
+            os.chown(path, job_dir.stat().st_uid, job_dir.stat().st_gid)
     backend.cleanup(done)
     left = sorted(p.name for p in job_dir.iterdir())
     assert left == ["exit_code", "handle", "job_id", "lock", "slurm.log"], left

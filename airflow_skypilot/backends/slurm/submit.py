@@ -587,7 +587,7 @@ def cleanup_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str | None
     jd = shlex.quote(job_dir)
     # and each rank's own exit codes (exit_code.<phase>.<rank>: folded into exit_code)
     rest = " ".join([*(f"{jd}/{shlex.quote(name)}" for name in LEFT_BEHIND),
-                     f"{jd}/exit_code.*.*"])
+                     f"{jd}/exit_code.*.*", f"{jd}/workdir.*"])  # a rank's own copy
     return "\n".join([
         bounded(slurm_timeout),
         f"rm -f {jd}/secrets.sh",
