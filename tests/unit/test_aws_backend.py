@@ -715,10 +715,48 @@ def test_a_rank_that_fails_while_rank_0_runs_is_in_the_log_and_the_tail_at_once(
             data = read(objects, limit=limit)[2].encode()
             if not data:
                 break
-            ours = offset % logs.SPLIT - before % logs.SPLIT  # two positions in one offset
-            mine, others = mine + data[:ours], others + data[ours:]
-            assert len(others) == offset // logs.SPLIT
+            # two positions in one offset
+            was = logs.split_positions(before)[0] if before >= logs.SPLIT else before
+            at0, at_others = logs.split_positions(offset)
+            mine, others = mine + data[:at0 - was], others + data[at0 - was:]
+            assert len(others) == at_others
         assert mine == b" still\nr0 m\xc3\xa1s\n" and others.decode() == "".join(failed)
+
+
+def test_a_final_text_read_to_its_end_is_not_read_again_when_ec2_forgets_the_instances():
+    """Read while final (the instances gone), the whole text came with one-position offsets;
+    an hour on, EC2 no longer lists the terminated instances and rank 0 has no end marker:
+    the job no longer read as final, and the next read gave rank 1's lines again."""
+    from airflow_skypilot.backends.aws.logs import JobView, read_log
+    from airflow_skypilot.backends.aws.status import MarkerReader
+
+    handle, settings = _aws_handle("j", 2), AwsSettings(regions=["us-east-1"])
+    objects = {"jobs/j/rank-0/log": b"r0 start\n", "jobs/j/rank-1/log": b"r1 Traceback\n",
+               "jobs/j/rank-1/exit_code": b"1\n"}
+
+    def read(offset, gone):
+        s3 = _FakeS3(objects)
+        view = JobView(MarkerReader(_FakeClients(s3)).read_many(settings, [handle])["j"], gone)
+        return read_log(_FakeClients(s3), settings, handle, offset, 1 << 20, view)
+
+    text, end = read(0, gone=True)
+    assert text == "r0 start\n(rank 1) r1 Traceback\n"
+    assert read(end, gone=False) == ("", end)
+
+
+def test_a_two_position_offset_grows_with_either_and_stays_a_64_bit_integer():
+    """It was rank 0's position plus 2**40 times the others': past 16 MiB of the other ranks'
+    text it passed 2**64, which msgpack (the trigger's events) cannot carry."""
+    import itertools
+
+    from airflow_skypilot.backends.aws import logs
+
+    for at0, at_others in itertools.product((0, 1, 7, 10**6, 3 * 2**29), repeat=2):
+        offset = logs.split_offset(at0, at_others)
+        assert logs.split_positions(offset) == (at0, at_others)
+        assert logs.SPLIT <= offset < 2**63
+        assert logs.split_offset(at0 + 1, at_others) > offset
+        assert logs.split_offset(at0, at_others + 1) > offset
 
 
 def test_log_decoding_keeps_partial_characters():

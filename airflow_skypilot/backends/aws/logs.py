@@ -24,11 +24,14 @@ rank 0 runs on until the job's cleanup terminates it. Its output, the failure's 
 wait for that. So once ranks 1..k have all ended (their logs are complete) and the job is not
 final, a read gives rank 0's new whole lines and then the new part of the other ranks' text
 (ranks 1..k, each line prefixed, as it will be in the final text), and from then on an offset
-counts two positions: ``offset % SPLIT`` in rank 0's log and ``offset // SPLIT`` in the other
-ranks' text (:class:`_Split`). Both only grow, so the offset does too, and a read goes on with
-each from where the last one stopped: nothing is repeated or lost, rank 0's lines written after
-the failed rank's are shown after its output, and a rank that ends later follows when every
-rank before it has ended too (or the job is final). Once the job is final, such an offset goes
+counts two positions, rank 0's log and the other ranks' text (:class:`_Split`), paired by
+:func:`split_offset` (``SPLIT`` plus Cantor's pairing: it grows with each of them, and stays
+under 2**63 for logs of gigabytes; an offset is an integer in the trigger's msgpack events,
+where one past 2**64 stops the triggerer). Both only grow, so the offset does too, and a read
+goes on with each from where the last one stopped: nothing is repeated or lost, rank 0's
+lines written after the failed rank's are shown after its output, and a rank that ends later
+follows when every rank before it has ended too (or the job is final; before, it is in the
+failure's tail). Once the job is final, such an offset goes
 on the same way, with the newline after rank 0 when its last line had none. An offset below
 ``SPLIT`` is one into the text above.
 
@@ -44,6 +47,7 @@ once the job is final), so a failed rank's last lines are in it while rank 0 sti
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,9 +61,23 @@ from airflow_skypilot.backends.base import TAIL_BYTES, JobHandle, tail_text
 from airflow_skypilot.backends.common.logs import join_logs, slice_log
 
 LOG_LIMIT = 1 << 20
-#: offsets at and past this count two positions: in rank 0's log (below) and in the other
-#: ranks' text (multiples); rank 0's log stays below 1 TiB
+#: offsets at and past this count two positions (:func:`split_offset`); below, one
 SPLIT = 1 << 40
+
+
+def split_offset(at0: int, at_others: int) -> int:
+    """The offset of positions ``at0`` (rank 0's log) and ``at_others`` (the other ranks'
+    text): it grows when either does, and is under 2**63 while they sum to under 4 GiB."""
+    total = at0 + at_others
+    return SPLIT + total * (total + 1) // 2 + at_others
+
+
+def split_positions(offset: int) -> tuple[int, int]:
+    """``(at0, at_others)`` of an offset from :func:`split_offset`."""
+    z = offset - SPLIT
+    total = (math.isqrt(8 * z + 1) - 1) // 2
+    at_others = z - total * (total + 1) // 2
+    return total - at_others, at_others
 #: S3 answers for "no log yet" / "nothing after this offset"
 _NOTHING_NEW = ("NoSuchKey", "InvalidRange", "416", "404")
 #: instance states after which a node writes nothing more
@@ -205,15 +223,15 @@ class _Plan:
 
 
 class _Split:
-    """A read that counts two positions (``offset % SPLIT`` in rank 0's log, ``offset //
-    SPLIT`` in the other ranks' text): once ranks 1..k have ended before the job is final, or
+    """A read that counts two positions (:func:`split_positions`: in rank 0's log, in the
+    other ranks' text): once ranks 1..k have ended before the job is final, or
     from such an offset on. Rank 0's new whole lines (all of it, and the newline it may need,
     once the job is final), then the other ranks' new text, within the limit."""
 
     def __init__(self, handle: JobHandle, prefix: str, offset: int, limit: int,
                  view: JobView | None):
         self.prefix, self.limit = prefix, limit
-        self.at0, self.at_others = offset % SPLIT, offset // SPLIT
+        self.at0, self.at_others = split_positions(offset) if offset >= SPLIT else (offset, 0)
         ranks = handle.num_nodes
         self.final = view is not None and view.final(ranks)
         self.others = ranks - 1 if self.final else \
@@ -226,7 +244,10 @@ class _Split:
         """The plan when the offset counts two positions, or should from now on; None: the
         one-position text (:class:`_Plan`)."""
         plan = cls(handle, prefix, offset, limit, view)
-        if handle.num_nodes < 2 or (offset < SPLIT and (plan.final or not plan.others)):
+        # an offset past rank 0's log is one into a final text already read (a job whose
+        # instances EC2 no longer lists, an hour on, no longer reads as final): not split
+        if handle.num_nodes < 2 or (offset < SPLIT and (plan.final or not plan.others
+                                                        or offset > plan.size0 > 0)):
             return None
         return plan
 
@@ -268,7 +289,7 @@ class _Split:
         room = self.limit - len(mine)
         if room > 0 and self.at_others < len(others):
             text, at_others = slice_log(others, self.at_others, True, room)
-        return mine.decode("utf-8", "replace") + text, at0 + SPLIT * at_others
+        return mine.decode("utf-8", "replace") + text, split_offset(at0, at_others)
 
 
 def read_log(clients: AwsClients, settings: AwsSettings, handle: JobHandle, offset: int = 0,
