@@ -49,7 +49,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from airflow_skypilot.backends.common import jobscript
-from airflow_skypilot.backends.common.workdir import local_source, mount_destination, walk
+from airflow_skypilot.backends.common.workdir import local_source, mount_word, walk
 from airflow_skypilot.spec.task import Task
 
 #: EC2's limit on raw user-data; we keep a margin below it.
@@ -120,12 +120,8 @@ def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
         return jobscript.node_word(text, task.secrets, SECRET_REF)
 
     for i, (dst, src) in enumerate(sorted(task.file_mounts.items())):
-        anchor, rest = mount_destination(dst)
-        if anchor == "root":
-            target_word = word(rest)
-        else:  # the workdir is run's cwd, as SkyPilot's ~/sky_workdir is
-            base = '"$HOME"' if anchor == "home" else '"$JOB_DIR"/workdir'
-            target_word = base + "/" + word(rest) if rest else base
+        # the workdir is run's cwd, as SkyPilot's ~/sky_workdir is
+        target_word = mount_word(dst, home='"$HOME"', workdir='"$JOB_DIR"/workdir', word=word)
         if isinstance(src, str) and src.startswith("s3://"):
             quoted = word(src)
             lines.append(f"mkdir -p \"$(dirname {target_word})\"")

@@ -148,8 +148,6 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
     return "\n".join(lines) + "\n"
 
 
-#: awk program: replace each secret's value (each line of it, if it has several) by ``***``.
-#: Values shorter than 4 characters are left alone, as Airflow's own masker does.
 def sky_workdir_link(workdir: str, note: str) -> str:
     """Bash making ``~/sky_workdir``, SkyPilot's workdir (its tasks ``cd ~/sky_workdir``), a
     link to the job's ``workdir`` (a bash word), on a node that runs one job (Kubernetes,
@@ -165,6 +163,8 @@ def sky_workdir_link(workdir: str, note: str) -> str:
             'fi')
 
 
+#: awk program: replace each secret's value (each line of it, if it has several) by ``***``.
+#: Values shorter than 4 characters are left alone, as Airflow's own masker does.
 _MASK_AWK = r"""BEGIN {
   n = split(names, ns, " ")
   for (i = 1; i <= n; i++) {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 from airflow_skypilot.backends.common.ignore import Filter
 from airflow_skypilot.spec.task import Task
@@ -34,27 +35,37 @@ def walk(local: str, keep_git: bool = True) -> list[tuple[str, str, bool]]:
         rel_root = "" if rel_root == "." else rel_root
         rules.enter(rel_root, None if not rel_root else rel_root.rpartition("/")[0])
 
+        def rel(name: str, rel_root: str = rel_root) -> str:
+            return f"{rel_root}/{name}" if rel_root else name
+
         def kept(name: str, is_dir: bool, rel_root: str = rel_root) -> bool:
             if not keep_git and name == ".git":
                 return False
-            rel = f"{rel_root}/{name}" if rel_root else name
             # a link to a folder is not entered, and no folder for a dir-only pattern
-            real_dir = is_dir and not os.path.islink(os.path.join(local, rel))
-            return not rules.left_out(rel_root, rel, real_dir)
+            real_dir = is_dir and not os.path.islink(os.path.join(local, rel(name)))
+            return not rules.left_out(rel_root, rel(name), real_dir)
 
         dirs[:] = sorted(d for d in dirs if kept(d, True))
-        for name in dirs:
-            rel = f"{rel_root}/{name}" if rel_root else name
-            out.append((os.path.join(root, name), rel, True))
-        for name in sorted(files):
-            if kept(name, False):
-                out.append((os.path.join(root, name), f"{rel_root}/{name}" if rel_root
-                            else name, False))
+        out += [(os.path.join(root, name), rel(name), True) for name in dirs]
+        out += [(os.path.join(root, name), rel(name), False) for name in sorted(files)
+                if kept(name, False)]
     git = sum(1 for _, rel, is_dir in out if not is_dir and rel.startswith(".git/"))
     if git > GIT_FILES_NOTED:
         log.warning("%s/.git travels with it, as in SkyPilot (%d files): list .git/ in its "
                     ".skyignore or .gitignore to leave the history behind", local, git)
     return out
+
+
+def mount_word(dst: str, *, home: str, workdir: str, word: Callable[[str], str],
+               root: str = "") -> str:
+    """A file mount's destination as one word of a node's script, by
+    :func:`mount_destination`'s rule: ``home``, ``workdir`` or ``root`` (words the script
+    expands) joined to the rest, which ``word`` quotes (and writes its secrets as references)."""
+    anchor, rest = mount_destination(dst)
+    if anchor == "root":
+        return root + word(rest)
+    base = home if anchor == "home" else workdir
+    return base + "/" + word(rest) if rest else base
 
 
 def local_source(task: Task, src: str) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from airflow_skypilot.backends.common.jobscript import node_word
-from airflow_skypilot.backends.common.workdir import local_source, mount_destination, walk
+from airflow_skypilot.backends.common.workdir import local_source, mount_word, walk
 from airflow_skypilot.spec.fill import masked
 from airflow_skypilot.spec.task import Task
 
@@ -80,11 +80,8 @@ def _dest_dir_word(dst: str, secrets: Mapping[str, str]) -> str:
     """A bash word for a file mount's destination directory inside the pod (main.sh, in the
     ConfigMap: a secret filled into it is a reference to the pod's env from the Secret), by
     :func:`mount_destination`'s rule (``""``: the workdir itself)."""
-    anchor, rest = mount_destination(dst)
-    if anchor == "root":
-        return '"$AIRFLOW_SKYPILOT_ROOT"' + node_word(rest, secrets)
-    base = '"$HOME"' if anchor == "home" else WORKDIR_WORD
-    return base + "/" + node_word(rest, secrets) if rest else base
+    return mount_word(dst, home='"$HOME"', workdir=WORKDIR_WORD, root='"$AIRFLOW_SKYPILOT_ROOT"',
+                      word=lambda text: node_word(text, secrets))
 
 
 def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
