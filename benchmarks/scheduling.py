@@ -487,29 +487,39 @@ def oracle_slurm(place: Any, t: float, extra: BJob | None, targets: set[int]
         run = [j for j in run if j.start + j.actual > now]
 
 
-def oracle_k8s(place: Any, t: float, extra: BJob | None, targets: set[int]) -> dict[int, float]:
-    """The same for the Kubernetes scheduler (``K8sPlace.schedule``: any pending pod that fits
-    binds, oldest first) over the running pods' real ends."""
-    free = [c - u for c, u in zip(place.caps, place.used, strict=True)]
-    ends = [(j.start + j.actual, j.node, j.gpus) for j in place.running]
+def bind_greedily(free: list[int], ends: list[tuple[float, int, int]], waiting: list[BJob],
+                  t: float, run_time: Callable[[BJob], float],
+                  done: Callable[[dict[int, float]], bool]) -> dict[int, float]:
+    """The Kubernetes scheduler played forward from ``t`` (``K8sPlace.schedule``: any waiting
+    pod that fits binds, oldest first; no reservations): ``free`` GPUs per node, ``ends`` the
+    running pods' (end, node, GPUs), a bound pod running ``run_time(pod)``. When each pod of
+    ``waiting`` binds, until all have or ``done(so far)``."""
     heapq.heapify(ends)
-    pend = list(place.pending) + ([extra] if extra is not None else [])
     out: dict[int, float] = {}
     now = t
-    while True:
-        for bj in list(pend):
-            n = _best_fit(free, bj.gpus)
+    while waiting:
+        for j in list(waiting):
+            n = _best_fit(free, j.gpus)
             if n is not None:
-                free[n] -= bj.gpus
-                heapq.heappush(ends, (now + bj.actual, n, bj.gpus))
-                out[bj.seq] = now
-                pend.remove(bj)
-        if targets <= out.keys() or not pend or not ends:
-            return out
+                free[n] -= j.gpus
+                heapq.heappush(ends, (now + run_time(j), n, j.gpus))
+                out[j.seq] = now
+                waiting.remove(j)
+        if not waiting or not ends or done(out):
+            break
         now = ends[0][0]
         while ends and ends[0][0] <= now:
             _, n, g = heapq.heappop(ends)
             free[n] += g
+    return out
+
+
+def oracle_k8s(place: Any, t: float, extra: BJob | None, targets: set[int]) -> dict[int, float]:
+    """The same for the Kubernetes scheduler over the running pods' real ends."""
+    return bind_greedily([c - u for c, u in zip(place.caps, place.used, strict=True)],
+                         [(j.start + j.actual, j.node, j.gpus) for j in place.running],
+                         list(place.pending) + ([extra] if extra is not None else []), t,
+                         lambda j: j.actual, lambda out: targets <= out.keys())
 
 
 def oracle_offers(offers: list[Offer], t: float, start_of: Callable[[int], float | None]
@@ -855,31 +865,14 @@ class K8sPlace(Place):
         pods bound greedily in order as GPUs free up (no reservations). When each pending
         pod binds; ``new``: a new pod of that many GPUs after them (key -1)."""
         mean = self.durations.median_above(0.0, H)
-        free = [c - u for c, u in zip(self.caps, self.used, strict=True)]
         ends = [(max(j.start + self.durations.median_above(t - j.start, H), t + 1.0), j.node,
                  j.gpus) for j in self.running]
         waiting = list(pending)
         if new is not None:
             waiting.append(BJob(-1, new, None, 0.0, t))
-        heapq.heapify(ends)
-        out: dict[int, float] = {}
-        now = t
-        while waiting:
-            for j in list(waiting):
-                n = _best_fit(free, j.gpus)
-                if n is not None:
-                    free[n] -= j.gpus
-                    heapq.heappush(ends, (now + mean, n, j.gpus))
-                    out[j.seq] = now
-                    waiting.remove(j)
-            if not waiting or not ends or (new is not None and -1 in out):
-                break
-            now, n, g = heapq.heappop(ends)
-            free[n] += g
-            while ends and ends[0][0] <= now:
-                _, n, g = heapq.heappop(ends)
-                free[n] += g
-        return out
+        return bind_greedily([c - u for c, u in zip(self.caps, self.used, strict=True)], ends,
+                             waiting, t, lambda j: mean,
+                             lambda out: new is not None and -1 in out)
 
     def own_start(self, bj: BJob, t: float) -> float | None:
         """What-if (``own_estimate=queue+k8s``): a waiting pod's own slot (no backend says)."""
