@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from airflow_skypilot.backends.base import Backend, JobHandle
+from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.identity import parse_job_name
 from airflow_skypilot.runstate import Attempt, RunState, Sweep
@@ -21,21 +21,26 @@ from airflow_skypilot.runstate import Attempt, RunState, Sweep
 
 def _settle(backend: Backend, handles: list[JobHandle]) -> tuple[list[JobHandle], list[str]]:
     """Cancel what is alive among ``handles``; the handles still alive after one more look,
-    and how the others ended."""
+    and how the others ended. A job the answer leaves out counts as alive: the backend did
+    not speak for it ("could not ask" is never "gone"), so it is cancelled and asked again."""
     if not handles:
         return [], []
-    statuses = backend.status(handles)
-    alive = [h for h in handles if h.job_id in statuses and statuses[h.job_id].up]
-    ended = [statuses[h.job_id].state.value for h in handles
-             if h.job_id in statuses and not statuses[h.job_id].up]
+
+    def look(among: list[JobHandle]) -> dict[str, JobStatus]:
+        answer = backend.status(among)
+        return {h.job_id: answer.get(h.job_id) or JobStatus(
+            JobState.UNKNOWN, reason="not in the backend's answer") for h in among}
+
+    statuses = look(handles)
+    alive = [h for h in handles if statuses[h.job_id].up]
+    ended = [statuses[h.job_id].state.value for h in handles if not statuses[h.job_id].up]
     if not alive:
         return [], ended
     for handle in alive:
         backend.cancel(handle)
-    again = backend.status(alive)
-    still = [h for h in alive if h.job_id in again and again[h.job_id].up]
-    ended += [again[h.job_id].state.value for h in alive
-              if h not in still and h.job_id in again]
+    again = look(alive)
+    still = [h for h in alive if again[h.job_id].up]
+    ended += [again[h.job_id].state.value for h in alive if not again[h.job_id].up]
     return still, ended
 
 

@@ -2,7 +2,10 @@
 
 Same trigger, same outcome rules as the operator: success returns the result (in poke mode
 too); a failure of the user's code fails with the log tail; an infrastructure failure fails with
-its reason (the sensor did not submit the job, so it does not place it again).
+its reason (the sensor did not submit the job, so it does not place it again). Whatever the end
+the backend reported, the job's leftovers go as after the operator's jobs: what of it is still
+up (an infrastructure failure, part of an allocation) is cancelled, then its staged secrets and
+files are cleaned up (its log stays). A silence taken for lost touches nothing: the job may run.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class SkyPilotJobSensor(BaseSensorOperator):
         self.stream_logs = stream_logs
         self.unreachable_timeout = unreachable_timeout
         self._silent_since: float | None = None
+        self._log_offset = 0  # poke mode: how much of the job's output the log has
 
     @property
     def _silence(self) -> float:
@@ -101,9 +105,16 @@ class SkyPilotJobSensor(BaseSensorOperator):
                                       status.reason)
             return PokeReturnValue(is_done=True, xcom_value=self._finish(handle, status, ""))
         self._silent_since = None
+        # a poke in "reschedule" mode is a new process each time: no offset to go on from, so
+        # its output is the tail logged at the end
+        streaming = self.stream_logs and self.mode != "reschedule"
+        if streaming:
+            self._log_offset = polling.stream(backend, handle, self._log_offset, self.log)
         if not status.state.terminal:
             return False
         tail = polling.tail(backend, handle)  # its end, however long (it was not streamed)
+        if self.stream_logs and not streaming and status.state == JobState.SUCCEEDED:
+            self.log.info("Last lines of the log of job %s:\n%s", handle.job_id, tail)
         return PokeReturnValue(is_done=True, xcom_value=self._finish(handle, status, tail))
 
     def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:
@@ -113,13 +124,12 @@ class SkyPilotJobSensor(BaseSensorOperator):
                             JobStatus.from_dict(event["job_status"]), event.get("log_tail", ""))
 
     def _finish(self, handle: JobHandle, status: JobStatus, tail: str) -> dict[str, Any]:
-        """The result when the job succeeded; raises otherwise."""
+        """The result when the job succeeded; raises otherwise. Leftovers of a reported end
+        are cleaned up first."""
+        if status.raw_state != SILENCE:
+            self._clean_up(handle, status)
         if status.state == JobState.SUCCEEDED:
             self.log.info("Job %s on %s succeeded", handle.job_id, handle.connection)
-            try:
-                backend_for_handle(handle).cleanup(handle)
-            except Exception as exc:
-                self.log.warning("Cleanup of job %s failed: %s", handle.job_id, exc)
             attempt = Attempt.from_handle(handle)
             attempt.close(status)
             return {"state": attempt.state, "connection": attempt.connection,
@@ -132,3 +142,17 @@ class SkyPilotJobSensor(BaseSensorOperator):
         raise final(f"job {handle.job_id} on {handle.connection} ended: {kind}"
                                f"{': ' + status.reason if status.reason else ''}\n"
                                f"Last lines of its log:\n{tail}")
+
+    def _clean_up(self, handle: JobHandle, status: JobStatus) -> None:
+        """Best effort, as the operator's: a failed cleanup is logged, the outcome stands."""
+        backend = backend_for_handle(handle)
+        if status.state.infra_failure or status.still_up:
+            try:
+                backend.cancel(handle)
+            except Exception as exc:
+                self.log.warning("Could not cancel what is left of job %s on %s: %s",
+                                 handle.job_id, handle.connection, exc)
+        try:
+            backend.cleanup(handle)
+        except Exception as exc:
+            self.log.warning("Cleanup of job %s failed: %s", handle.job_id, exc)

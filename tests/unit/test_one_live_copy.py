@@ -487,6 +487,31 @@ def test_an_ended_copy_with_part_of_it_still_up_is_cancelled_before_it_counts_as
     assert sweep.outcome == "infra_failed"
 
 
+def test_a_copy_the_backends_answer_leaves_out_is_not_confirmed_dead():
+    """An answer that says nothing of the job (a partial answer, a third-party backend) is
+    "could not ask", as for the trigger and the sensor: the copy is cancelled and stays on
+    the list until its backend speaks for it."""
+    from airflow_skypilot import sweeps
+    from airflow_skypilot.spec import load_task
+
+    task = load_task({"run": "x", "resources": {"accelerators": "A100:1"}})
+    handle = FakeBackend("c1").submit(task, offer("c1"), "sky-x-t1-a0", {})
+    cancelled = []
+
+    class Mute(FakeBackend):
+        def status(self, handles):
+            return {}
+
+        def cancel(self, h):
+            cancelled.append(h.job_id)
+
+    sweep = Sweep(connection="c1", handle=handle.to_dict(), reason="failover")
+    assert not sweeps.step(sweep, Mute("c1"))
+    assert (sweep.done_at, cancelled) == (None, [handle.job_id])
+    assert sweeps.step(sweep, FakeBackend("c1"))  # once it answers, it counts
+    assert sweep.done_at is not None
+
+
 def _still_up(job_id, state, exit_code=None):
     FakeBackend.jobs[job_id]["status"] = JobStatus(state, exit_code=exit_code, started_at=10.0,
                                                    ended_at=20.0, still_up=True)

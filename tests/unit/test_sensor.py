@@ -175,3 +175,92 @@ def test_a_silence_taken_for_lost_is_retryable_an_end_the_backend_reported_is_no
     assert not isinstance(info.value, AirflowFailException)
     with pytest.raises(AirflowFailException):
         _sensor(handle.to_dict())._finish(handle, JobStatus(JobState.LOST, reason="gone"), "")
+
+
+# --- what a job leaves behind ------------------------------------------------------------------
+@pytest.fixture
+def cleaned(monkeypatch) -> list[str]:
+    out: list[str] = []
+    monkeypatch.setattr(FakeBackend, "cleanup", lambda self, h: out.append(h.job_id),
+                        raising=False)
+    return out
+
+
+@pytest.mark.parametrize("state", [JobState.SUCCEEDED, JobState.FAILED, JobState.PREEMPTED])
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_every_end_the_backend_reported_cleans_up_the_job(handle, cleaned, state, deferrable):
+    """Its staged secrets (Slurm's files, Kubernetes' Secrets, AWS's SSM parameters) go after
+    a failure too, as after the operator's jobs; it was done after a success only."""
+    status = _end(state, exit_code={JobState.SUCCEEDED: 0, JobState.FAILED: 3}.get(state))
+    sensor = _sensor(handle.to_dict(), deferrable=deferrable, poke_interval=0.01, timeout=5)
+    if state == JobState.SUCCEEDED:
+        sensor.execute_complete({}, _event(handle, status)) if deferrable else sensor.execute({})
+    else:
+        with pytest.raises(AirflowFailException):
+            if deferrable:
+                sensor.execute_complete({}, _event(handle, status))
+            else:
+                sensor.execute({})
+    assert cleaned == ["1"]
+
+
+def test_an_infra_failure_with_part_of_the_job_still_up_is_cancelled_then_cleaned(handle,
+                                                                                    cleaned):
+    status = JobStatus(JobState.INFRA_FAILED, reason="node a1 lost", still_up=True)
+    FakeBackend.jobs["1"]["status"] = status
+    with pytest.raises(AirflowFailException, match="node a1 lost"):
+        _sensor(handle.to_dict()).execute_complete({}, _event(handle, status))
+    assert FakeBackend.jobs["1"]["status"].still_up is False  # the part left is stopped
+    assert cleaned == ["1"]
+
+
+def test_a_silence_taken_for_lost_leaves_the_job_alone(handle, cleaned):
+    from airflow_skypilot.backends.base import SILENCE
+
+    silent = JobStatus(JobState.LOST, reason="no answer about the job", raw_state=SILENCE)
+    with pytest.raises(AirflowException):
+        _sensor(handle.to_dict())._finish(handle, silent, "")
+    assert cleaned == [] and FakeBackend.jobs["1"]["status"].state == JobState.RUNNING
+
+
+# --- the job's output in poke mode -------------------------------------------------------------
+def _logged(sensor, monkeypatch) -> list[str]:
+    lines: list[str] = []
+
+    class Log:
+        def __getattr__(self, name):
+            return lambda msg, *args, **kw: lines.append(msg % args if args else msg)
+
+    monkeypatch.setattr(type(sensor), "log", property(lambda self: Log()))
+    return lines
+
+
+def test_poke_mode_streams_the_jobs_output_once(handle, monkeypatch):
+    FakeBackend.jobs["1"]["log"] = "step 1\n"
+    sensor = _sensor(handle.to_dict(), deferrable=False)
+    lines = _logged(sensor, monkeypatch)
+    assert sensor.poke({}) is False
+    FakeBackend.jobs["1"]["log"] = "step 1\nstep 2\n"
+    _end(JobState.SUCCEEDED, exit_code=0)
+    assert sensor.poke({}).is_done
+    assert [line for line in lines if "step" in line] == ["[1] step 1", "[1] step 2"]
+
+
+def test_reschedule_mode_logs_the_tail_at_the_end(handle, monkeypatch):
+    """Each poke is a new process there: no offset to go on from, so no streaming (it would
+    repeat the log at every poke), and the end of the output is logged once."""
+    sensor = _sensor(handle.to_dict(), deferrable=False, mode="reschedule")
+    lines = _logged(sensor, monkeypatch)
+    assert sensor.poke({}) is False
+    assert not any("step" in line for line in lines)
+    _end(JobState.SUCCEEDED, exit_code=0)
+    assert sensor.poke({}).is_done
+    assert sum("step 99" in line for line in lines) == 1
+
+
+def test_stream_logs_off_logs_no_output(handle, monkeypatch):
+    sensor = _sensor(handle.to_dict(), deferrable=False, stream_logs=False)
+    lines = _logged(sensor, monkeypatch)
+    _end(JobState.SUCCEEDED, exit_code=0)
+    assert sensor.poke({}).is_done
+    assert not any("step" in line for line in lines)
