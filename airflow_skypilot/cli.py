@@ -1,20 +1,27 @@
 """``airflow-skypilot``: validate a task YAML, show live GPU capacity, plan a placement.
 
 Exit codes: 0 ok; 2 the task is invalid (one ``FILE:LINE: field: problem`` line per problem on
-stderr) or the command line is wrong; 1 anything else (e.g. no connection could be read, or
-``plan`` was given a misconfigured or undefined connection: one line each on stderr).
+stderr) or cannot be read, or the command line is wrong; 1 anything else (e.g. no connection
+could be read, or ``plan`` was given a misconfigured or undefined connection: one line each on
+stderr).
+
+``FILE`` is always a file: a mistyped path (``tasks/train``) is a file that cannot be read, not
+YAML text (the operator's ``task=`` may be either; a command line means a file).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from airflow_skypilot.spec import TaskValidationError, load_task
+from airflow_skypilot.spec.errors import Problem
+from airflow_skypilot.spec.task import names_a_file
 
 
 def _pairs(items: Sequence[str] | None, flag: str) -> dict[str, str]:
@@ -32,9 +39,42 @@ def _usage_error(message: str) -> int:
     return 2
 
 
+#: the longest ``--timeout``: a day is already far more than a probe needs, and the waits it
+#: bounds refuse a few billion seconds (OverflowError)
+MAX_TIMEOUT = 86400.0
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a number of seconds above 0 and at most :data:`MAX_TIMEOUT` (not nan)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= MAX_TIMEOUT):  # nan compares false
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds above 0 and at most {MAX_TIMEOUT:g}, got {text!r}")
+    return value
+
+
+def _check_file(path: str) -> None:
+    """TaskValidationError unless load_task will read ``path`` as a file: it takes a string
+    that names no file (and does not end in .yaml) for YAML text."""
+    if names_a_file(path) or ("\n" not in path and os.path.isfile(path)):
+        return  # read as a file, and reported as load_task reports a file it cannot read
+    try:
+        os.stat(path)
+        why = ("Is a directory" if os.path.isdir(path) else
+               "a line break in the path" if os.path.isfile(path) else "not a regular file")
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        why = getattr(exc, "strerror", None) or str(exc)
+    raise TaskValidationError([Problem(path="", file=repr(path)[1:-1],
+                                       message=f"cannot read task file: {why}")])
+
+
 def _load(args: argparse.Namespace):
     """The task, or None after printing one line per problem to stderr (exit 2)."""
     try:
+        _check_file(args.file)
         return load_task(args.file, envs=_pairs(args.env, "--env"),
                          secrets=_pairs(getattr(args, "secret", None), "--secret"))
     except TaskValidationError as exc:
@@ -185,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show-gpus", help="live GPU capacity of Airflow connections")
     p.add_argument("--conn", action="append", required=True, metavar="CONN_ID")
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_show_gpus)
 
@@ -195,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", metavar="KEY=VALUE")
     p.add_argument("--secret", action="append", metavar="KEY=VALUE")
     p.add_argument("--policy", choices=("fastest", "cheapest"), default="fastest")
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

@@ -18,8 +18,11 @@ Merge rule: a returned field replaces the base's; a mapping field in both (``env
 key replaces the base's (``resources: {accelerators: ...}`` replaces the base's accelerators and
 keeps its ``cpus``). A key replaces its aliases and alternatives too (``gpus`` the base's
 ``accelerators``, ``ordered`` its ``any_of``, ``infra`` its ``cloud``/``region``/``zone``, ``pool``
-its ``service``: :data:`airflow_skypilot.spec.model.REPLACES`). The result is not a Jinja
-template (``{{`` in a script stays as it is).
+its ``service``: :data:`airflow_skypilot.spec.model.REPLACES`). A returned ``resources`` key
+(and its aliases and alternatives) is also taken out of the base's ``any_of``/``ordered``
+entries, which override the top level: returned ``accelerators`` replace the entries' too. An
+entry left empty or the same as another is dropped, and a list left empty with it. The result
+is not a Jinja template (``{{`` in a script stays as it is).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SkyPilotDecoratedOperator", "merge_task", "skypilot_task"]
 
+#: the resources' lists of candidates, each entry overriding the top-level fields
+_CHOICES = ("any_of", "ordered")
+
 USAGE = ("a @task.skypilot function returns the job's run script (a str) or SkyPilot task "
          "fields (a dict, merged over the base task)")
 
@@ -74,6 +80,9 @@ def merge_task(base: Mapping[str, Any], returned: Any, name: str = "the function
             old = base.get(key)
             if isinstance(old, Mapping) and isinstance(value, Mapping):
                 merged[key] = _over(old, value, key)
+        if isinstance(merged.get("resources"), Mapping) and \
+                isinstance(returned.get("resources"), Mapping):
+            merged["resources"] = _trim_choices(merged["resources"], returned["resources"])
         return merged
     what = "None (did it forget to return?)" if returned is None else \
         f"a {type(returned).__name__}"
@@ -86,6 +95,36 @@ def _over(base: Mapping[str, Any], returned: Mapping[str, Any], section: str) ->
     replaces = REPLACES.get(section, {})
     dropped = {k for key in returned if isinstance(key, str) for k in replaces.get(key, ())}
     return {**{k: v for k, v in base.items() if k not in dropped or k in returned}, **returned}
+
+
+def _trim_choices(merged: Mapping[str, Any], returned: Mapping[str, Any]) -> dict:
+    """The base's ``any_of``/``ordered`` entries without the keys the function returned (and
+    their aliases and alternatives): an entry overrides the top level, so a returned
+    ``accelerators`` would otherwise lose to the entries' own. Entries left empty or the same as
+    an earlier one are dropped, and a list left empty with them."""
+    replaces = REPLACES["resources"]
+    keys = {k for key in returned if isinstance(key, str)
+            for k in (key, *replaces.get(key, ())) if k not in _CHOICES}
+    out = dict(merged)
+    for choices in _CHOICES:
+        entries = merged.get(choices)
+        # the function's own choices stay as it wrote them
+        if choices in returned or not isinstance(entries, list) or not any(
+                isinstance(e, Mapping) and keys & set(e) for e in entries):
+            continue
+        kept: list[Any] = []
+        for entry in entries:
+            if isinstance(entry, Mapping) and keys & set(entry):
+                entry = {k: v for k, v in entry.items() if k not in keys}
+                if not entry:
+                    continue
+            if entry not in kept:
+                kept.append(entry)
+        if kept:
+            out[choices] = kept
+        else:
+            out.pop(choices)
+    return out
 
 
 def _within(path: str, field: tuple[Any, ...]) -> bool:

@@ -3,7 +3,8 @@
 Airflow renders template fields after ``__init__``: a literal value can be checked at parse time
 (a bad DAG fails to load, with the argument named), a Jinja one only in ``execute``. Mappings
 given as templates render to text (JSON, or a dict's Python repr without
-``render_template_as_native_obj``), which :func:`as_mapping` reads back.
+``render_template_as_native_obj``), which :func:`as_mapping` reads back; a list of connection
+ids so rendered (``"{{ params.conns }}"`` -> ``"['c1', 'c2']"``), :func:`as_names`.
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ def as_mapping(value: Any) -> Any:
         return ast.literal_eval(value)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         return value
+
+
+def as_names(value: Any) -> list[str]:
+    """Names (connection ids) given as a list, or as text: a rendered list (JSON, else a Python
+    literal) of strings, else comma-separated names. Blanks are left out."""
+    if isinstance(value, str):
+        parsed = as_mapping(value)
+        if isinstance(parsed, (list, tuple)) and all(isinstance(v, str) for v in parsed):
+            value = parsed
+        else:  # "c1, c2", or a lone id
+            value = value.split(",")
+    return [str(v).strip() for v in value or () if str(v).strip()]
 
 
 class TaskNotRenderedInside:

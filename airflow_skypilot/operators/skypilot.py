@@ -80,6 +80,8 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
     :param task: a YAML file path (relative paths start at the DAG file's folder), YAML text,
         or a dict. Templated (the path or text, not the YAML's contents).
     :param connections: Airflow connection ids to consider; default ``[skypilot] connections``.
+        Templated: a list rendered to text (``"{{ params.conns }}"``) is read back as that list,
+        other text is comma-separated ids.
     :param envs: env overrides (``sky launch --env``); templated.
     :param secrets: secret values (``sky launch --secret``); templated, never logged.
     :param policy: ``fastest`` (free now first, then soonest start, then price) or ``cheapest``;
@@ -161,10 +163,8 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
 
     # --- settings ----------------------------------------------------------------------------
     def _conn_ids(self) -> list[str]:
-        conns = self.connections
-        if isinstance(conns, str):
-            conns = [c.strip() for c in conns.split(",") if c.strip()]
-        conns = list(conns or default_connections())
+        # a templated list renders to its text: read back, not split into "['c1'" and "'c2']"
+        conns = args.as_names(self.connections) or default_connections()
         if not conns:
             raise AirflowFailException(
                 "no connections: pass connections=[...] or set [skypilot] connections")

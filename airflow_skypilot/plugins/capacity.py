@@ -1,10 +1,12 @@
 """Live capacity for the pages: the connections' ``show-gpus`` rows, probed off the event loop,
 bounded in time, and cached briefly so that a storm of page refreshes cannot hammer login nodes.
+
+The connections are the ``?conn=`` ids (at most :data:`MAX_CONNECTIONS`), else
+``[skypilot] connections``; any id Airflow accepts for a connection is one here.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from typing import Any
@@ -21,8 +23,8 @@ from airflow_skypilot.settings import default_connections
 CAPACITY_TTL = 10.0
 #: the longest a capacity page waits for a connection (the hook's timeout is the smaller one)
 CAPACITY_MAX_TIMEOUT = 20.0
+#: the most connections one ``?conn=`` list may ask for ([skypilot] connections has no cap)
 MAX_CONNECTIONS = 16
-_CONN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,250}$")
 
 
 def probe_timeout() -> float:
@@ -146,13 +148,24 @@ async def capacity_for(user: Any, conn_ids: list[str], refresh: bool) -> dict[st
             "timeout": timeout, "ttl": PROBES.ttl, "rows": rows}
 
 
+def is_conn_id(conn_id: str) -> bool:
+    """Airflow's own rule for a connection id (``airflow.models.connection.sanitize_conn_id``:
+    word characters and ``#!()-.:/\\``, at most 250), matched whole: ``team/slurm`` and
+    ``slurm:alpha`` are ids, ``<b>`` is not. The pages escape the ids wherever they show them."""
+    from airflow.models.connection import sanitize_conn_id
+
+    return sanitize_conn_id(conn_id) == conn_id  # its "$" would let a final newline through
+
+
 def requested_connections(conn: list[str] | None) -> list[str]:
-    """The ``?conn=`` ids (comma-separated too), else ``[skypilot] connections``; 400 if bad."""
+    """The ``?conn=`` ids (comma-separated too; at most :data:`MAX_CONNECTIONS`), else
+    ``[skypilot] connections`` (the deployment's own list: not capped); 400 if bad."""
     given = [part.strip() for value in conn or [] for part in value.split(",")]
-    conns = list(dict.fromkeys(c for c in given if c)) or default_connections()
-    bad = [c for c in conns if not _CONN_ID.match(c)]
+    asked = list(dict.fromkeys(c for c in given if c))
+    conns = asked or default_connections()
+    bad = [c for c in conns if not is_conn_id(c)]
     if bad:
         raise HTTPException(400, f"not a connection id: {bad[0][:80]!r}")
-    if len(conns) > MAX_CONNECTIONS:
+    if len(asked) > MAX_CONNECTIONS:
         raise HTTPException(400, f"at most {MAX_CONNECTIONS} connections at a time")
     return conns

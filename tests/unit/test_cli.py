@@ -92,6 +92,40 @@ def test_validate_missing_file_exits_2(tmp_path, capsys):
     assert "cannot read task file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given", ["tasks/train", "run: echo", "{run: echo}", "."])
+def test_file_is_always_a_file_never_yaml_text(given, tmp_path, capsys, monkeypatch):
+    """A mistyped path (no .yaml) is a file that cannot be read, as a missing one is, not YAML
+    text that may well be valid; so is a directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", given]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"{given}: cannot read task file: "), err
+    assert main(["plan", given, "--conn", "c1"]) == 2
+    assert "cannot read task file" in capsys.readouterr().err
+    (tmp_path / "train").write_text("run: echo\n")  # a file without the suffix is still read
+    assert main(["validate", "train"]) == 0 and "train: valid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf", "-inf", "1e10", "soon"])
+@pytest.mark.parametrize("command", [["show-gpus"], ["plan", "task.yaml"]])
+def test_timeout_must_be_a_positive_finite_number_of_seconds(command, timeout, capsys):
+    """0, negative or nan answered every row "no answer within -5s" and exit 0; inf crashed."""
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--conn", "c1", f"--timeout={timeout}"])
+    assert info.value.code == 2
+    assert f"argument --timeout: must be a number of seconds above 0 and at most 86400, " \
+           f"got {timeout!r}" in capsys.readouterr().err
+
+
+def test_timeout_takes_seconds():
+    from airflow_skypilot.cli import build_parser
+
+    for given, seconds in (("2.5", 2.5), ("86400", 86400.0)):
+        assert build_parser().parse_args(["show-gpus", "--conn", "c", "--timeout", given]) \
+            .timeout == seconds
+    assert build_parser().parse_args(["plan", "t.yaml", "--conn", "c"]).timeout == 30.0
+
+
 def test_validate_bad_env_flag_exits_2(tmp_path, capsys):
     path = _write(tmp_path, "run: x\n")
     assert main(["validate", path, "--env", "NOEQUALS"]) == 2

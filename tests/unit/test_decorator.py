@@ -135,6 +135,38 @@ def test_returned_gpus_replace_the_base_yamls_accelerators(tmp_path):
         ("H100", 8, "kubernetes", "2")
 
 
+def test_returned_accelerators_replace_the_base_yamls_any_of_entries_too(tmp_path):
+    """An any_of/ordered entry overrides the top level: left in, the entries' A100:8/H100:8
+    would run while the log shows the returned L4:1."""
+    base = tmp_path / "base.yaml"
+    base.write_text("resources:\n  cpus: 8+\n  any_of:\n    - accelerators: A100:8\n"
+                    "    - accelerators: H100:8\nrun: echo\n")
+    op = _decorated(lambda: {"resources": {"accelerators": "L4:1"}}, task=str(base))
+    (cand,) = op.load({"ti": TI()}).candidates
+    assert (cand.accelerator, cand.accelerator_count, cand.cpus) == ("L4", 1, "8+")
+    assert op.task["resources"] == {"cpus": "8+", "accelerators": "L4:1"}  # what the log shows
+
+
+@pytest.mark.parametrize("entries, returned, merged", [
+    # the rest of an entry stays; entries that become the same are one
+    ({"ordered": [{"accelerators": "A100:8", "infra": "aws"}, {"gpus": "H100:8", "infra": "k8s"},
+                  {"accelerators": "H100:8", "infra": "aws"}]},
+     {"gpus": "L4:1"}, {"ordered": [{"infra": "aws"}, {"infra": "k8s"}], "gpus": "L4:1"}),
+    # an alternative goes too: returned infra takes the entries' cloud/region/zone
+    ({"any_of": [{"cloud": "aws", "region": "us-east-1", "use_spot": True}, {"use_spot": False}]},
+     {"infra": "k8s"}, {"any_of": [{"use_spot": True}, {"use_spot": False}], "infra": "k8s"}),
+    # entries without the key, and the function's own choices, stay as written
+    ({"any_of": [{"infra": "aws"}, {}]}, {"accelerators": "L4:1"},
+     {"any_of": [{"infra": "aws"}, {}], "accelerators": "L4:1"}),
+    ({"any_of": [{"accelerators": "A100:8"}]},
+     {"accelerators": "L4:1", "any_of": [{"accelerators": "T4:1"}]},
+     {"any_of": [{"accelerators": "T4:1"}], "accelerators": "L4:1"}),
+])
+def test_a_returned_resources_key_leaves_the_bases_choices(entries, returned, merged):
+    assert merge_task({"resources": {"cpus": 2, **entries}}, {"resources": returned}) == \
+        {"resources": {"cpus": 2, **merged}}
+
+
 def test_top_level_aliases_and_alternatives_are_replaced_too():
     assert merge_task({"service": {"replicas": 1}, "run": "r"}, {"pool": {"workers": 1}}) == \
         {"run": "r", "pool": {"workers": 1}}

@@ -577,3 +577,21 @@ def test_envs_and_secrets_rendered_as_text_are_read_back(rendered):
              .replace("'1'", "'2'"))
     task = op.load()
     assert task.envs["A"] == "1" and task.secrets["T"] == "s3cr3t"
+
+
+@pytest.mark.parametrize("given, ids", [
+    ("{{ params.conns }}", ["c1", "c2"]),  # a list's Python repr, as Jinja renders it
+    ('["c1", "c2"]', ["c1", "c2"]),
+    ("c1, c2", ["c1", "c2"]),
+    ("c1", ["c1"]),
+])
+def test_templated_connections_rendered_as_text_are_read_back(given, ids):
+    """``"{{ params.conns }}"`` renders to ``"['c1', 'c2']"``: those ids, not ``"['c1'"``."""
+    import jinja2
+
+    op = SkyPilotOperator(task_id="t", task={"run": "x"}, connections=given)
+    op.render_template_fields({"params": {"conns": ["c1", "c2"]}}, jinja2.Environment())
+    assert op._conn_ids() == ids
+    FakeBackend.offers = {c: [offer(c, "q", acc=None)] for c in ("c1", "c2")}
+    deferred, _ = _start(op)
+    assert deferred.trigger.handle["connection"] == "c1"
