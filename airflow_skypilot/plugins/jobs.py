@@ -20,6 +20,7 @@ from airflow.sdk import BaseXCom
 
 from airflow_skypilot import zones
 from airflow_skypilot.plugins.auth import can_read_job, readable_dag_ids, team_names
+from airflow_skypilot.plugins.formatting import as_datetime
 from airflow_skypilot.runstate import XCOM_HANDLE, XCOM_PLACEMENT, XCOM_WATCH, Attempt, RunState
 
 XCOM_RESULT = BaseXCom.XCOM_RETURN_KEY
@@ -223,19 +224,41 @@ def _load_xcoms(session: Any, keys: Iterable[tuple[str, str, str, int]]
     return out
 
 
+#: deferred SkyPilot task instances (waiting in a queue, or running) listed at most, the most
+#: recently started first: they are listed whatever ran since, not only among the newest
+MAX_DEFERRED = 500
+
+
 def list_jobs(user: Any, limit: int = 100, dag_id: str | None = None) -> list[dict[str, Any]]:
-    """Recent task instances that wrote SkyPilot XComs, newest first, that ``user`` may read."""
+    """The task instances that wrote SkyPilot XComs that ``user`` may read, newest first: every
+    deferred one (up to :data:`MAX_DEFERRED`), however long ago it started, and the ``limit``
+    newest of the others.
+
+    A job queued for a day is still waiting: taking the waiting ones from the newest ``limit``
+    would drop it once ``limit`` newer ones ran. Deferred task instances are few (each is a
+    trigger) and found by state (indexed), each checked for a SkyPilot XCom by the XCom's
+    task-instance index; the others exclude them, so no job is listed twice."""
     from airflow.models.taskinstance import TaskInstance as TI
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
-    from sqlalchemy import and_, func, select
+    from airflow.utils.state import TaskInstanceState
+    from sqlalchemy import and_, exists, func, or_, select
 
     readable = readable_dag_ids(user)
     if dag_id is not None:
         readable &= {dag_id}
     if not readable:
         return []
+    deferred = TaskInstanceState.DEFERRED
     with create_session() as session:
+        skypilot = exists().where(
+            XComModel.dag_id == TI.dag_id, XComModel.task_id == TI.task_id,
+            XComModel.run_id == TI.run_id, XComModel.map_index == TI.map_index,
+            XComModel.key.in_((XCOM_HANDLE, XCOM_PLACEMENT)))
+        waiting = session.scalars(
+            select(TI).where(TI.state == deferred, TI.dag_id.in_(readable), skypilot)
+            .order_by(TI.start_date.desc(), TI.dag_id, TI.task_id, TI.map_index)
+            .limit(MAX_DEFERRED)).all()
         marks = (
             select(XComModel.dag_id, XComModel.run_id, XComModel.task_id, XComModel.map_index,
                    func.max(XComModel.timestamp).label("ts"))
@@ -250,11 +273,14 @@ def list_jobs(user: Any, limit: int = 100, dag_id: str | None = None) -> list[di
             .join(marks, and_(TI.dag_id == marks.c.dag_id, TI.run_id == marks.c.run_id,
                               TI.task_id == marks.c.task_id,
                               TI.map_index == marks.c.map_index))
+            .where(or_(TI.state.is_(None), TI.state != deferred))
             .order_by(func.coalesce(TI.start_date, marks.c.ts).desc(), TI.dag_id, TI.task_id,
                       TI.map_index)
             .limit(limit)
         )
-        tis = [row[0] for row in session.execute(stmt)]
+        rows = [(ti, ti.start_date) for ti in waiting] + [
+            (ti, ti.start_date or ts) for ti, ts in session.execute(stmt)]
+        tis = [ti for ti, _ in sorted(rows, key=_newest_first)]
         teams = team_names(sorted({ti.dag_id for ti in tis}))
         allowed = {d: can_read_job(user, d, teams.get(d)) for d in {ti.dag_id for ti in tis}}
         tis = [ti for ti in tis if allowed[ti.dag_id]]
@@ -263,10 +289,25 @@ def list_jobs(user: Any, limit: int = 100, dag_id: str | None = None) -> list[di
                 for ti in tis]
 
 
-def group_sweeps(jobs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _newest_first(row: tuple[Any, Any]) -> tuple[Any, ...]:
+    """The others' query's order (start, else last SkyPilot XCom, newest first), in Python:
+    the deferred ones join them there."""
+    ti, when = row[0], as_datetime(row[1])
+    return (when is None, -when.timestamp() if when else 0.0, ti.dag_id, ti.task_id,
+            ti.map_index)
+
+
+def group_sweeps(jobs: Sequence[Mapping[str, Any]],
+                 totals: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None
+                 ) -> list[dict[str, Any]]:
     """The jobs list as the page shows it: a sweep (several mapped instances of one task in one
     DAG run) is one entry, where its newest instance comes, with its instances in map-index
-    order and a summary; every other job is an entry of its own (``sweep`` None)."""
+    order and a summary; every other job is an entry of its own (``sweep`` None).
+
+    ``totals`` (:func:`whole_sweeps`) are the whole sweeps' summaries, each with ``shown``, its
+    instances on the list: the list has only the newest of a large sweep's instances, and a
+    sum of those would be a smaller sweep than its own page shows. Without them, a summary is
+    of the listed instances."""
     entries: list[dict[str, Any]] = []
     mapped: dict[tuple[Any, ...], dict[str, Any]] = {}
     for job in jobs:
@@ -279,11 +320,40 @@ def group_sweeps(jobs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             mapped[key] = {"sweep": None, "jobs": []}
             entries.append(mapped[key])
         mapped[key]["jobs"].append(job)
-    for entry in mapped.values():
+    for key, entry in mapped.items():
         entry["jobs"].sort(key=lambda j: j["map_index"])
-        if len(entry["jobs"]) > 1:
+        whole = (totals or {}).get(key)
+        if whole is not None and whole["size"] > 1:
+            entry["sweep"] = {**whole, "shown": len(entry["jobs"])}
+        elif whole is None and len(entry["jobs"]) > 1:
             entry["sweep"] = sweep_summary(entry["jobs"])
     return entries
+
+
+def whole_sweeps(jobs: Iterable[Mapping[str, Any]]
+                 ) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """The whole summary (:func:`_sweep_totals`, as the sweep page's) of the sweep of each mapped
+    job on the list, keyed by ``(dag_id, run_id, task_id)``: light rows of all its instances,
+    a query per :data:`XCOM_CHUNK` sweeps (row-value IN, as :func:`_load_xcoms`)."""
+    from airflow.models.taskinstance import TaskInstance as TI
+    from airflow.utils.session import create_session
+    from sqlalchemy import select, tuple_
+
+    keys = sorted({(j["dag_id"], j["run_id"], j["task_id"]) for j in jobs
+                   if j.get("map_index") is not None and j["map_index"] >= 0})
+    if not keys:
+        return {}
+    light: dict[tuple[str, str, str], list[Any]] = {}
+    with create_session() as session:
+        for i in range(0, len(keys), XCOM_CHUNK):
+            for row in session.execute(select(
+                    TI.dag_id, TI.run_id, TI.task_id, TI.map_index, TI.state, TI.start_date,
+                    TI.next_kwargs).where(tuple_(TI.dag_id, TI.run_id, TI.task_id)
+                                          .in_(keys[i:i + XCOM_CHUNK]), TI.map_index >= 0)
+                    .order_by(TI.map_index)):
+                light.setdefault((row.dag_id, row.run_id, row.task_id), []).append(row)
+        xcoms = _sweep_xcoms(session, list(light))
+        return {key: _sweep_totals(session, tis, xcoms) for key, tis in light.items()}
 
 
 def sweep_summary(members: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -348,24 +418,38 @@ def _attempts_and_looks(ti: Any, xcoms: Mapping[str, Any]
 SWEEP_PAGE = 200
 
 
-def _sweep_totals(session: Any, tis: Sequence[Any]) -> dict[str, Any]:
-    """The summary of a whole sweep, from light rows of all its task instances and only their
-    small XComs: the result and the handle (not the placement, whose rows can be large); where
-    neither says the connection, the job has no place in the counts yet."""
+def _sweep_xcoms(session: Any, sweeps: Sequence[tuple[str, str, str]]
+                 ) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    """The small XComs of every instance of these sweeps: the result and the handle (not the
+    placement, whose rows can be large)."""
     from airflow.models.xcom import XComModel
-    from sqlalchemy import select
+    from sqlalchemy import select, tuple_
 
+    out: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+    for i in range(0, len(sweeps), XCOM_CHUNK):
+        stmt = select(XComModel.dag_id, XComModel.run_id, XComModel.task_id,
+                      XComModel.map_index, XComModel.key, XComModel.value).where(
+            tuple_(XComModel.dag_id, XComModel.run_id, XComModel.task_id)
+            .in_(sweeps[i:i + XCOM_CHUNK]), XComModel.map_index >= 0,
+            XComModel.key.in_((XCOM_HANDLE, XCOM_RESULT)))
+        for row in session.execute(stmt):
+            key = (row.dag_id, row.run_id, row.task_id, row.map_index)
+            out.setdefault(key, {})[row.key] = xcom_value(row)
+    return out
+
+
+def _sweep_totals(session: Any, tis: Sequence[Any],
+                  xcoms: Mapping[tuple[str, str, str, int], Mapping[str, Any]] | None = None
+                  ) -> dict[str, Any]:
+    """The summary of a whole sweep, from light rows of all its task instances and their small
+    XComs (:func:`_sweep_xcoms`, read here unless given); where neither the result nor the
+    handle says the connection, the job has no place in the counts yet."""
     first = tis[0]
-    stmt = select(XComModel.map_index, XComModel.key, XComModel.value).where(
-        XComModel.dag_id == first.dag_id, XComModel.run_id == first.run_id,
-        XComModel.task_id == first.task_id, XComModel.map_index >= 0,
-        XComModel.key.in_((XCOM_HANDLE, XCOM_RESULT)))
-    xcoms: dict[int, dict[str, Any]] = {}
-    for row in session.execute(stmt):
-        xcoms.setdefault(row.map_index, {})[row.key] = xcom_value(row)
+    if xcoms is None:
+        xcoms = _sweep_xcoms(session, [(first.dag_id, first.run_id, first.task_id)])
     members = []
     for ti in tis:
-        values = xcoms.get(ti.map_index, {})
+        values = xcoms.get((ti.dag_id, ti.run_id, ti.task_id, ti.map_index), {})
         handle = values.get(XCOM_HANDLE) if isinstance(values.get(XCOM_HANDLE), Mapping) else {}
         result = values.get(XCOM_RESULT)
         result = result if isinstance(result, Mapping) and "attempts" in result else {}

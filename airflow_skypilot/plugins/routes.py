@@ -32,12 +32,14 @@ from airflow_skypilot.plugins.auth import UserDep, can_read_job, team_names, use
 from airflow_skypilot.plugins.capacity import capacity_for, requested_connections
 from airflow_skypilot.plugins.formatting import TEMPLATES
 from airflow_skypilot.plugins.jobs import (
+    MAX_DEFERRED,
     SWEEP_PAGE,
     group_sweeps,
     list_jobs,
     load_job,
     load_sweep,
     placement_groups,
+    whole_sweeps,
 )
 from airflow_skypilot.plugins.usage import PERIODS, usage_for
 from airflow_skypilot.runstate import MAX_LOOKS
@@ -151,7 +153,7 @@ def api_jobs(request: Request, user: UserDep,
              limit: Annotated[int, Query(ge=1, le=500)] = 100,
              dag_id: str | None = None) -> JSONResponse:
     jobs = [_with_links(request, j) for j in list_jobs(user, limit, dag_id)]
-    sweeps = [e["sweep"] for e in group_sweeps(jobs) if e["sweep"]]
+    sweeps = [e["sweep"] for e in group_sweeps(jobs, whole_sweeps(jobs)) if e["sweep"]]
     return JSONResponse({"jobs": jobs, "total_entries": len(jobs), "sweeps": sweeps})
 
 
@@ -163,7 +165,8 @@ def jobs_page(request: Request, user: UserDep,
     counts: dict[str, int] = {}
     for job in jobs:
         counts[job["state"]] = counts.get(job["state"], 0) + 1
-    entries = group_sweeps(jobs)
+    # a sweep's figures are the whole sweep's (its page's), not those of its listed instances
+    entries = group_sweeps(jobs, whole_sweeps(jobs))
     for entry in entries:
         if entry["sweep"]:
             sw = entry["sweep"]
@@ -171,7 +174,9 @@ def jobs_page(request: Request, user: UserDep,
     waiting = [j for j in jobs if j.get("waiting")]
     return _render(request, "jobs.html", title="SkyPilot jobs", page="jobs", jobs=jobs,
                    entries=entries, counts=sorted(counts.items()), limit=limit,
-                   dag_id=dag_id, waiting=waiting, user_name=user_name(user))
+                   dag_id=dag_id, waiting=waiting, user_name=user_name(user),
+                   max_deferred=MAX_DEFERRED if counts.get("deferred", 0) >= MAX_DEFERRED
+                   else None)
 
 
 def _job_or_error(user: Any, dag_id: str, run_id: str, task_id: str, map_index: int

@@ -5,6 +5,14 @@ attempt; an attempt's share is its hours times its GPUs (and price), as the resu
 computed. Results written before attempts carried ``gpus`` and ``price_per_hour`` are split over
 their attempts by hours. A task counts in the period its result was written in; the chart puts
 an attempt's GPU-hours on the day it ended.
+
+Only a try that succeeded leaves its attempts in XCom: the operator keeps them in its run state
+(the deferral's ``next_kwargs``, cleared by Airflow when the task ends) and writes them only in
+its result. A try that failed, after any number of failovers, leaves only its last job's handle,
+and a retry starts with no XComs of the tries before it; a job submitted without waiting
+(``wait_for_completion=False``) returns its handle, and its sensor's result has no GPUs. None of
+these count: the page says how many tasks of the period failed, and how many results had no
+attempts, so the totals read as a lower bound (``not_counted``).
 """
 
 from __future__ import annotations
@@ -122,6 +130,7 @@ def usage_for(user: Any, days: int, now: datetime | None = None) -> dict[str, An
     readable = readable_dag_ids(user)
     rows: list[tuple[str, Mapping[str, Any], datetime]] = []
     truncated = False
+    not_counted = {"failed": 0, "no_attempts": 0}
     if readable:
         with create_session() as session:
             handles = (select(XComModel.dag_id, XComModel.run_id, XComModel.task_id,
@@ -144,10 +153,36 @@ def usage_for(user: Any, days: int, now: datetime | None = None) -> dict[str, An
             allowed = {d: can_read_job(user, d, teams.get(d)) for d in dag_ids}
             for x in found[:MAX_RESULTS]:
                 value = xcom_value(x)
-                if allowed.get(x.dag_id) and isinstance(value, Mapping) \
-                        and isinstance(value.get("attempts"), list):
+                if not allowed.get(x.dag_id):
+                    continue
+                if isinstance(value, Mapping) and isinstance(value.get("attempts"), list):
                     when = as_datetime(x.timestamp) or until
                     rows.append((x.dag_id, value, when))
+                else:  # a handle returned without waiting: no attempts, no GPUs
+                    not_counted["no_attempts"] += 1
+            not_counted["failed"] = _failed_tasks(session, user, readable, since)
     data = summarize(rows, since, until)
-    data.update(period_days=days, truncated=truncated)
+    data.update(period_days=days, truncated=truncated, not_counted=not_counted)
     return data
+
+
+def _failed_tasks(session: Any, user: Any, readable: set[str], since: datetime) -> int:
+    """SkyPilot tasks (a job handle in XCom) that failed in the period, of the DAGs ``user``
+    may read: their GPU-hours are not in XCom. By state (indexed), counted per DAG in SQL."""
+    from airflow.models.taskinstance import TaskInstance as TI
+    from airflow.models.xcom import XComModel
+    from airflow.utils.state import TaskInstanceState
+    from sqlalchemy import exists, func, select
+
+    from airflow_skypilot.plugins.auth import can_read_job, team_names
+    from airflow_skypilot.runstate import XCOM_HANDLE
+
+    handle = exists().where(XComModel.dag_id == TI.dag_id, XComModel.task_id == TI.task_id,
+                            XComModel.run_id == TI.run_id, XComModel.map_index == TI.map_index,
+                            XComModel.key == XCOM_HANDLE)
+    per_dag = dict(session.execute(
+        select(TI.dag_id, func.count()).where(
+            TI.state == TaskInstanceState.FAILED, TI.dag_id.in_(readable),
+            TI.end_date >= since, handle).group_by(TI.dag_id)).all())
+    teams = team_names(sorted(per_dag))
+    return sum(n for d, n in per_dag.items() if can_read_job(user, d, teams.get(d)))

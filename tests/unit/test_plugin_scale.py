@@ -1,7 +1,9 @@
-"""The pages stay small whatever the metadata DB holds: a job reads only its own XComs (not every
-task's ``return_value`` in its run), a sweep of thousands is shown a page at a time, a mapped
-job's page links only its neighbours, and clicks of "probe again" share one probe. A scratch
-SQLite DB of Airflow's own tables stands in for the metadata DB."""
+"""The pages stay small and right whatever the metadata DB holds: a job reads only its own XComs
+(not every task's ``return_value`` in its run), a sweep of thousands is shown a page at a time
+and summed whole on the jobs page too, a job queued for a day stays listed however many ran
+since, a mapped job's page links only its neighbours, the usage page says which tasks it cannot
+count, and clicks of "probe again" share one probe. A scratch SQLite DB of Airflow's own tables
+stands in for the metadata DB."""
 
 from __future__ import annotations
 
@@ -10,14 +12,14 @@ import json
 import re
 import threading
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import create_engine, event, insert
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
-from airflow_skypilot.plugins import auth, capacity, jobs, routes
+from airflow_skypilot.plugins import auth, capacity, jobs, routes, usage
 
 RESULT = {"state": "succeeded", "connection": "slurm_a", "location": "batch", "job_id": "1",
           "gpu_hours": 0.5, "cost": 1.0,
@@ -83,18 +85,21 @@ class _Rows:
                     span_status="not_started")).inserted_primary_key[0]
         return self.runs[(dag_id, run_id)]
 
-    def tis(self, dag_id, run_id, task_id, map_indexes=(-1,), state="success", xcoms=None):
+    def tis(self, dag_id, run_id, task_id, map_indexes=(-1,), state="success", xcoms=None,
+            start=None, end=None, next_kwargs=None):
         """Task instances of one task, each with these XComs (``{key: value}``)."""
         from airflow.models.taskinstance import TaskInstance
         from airflow.models.xcom import XComModel
 
         rid = self.run(dag_id, run_id)
-        start = datetime(2026, 1, 1, 1, tzinfo=timezone.utc)
+        start = start or datetime(2026, 1, 1, 1, tzinfo=timezone.utc)
         with self.engine.begin() as conn:
             conn.execute(insert(TaskInstance.__table__), [
                 {"id": uuid.uuid4(), "dag_id": dag_id, "run_id": run_id, "task_id": task_id,
                  "map_index": i, "state": state, "try_number": 1, "pool": "default_pool",
-                 "pool_slots": 1, "span_status": "not_started", "start_date": start}
+                 "pool_slots": 1, "span_status": "not_started", "start_date": start,
+                 "end_date": end, "next_method": "execute_complete" if next_kwargs else None,
+                 "next_kwargs": next_kwargs}
                 for i in map_indexes])
             rows = [{"dag_run_id": rid, "dag_id": dag_id, "run_id": run_id, "task_id": task_id,
                      "map_index": i, "key": key, "value": json.dumps(value), "timestamp": start}
@@ -185,6 +190,98 @@ def test_a_mapped_jobs_page_links_its_neighbours_and_counts_the_rest(db):
     assert links == [i for i in range(220, 241) if i != 230]  # jobs.SIBLINGS_NEAR either side
     assert "sweep of 250 (10 failed, 240 success)" in head and head.count("…") == 2
     assert 'href="/skypilot/sweeps/d/r/train?start=200"' in head  # the page it is on
+
+
+def _queued(job_id, since):
+    """A deferred task's ``next_kwargs``: the run state whose last attempt is still pending."""
+    return {"state": {"attempts": [{"connection": "slurm_a", "location": "batch",
+                                    "job_id": job_id, "state": "pending",
+                                    "submitted_at": since.timestamp()}]}}
+
+
+def test_a_job_queued_for_a_day_stays_listed_however_many_ran_since(db):
+    old = datetime(2025, 12, 31, tzinfo=timezone.utc)
+    db.tis("d", "old", "big_train", state="deferred", start=old,
+           next_kwargs=_queued("77", old), xcoms={"skypilot_handle": {**HANDLE, "job_id": "77"}})
+    running = {"state": {"attempts": [{"connection": "slurm_a", "location": "batch",
+                                       "job_id": "78", "state": "running"}]}}
+    db.tis("d", "old", "long_run", state="deferred", start=old, next_kwargs=running,
+           xcoms={"skypilot_handle": {**HANDLE, "job_id": "78"}})
+    db.tis("d", "r", "sweep", map_indexes=range(150),
+           xcoms={"skypilot_handle": HANDLE, "return_value": RESULT})  # all ran after them
+    db.tis("d", "r", "etl", state="deferred", xcoms={"return_value": {}})  # not SkyPilot's
+    client = _client()
+
+    listed = client.get("/api/jobs").json()["jobs"]
+    # both deferred ones (the queued one and the running one), once, and the 100 newest others
+    assert [j["task_id"] for j in listed].count("sweep") == 100
+    assert sorted(j["task_id"] for j in listed if j["task_id"] != "sweep") == [
+        "big_train", "long_run"]
+    assert [j["job_id"] for j in listed if j["waiting"]] == ["77"]
+    assert listed[-1]["task_id"] in ("big_train", "long_run")  # newest first, as before
+    assert len(client.get("/api/jobs?limit=3").json()["jobs"]) == 5
+
+    html = client.get("/jobs").text
+    waiting = re.search(r'<table class="waiting">.*?</table>', html, re.S).group(0)
+    assert ">big_train</a>" in waiting and "long_run" not in waiting
+
+
+def test_the_jobs_page_sums_a_whole_sweep_not_its_listed_instances(db):
+    db.tis("d", "r", "train", map_indexes=range(240),
+           xcoms={"skypilot_handle": HANDLE, "return_value": RESULT})
+    db.tis("d", "r", "train", map_indexes=range(240, 250), state="failed",
+           xcoms={"skypilot_handle": {**HANDLE, "connection": "k8s"}})
+    db.tis("d", "r", "pair", map_indexes=range(2), xcoms={"skypilot_handle": HANDLE,
+           "return_value": RESULT}, start=datetime(2026, 1, 1, 2, tzinfo=timezone.utc))
+    client = _client()
+
+    sweeps = {s["task_id"]: s for s in client.get("/api/jobs").json()["sweeps"]}
+    train = sweeps["train"]  # as its own page says (test above), not the 98 listed here
+    assert (train["size"], train["attempts"], train["gpu_hours"], train["cost"]) == (
+        250, 250, 120.0, 240.0)
+    assert train["states"] == [["failed", 10], ["success", 240]]
+    assert train["places"] == [["slurm_a", 240], ["k8s", 10]]
+    assert train["shown"] == 98
+    assert (sweeps["pair"]["size"], sweeps["pair"]["shown"]) == (2, 2)
+
+    heads = re.findall(r'<tr class="sweep-head group-start">(.*?)</tr>',
+                       client.get("/jobs").text, re.S)
+    (head,) = [h for h in heads if "<b>train</b>" in h]
+    assert "sweep of 250" in head and "98 of 250 listed below" in head
+    assert "240 success" in head and "10 failed" in head and "$240.00" in head
+    # one listed instance of a large sweep is still the sweep's entry, with its totals
+    sweeps = {s["task_id"]: s for s in client.get("/api/jobs?limit=3").json()["sweeps"]}
+    assert (sweeps["train"]["size"], sweeps["train"]["shown"]) == (250, 1)
+
+
+def test_the_usage_page_says_which_tasks_it_cannot_count(db, monkeypatch):
+    monkeypatch.setattr(auth, "readable_dag_ids", lambda user: {"d", "e"})
+    monkeypatch.setattr(auth, "can_read_job", lambda user, dag_id, team=None: dag_id == "d")
+    monkeypatch.setattr(auth, "team_names", lambda dag_ids: {})
+    now = datetime.now(timezone.utc)
+    hour_ago = now - timedelta(hours=1)
+    db.tis("d", "r", "ok", start=hour_ago, end=now,
+           xcoms={"skypilot_handle": HANDLE, "return_value": RESULT})
+    # failed after failovers: the operator leaves only its last job's handle in XCom
+    db.tis("d", "r", "failed_after_failovers", state="failed", start=hour_ago, end=now,
+           xcoms={"skypilot_handle": {**HANDLE, "job_id": "9"}})
+    db.tis("d", "r", "submit", start=hour_ago, end=now,  # wait_for_completion=False
+           xcoms={"skypilot_handle": HANDLE, "return_value": HANDLE})
+    db.tis("d", "r", "etl", state="failed", start=hour_ago, end=now)  # not SkyPilot's
+    db.tis("e", "r", "failed", state="failed", start=hour_ago, end=now,  # not readable
+           xcoms={"skypilot_handle": HANDLE})
+    db.tis("d", "r", "failed_long_ago", state="failed", start=now - timedelta(days=20),
+           end=now - timedelta(days=20), xcoms={"skypilot_handle": HANDLE})
+
+    data = usage.usage_for(object(), 7, now=now)
+    assert data["jobs"] == 1 and data["gpu_hours"] == 0.5
+    assert data["not_counted"] == {"failed": 1, "no_attempts": 1}
+
+    html = _client().get("/usage?days=7").text
+    note = re.search(r'<div class="summary none not-counted">(.*?)</div>', html, re.S).group(1)
+    assert "lower bound" in note and "1 SkyPilot task that failed in the period" in note
+    assert "1 result without attempts" in note
+    assert "tries that failed" in html  # the page says the limit whatever the period holds
 
 
 class _HungHook:
