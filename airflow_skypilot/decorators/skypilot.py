@@ -21,7 +21,8 @@ keeps its ``cpus``). A key replaces its aliases and alternatives too (``gpus`` t
 its ``service``: :data:`airflow_skypilot.spec.model.REPLACES`). A returned ``resources`` key
 (and its aliases and alternatives) is also taken out of the base's ``any_of``/``ordered``
 entries, which override the top level: returned ``accelerators`` replace the entries' too. An
-entry left empty or the same as another is dropped, and a list left empty with it. The result
+entry left empty stands for the top level (still a candidate); one the same as another is
+dropped, and the list when only the top level is left. The result
 is not a Jinja template (``{{`` in a script stays as it is).
 """
 
@@ -100,8 +101,10 @@ def _over(base: Mapping[str, Any], returned: Mapping[str, Any], section: str) ->
 def _trim_choices(merged: Mapping[str, Any], returned: Mapping[str, Any]) -> dict:
     """The base's ``any_of``/``ordered`` entries without the keys the function returned (and
     their aliases and alternatives): an entry overrides the top level, so a returned
-    ``accelerators`` would otherwise lose to the entries' own. Entries left empty or the same as
-    an earlier one are dropped, and a list left empty with them."""
+    ``accelerators`` would otherwise lose to the entries' own. An entry left empty is the top
+    level itself, still a candidate (``ordered: [{H100, k8s}, {A100}]`` becomes "k8s, else
+    anywhere"); one the same as an earlier one is dropped, and the list once nothing but the
+    top level is left."""
     replaces = REPLACES["resources"]
     keys = {k for key in returned if isinstance(key, str)
             for k in (key, *replaces.get(key, ())) if k not in _CHOICES}
@@ -115,15 +118,14 @@ def _trim_choices(merged: Mapping[str, Any], returned: Mapping[str, Any]) -> dic
         kept: list[Any] = []
         for entry in entries:
             if isinstance(entry, Mapping) and keys & set(entry):
+                # an entry left empty is the top level as it is: still a candidate
                 entry = {k: v for k, v in entry.items() if k not in keys}
-                if not entry:
-                    continue
             if entry not in kept:
                 kept.append(entry)
-        if kept:
-            out[choices] = kept
+        if all(entry == {} for entry in kept):
+            out.pop(choices)  # nothing but the top level is left
         else:
-            out.pop(choices)
+            out[choices] = kept
     return out
 
 

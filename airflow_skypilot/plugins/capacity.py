@@ -7,6 +7,7 @@ The connections are the ``?conn=`` ids (at most :data:`MAX_CONNECTIONS`), else
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -151,10 +152,15 @@ async def capacity_for(user: Any, conn_ids: list[str], refresh: bool) -> dict[st
 def is_conn_id(conn_id: str) -> bool:
     """Airflow's own rule for a connection id (``airflow.models.connection.sanitize_conn_id``:
     word characters and ``#!()-.:/\\``, at most 250), matched whole: ``team/slurm`` and
-    ``slurm:alpha`` are ids, ``<b>`` is not. The pages escape the ids wherever they show them."""
+    ``slurm:alpha`` are ids, ``<b>`` is not; nor is one with a ``.``/``..`` path segment or a
+    leading slash. The pages escape the ids wherever they show them."""
     from airflow.models.connection import sanitize_conn_id
 
-    return sanitize_conn_id(conn_id) == conn_id  # its "$" would let a final newline through
+    if sanitize_conn_id(conn_id) != conn_id:  # its "$" would let a final newline through
+        return False
+    # a secrets backend may build a path from the id (Vault: connections/<id>): no id here
+    # climbs out of it, as "../variables/x" would
+    return conn_id[0] not in "/\\" and not {".", ".."} & set(re.split(r"[/\\]", conn_id))
 
 
 def requested_connections(conn: list[str] | None) -> list[str]:

@@ -157,7 +157,7 @@ def handle_extra(handle: Mapping[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def _job_summary(ti: Any, xcoms: Mapping[str, Any]) -> dict[str, Any]:
+def job_summary(ti: Any, xcoms: Mapping[str, Any]) -> dict[str, Any]:
     """One row of the jobs list (also the JSON form)."""
     handle = xcoms.get(XCOM_HANDLE) if isinstance(xcoms.get(XCOM_HANDLE), Mapping) else {}
     placement = xcoms.get(XCOM_PLACEMENT) \
@@ -202,7 +202,7 @@ def _job_summary(ti: Any, xcoms: Mapping[str, Any]) -> dict[str, Any]:
 XCOM_CHUNK = 200
 
 
-def _load_xcoms(session: Any, keys: Iterable[tuple[str, str, str, int]]
+def load_xcoms(session: Any, keys: Iterable[tuple[str, str, str, int]]
                 ) -> dict[tuple[str, str, str, int], dict[str, Any]]:
     """The SkyPilot XComs of exactly these task instances: matching on dag_id and run_id alone
     would read every task's ``return_value`` in those runs (any size, any operator) and every
@@ -280,12 +280,17 @@ def list_jobs(user: Any, limit: int = 100, dag_id: str | None = None) -> list[di
         )
         rows = [(ti, ti.start_date) for ti in waiting] + [
             (ti, ti.start_date or ts) for ti, ts in session.execute(stmt)]
-        tis = [ti for ti, _ in sorted(rows, key=_newest_first)]
+        # two statements, two snapshots (Postgres' READ COMMITTED): a task that left
+        # "deferred" between them is in both
+        seen: set[tuple[str, str, str, int]] = set()
+        tis = [ti for ti, _ in sorted(rows, key=_newest_first)
+               if (key := (ti.dag_id, ti.run_id, ti.task_id, ti.map_index)) not in seen
+               and not seen.add(key)]
         teams = team_names(sorted({ti.dag_id for ti in tis}))
         allowed = {d: can_read_job(user, d, teams.get(d)) for d in {ti.dag_id for ti in tis}}
         tis = [ti for ti in tis if allowed[ti.dag_id]]
-        xcoms = _load_xcoms(session, [(t.dag_id, t.run_id, t.task_id, t.map_index) for t in tis])
-        return [_job_summary(ti, xcoms[(ti.dag_id, ti.run_id, ti.task_id, ti.map_index)])
+        xcoms = load_xcoms(session, [(t.dag_id, t.run_id, t.task_id, t.map_index) for t in tis])
+        return [job_summary(ti, xcoms[(ti.dag_id, ti.run_id, ti.task_id, ti.map_index)])
                 for ti in tis]
 
 
@@ -295,83 +300,6 @@ def _newest_first(row: tuple[Any, Any]) -> tuple[Any, ...]:
     ti, when = row[0], as_datetime(row[1])
     return (when is None, -when.timestamp() if when else 0.0, ti.dag_id, ti.task_id,
             ti.map_index)
-
-
-def group_sweeps(jobs: Sequence[Mapping[str, Any]],
-                 totals: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None
-                 ) -> list[dict[str, Any]]:
-    """The jobs list as the page shows it: a sweep (several mapped instances of one task in one
-    DAG run) is one entry, where its newest instance comes, with its instances in map-index
-    order and a summary; every other job is an entry of its own (``sweep`` None).
-
-    ``totals`` (:func:`whole_sweeps`) are the whole sweeps' summaries, each with ``shown``, its
-    instances on the list: the list has only the newest of a large sweep's instances, and a
-    sum of those would be a smaller sweep than its own page shows. Without them, a summary is
-    of the listed instances."""
-    entries: list[dict[str, Any]] = []
-    mapped: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for job in jobs:
-        index = job.get("map_index")
-        if index is None or index < 0:
-            entries.append({"sweep": None, "jobs": [job]})
-            continue
-        key = (job["dag_id"], job["run_id"], job["task_id"])
-        if key not in mapped:
-            mapped[key] = {"sweep": None, "jobs": []}
-            entries.append(mapped[key])
-        mapped[key]["jobs"].append(job)
-    for key, entry in mapped.items():
-        entry["jobs"].sort(key=lambda j: j["map_index"])
-        whole = (totals or {}).get(key)
-        if whole is not None and whole["size"] > 1:
-            entry["sweep"] = {**whole, "shown": len(entry["jobs"])}
-        elif whole is None and len(entry["jobs"]) > 1:
-            entry["sweep"] = sweep_summary(entry["jobs"])
-    return entries
-
-
-def whole_sweeps(jobs: Iterable[Mapping[str, Any]]
-                 ) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """The whole summary (:func:`_sweep_totals`, as the sweep page's) of the sweep of each mapped
-    job on the list, keyed by ``(dag_id, run_id, task_id)``: light rows of all its instances,
-    a query per :data:`XCOM_CHUNK` sweeps (row-value IN, as :func:`_load_xcoms`)."""
-    from airflow.models.taskinstance import TaskInstance as TI
-    from airflow.utils.session import create_session
-    from sqlalchemy import select, tuple_
-
-    keys = sorted({(j["dag_id"], j["run_id"], j["task_id"]) for j in jobs
-                   if j.get("map_index") is not None and j["map_index"] >= 0})
-    if not keys:
-        return {}
-    light: dict[tuple[str, str, str], list[Any]] = {}
-    with create_session() as session:
-        for i in range(0, len(keys), XCOM_CHUNK):
-            for row in session.execute(select(
-                    TI.dag_id, TI.run_id, TI.task_id, TI.map_index, TI.state, TI.start_date,
-                    TI.next_kwargs).where(tuple_(TI.dag_id, TI.run_id, TI.task_id)
-                                          .in_(keys[i:i + XCOM_CHUNK]), TI.map_index >= 0)
-                    .order_by(TI.map_index)):
-                light.setdefault((row.dag_id, row.run_id, row.task_id), []).append(row)
-        xcoms = _sweep_xcoms(session, list(light))
-        return {key: _sweep_totals(session, tis, xcoms) for key, tis in light.items()}
-
-
-def sweep_summary(members: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One line for a sweep: its size, states, where its jobs run, and the totals."""
-    first = members[0]
-    places = Counter(j["connection"] for j in members if j.get("connection"))
-    starts = [j["start_date"] for j in members if j.get("start_date")]
-    known = [j for j in members if j.get("gpu_hours") is not None]
-    return {
-        "dag_id": first["dag_id"], "run_id": first["run_id"], "task_id": first["task_id"],
-        "size": len(members), "map_indexes": [j["map_index"] for j in members],
-        "states": sorted(Counter(j["state"] for j in members).items()),
-        "places": sorted(places.items(), key=lambda p: (-p[1], p[0])),
-        "attempts": sum(j.get("attempts") or 0 for j in members),
-        "gpu_hours": round(sum(j["gpu_hours"] for j in known), 6) if known else None,
-        "cost": round(sum(j.get("cost") or 0 for j in known), 6) if known else None,
-        "start_date": min(starts) if starts else None,
-    }
 
 
 #: map indexes either side of a mapped job that its page links (a sweep may have thousands)
@@ -404,7 +332,7 @@ def _siblings(session: Any, ti: Any) -> tuple[list[dict[str, Any]], dict[str, An
                   "first": min(ends, default=None), "last": max(ends, default=None)}
 
 
-def _attempts_and_looks(ti: Any, xcoms: Mapping[str, Any]
+def attempts_and_looks(ti: Any, xcoms: Mapping[str, Any]
                         ) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
     handle = xcoms.get(XCOM_HANDLE) if isinstance(xcoms.get(XCOM_HANDLE), Mapping) else None
     result = xcoms.get(XCOM_RESULT)
@@ -412,94 +340,6 @@ def _attempts_and_looks(ti: Any, xcoms: Mapping[str, Any]
     attempts, source = attempts_of(result, handle, ti.next_kwargs)
     attempts, seen = watch_view(attempts, source, xcoms.get(XCOM_WATCH), ti.next_kwargs)
     return attempts, source, seen
-
-
-#: mapped instances on one page of a sweep, each a lane of its timeline
-SWEEP_PAGE = 200
-
-
-def _sweep_xcoms(session: Any, sweeps: Sequence[tuple[str, str, str]]
-                 ) -> dict[tuple[str, str, str, int], dict[str, Any]]:
-    """The small XComs of every instance of these sweeps: the result and the handle (not the
-    placement, whose rows can be large)."""
-    from airflow.models.xcom import XComModel
-    from sqlalchemy import select, tuple_
-
-    out: dict[tuple[str, str, str, int], dict[str, Any]] = {}
-    for i in range(0, len(sweeps), XCOM_CHUNK):
-        stmt = select(XComModel.dag_id, XComModel.run_id, XComModel.task_id,
-                      XComModel.map_index, XComModel.key, XComModel.value).where(
-            tuple_(XComModel.dag_id, XComModel.run_id, XComModel.task_id)
-            .in_(sweeps[i:i + XCOM_CHUNK]), XComModel.map_index >= 0,
-            XComModel.key.in_((XCOM_HANDLE, XCOM_RESULT)))
-        for row in session.execute(stmt):
-            key = (row.dag_id, row.run_id, row.task_id, row.map_index)
-            out.setdefault(key, {})[row.key] = xcom_value(row)
-    return out
-
-
-def _sweep_totals(session: Any, tis: Sequence[Any],
-                  xcoms: Mapping[tuple[str, str, str, int], Mapping[str, Any]] | None = None
-                  ) -> dict[str, Any]:
-    """The summary of a whole sweep, from light rows of all its task instances and their small
-    XComs (:func:`_sweep_xcoms`, read here unless given); where neither the result nor the
-    handle says the connection, the job has no place in the counts yet."""
-    first = tis[0]
-    if xcoms is None:
-        xcoms = _sweep_xcoms(session, [(first.dag_id, first.run_id, first.task_id)])
-    members = []
-    for ti in tis:
-        values = xcoms.get((ti.dag_id, ti.run_id, ti.task_id, ti.map_index), {})
-        handle = values.get(XCOM_HANDLE) if isinstance(values.get(XCOM_HANDLE), Mapping) else {}
-        result = values.get(XCOM_RESULT)
-        result = result if isinstance(result, Mapping) and "attempts" in result else {}
-        attempts, _ = attempts_of(result, handle, ti.next_kwargs)
-        members.append({
-            "dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id,
-            "map_index": ti.map_index, "attempts": len(attempts),
-            "state": str(getattr(ti.state, "value", ti.state) or "none"),
-            "start_date": ti.start_date.isoformat() if ti.start_date else None,
-            "connection": result.get("connection") or handle.get("connection"),
-            "gpu_hours": result.get("gpu_hours"), "cost": result.get("cost")})
-    return sweep_summary(members)
-
-
-def load_sweep(dag_id: str, run_id: str, task_id: str, start: int = 0,
-               limit: int = SWEEP_PAGE) -> dict[str, Any] | None:
-    """One page of the mapped instances of one task in one run (a sweep), side by side, from
-    map index ``start``: each one's row of the jobs list with its attempts and looks; and the
-    whole sweep's summary (a sweep may have thousands). None if it has none."""
-    from bisect import bisect_left
-
-    from airflow.models.taskinstance import TaskInstance as TI
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    where = (TI.dag_id == dag_id, TI.run_id == run_id, TI.task_id == task_id, TI.map_index >= 0)
-    with create_session() as session:
-        light = session.execute(select(
-            TI.dag_id, TI.run_id, TI.task_id, TI.map_index, TI.state, TI.start_date,
-            TI.next_kwargs).where(*where).order_by(TI.map_index)).all()
-        if not light:
-            return None
-        indexes = [ti.map_index for ti in light]
-        pos = bisect_left(indexes, start)
-        pos = pos if pos < len(indexes) else max(0, len(indexes) - limit)
-        shown = indexes[pos:pos + limit]
-        tis = list(session.scalars(select(TI).where(
-            *where, TI.map_index.between(shown[0], shown[-1])).order_by(TI.map_index)))
-        keys = [(t.dag_id, t.run_id, t.task_id, t.map_index) for t in tis]
-        xcoms = _load_xcoms(session, keys)
-        members = []
-        for ti, key in zip(tis, keys, strict=True):
-            attempts, source, seen = _attempts_and_looks(ti, xcoms[key])
-            members.append({**_job_summary(ti, xcoms[key]), "attempt_list": attempts,
-                            "looks": seen["looks"]})
-        page = {"start": shown[0], "limit": limit, "first": pos + 1, "last": pos + len(shown),
-                "total": len(indexes),
-                "previous": indexes[max(0, pos - limit)] if pos > 0 else None,
-                "next": indexes[pos + limit] if pos + limit < len(indexes) else None}
-        return {"members": members, "sweep": _sweep_totals(session, light), "page": page}
 
 
 def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str, Any] | None:
@@ -514,8 +354,8 @@ def load_job(dag_id: str, run_id: str, task_id: str, map_index: int) -> dict[str
         if ti is None:
             return None
         key = (dag_id, run_id, task_id, map_index)
-        xcoms = _load_xcoms(session, [key])[key]
-        summary = _job_summary(ti, xcoms)
+        xcoms = load_xcoms(session, [key])[key]
+        summary = job_summary(ti, xcoms)
         handle = xcoms.get(XCOM_HANDLE) if isinstance(xcoms.get(XCOM_HANDLE), Mapping) else None
         placement = xcoms.get(XCOM_PLACEMENT) \
             if isinstance(xcoms.get(XCOM_PLACEMENT), Mapping) else None

@@ -31,14 +31,11 @@ from airflow_skypilot.plugins import charts
 from airflow_skypilot.plugins.auth import UserDep, can_read_job, team_names, user_name
 from airflow_skypilot.plugins.capacity import capacity_for, requested_connections
 from airflow_skypilot.plugins.formatting import TEMPLATES
-from airflow_skypilot.plugins.jobs import (
-    MAX_DEFERRED,
+from airflow_skypilot.plugins.jobs import MAX_DEFERRED, list_jobs, load_job, placement_groups
+from airflow_skypilot.plugins.sweep_views import (
     SWEEP_PAGE,
     group_sweeps,
-    list_jobs,
-    load_job,
     load_sweep,
-    placement_groups,
     whole_sweeps,
 )
 from airflow_skypilot.plugins.usage import PERIODS, usage_for

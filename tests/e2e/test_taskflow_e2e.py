@@ -50,10 +50,10 @@ def _slurm_jobs(slurm) -> dict[str, tuple[str, str]]:
 #: the api-server's part, is tested with a real api-server in tests/integration)
 JOBS_PAGE = """
 import json, sys
-from airflow_skypilot.plugins import jobs
+from airflow_skypilot.plugins import jobs, sweep_views
 jobs.readable_dag_ids = lambda user: {sys.argv[1]}
 jobs.can_read_job = lambda *args: True
-print(json.dumps(jobs.group_sweeps(jobs.list_jobs(None, dag_id=sys.argv[1])), default=str))
+print(json.dumps(sweep_views.group_sweeps(jobs.list_jobs(None, dag_id=sys.argv[1])), default=str))
 """
 
 

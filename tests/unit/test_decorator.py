@@ -161,6 +161,12 @@ def test_returned_accelerators_replace_the_base_yamls_any_of_entries_too(tmp_pat
     ({"any_of": [{"accelerators": "A100:8"}]},
      {"accelerators": "L4:1", "any_of": [{"accelerators": "T4:1"}]},
      {"any_of": [{"accelerators": "T4:1"}], "accelerators": "L4:1"}),
+    # an entry left empty is the top level, still a candidate: "k8s, else anywhere" stays so
+    # (not k8s only); the list goes once nothing but the top level is left
+    ({"ordered": [{"accelerators": "H100:8", "infra": "kubernetes"}, {"accelerators": "A100:8"}]},
+     {"accelerators": "L4:1"}, {"ordered": [{"infra": "kubernetes"}, {}], "accelerators": "L4:1"}),
+    ({"any_of": [{"accelerators": "A100:8"}, {"accelerators": "H100:8", "use_spot": True}]},
+     {"accelerators": "L4:1"}, {"any_of": [{}, {"use_spot": True}], "accelerators": "L4:1"}),
 ])
 def test_a_returned_resources_key_leaves_the_bases_choices(entries, returned, merged):
     assert merge_task({"resources": {"cpus": 2, **entries}}, {"resources": returned}) == \

@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, event, insert
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
-from airflow_skypilot.plugins import auth, capacity, jobs, routes, usage
+from airflow_skypilot.plugins import auth, capacity, jobs, routes, sweep_views, usage
 
 RESULT = {"state": "succeeded", "connection": "slurm_a", "location": "batch", "job_id": "1",
           "gpu_hours": 0.5, "cost": 1.0,
@@ -161,7 +161,7 @@ def test_a_large_sweep_is_shown_a_page_at_a_time_and_summed_over_all(db):
     client = _client()
 
     html = client.get("/sweeps/d/r/train").text
-    assert html.count('<g class="lane"') == 200  # jobs.SWEEP_PAGE
+    assert html.count('<g class="lane"') == 200  # sweep_views.SWEEP_PAGE
     assert len(re.findall(r'<span class="idx">\[\d+\]</span>', html)) == 200
     assert "instances 1–200 of 250" in html
     assert 'href="/skypilot/sweeps/d/r/train?start=200">next' in html and "previous" not in html
@@ -252,6 +252,52 @@ def test_the_jobs_page_sums_a_whole_sweep_not_its_listed_instances(db):
     # one listed instance of a large sweep is still the sweep's entry, with its totals
     sweeps = {s["task_id"]: s for s in client.get("/api/jobs?limit=3").json()["sweeps"]}
     assert (sweeps["train"]["size"], sweeps["train"]["shown"]) == (250, 1)
+
+
+def test_the_jobs_page_reads_whole_sweeps_within_a_budget(db, xcom_loads, monkeypatch):
+    """Whole-sweep figures cost every instance's XComs: the newest sweeps on the list get them
+    while their sizes fit the budget; older ones show size and states counted in SQL, and
+    send the rest to their own page (a list of 20 sweeps of 1000 decoded 40 000 XComs)."""
+    monkeypatch.setattr(sweep_views, "WHOLE_SWEEPS_BUDGET", 300)
+    for n in range(4):  # four sweeps of 200, each with its newest instance on the list
+        db.tis("d", f"r{n}", "train", map_indexes=[0],
+               xcoms={"skypilot_handle": HANDLE, "return_value": RESULT},
+               start=datetime(2026, 1, 2, n, tzinfo=timezone.utc))
+        db.tis("d", f"r{n}", "train", map_indexes=range(1, 200),
+               xcoms={"skypilot_handle": HANDLE, "return_value": RESULT})
+    client = _client()
+
+    sweeps = {s["run_id"]: s for s in client.get("/api/jobs?limit=4").json()["sweeps"]}
+    assert xcom_loads["rows"] <= 2 * 4 + 2 * 200  # the listed jobs', and one whole sweep's
+    newest, older = sweeps.pop("r3"), list(sweeps.values())
+    assert (newest["size"], newest["gpu_hours"], newest.get("partial")) == (200, 100.0, None)
+    assert [(s["size"], s["states"], s["gpu_hours"], s["partial"]) for s in older] == [
+        (200, [["success", 200]], None, True)] * 3
+    assert all("map_indexes" not in s for s in [newest, *older])
+    html = client.get("/jobs?limit=4").text
+    assert html.count(">on its page</a>") == 3 and html.count("sweep of 200") == 4
+
+
+def test_a_job_read_by_both_queries_is_listed_once(db, engine):
+    """The deferred jobs and the others are two statements: on Postgres each sees its own
+    snapshot, so a task that left "deferred" between them comes back from both."""
+    db.tis("d", "r", "train", state="deferred", next_kwargs={"state": {"attempts": []}},
+           xcoms={"skypilot_handle": HANDLE})
+    fired = []
+
+    def resumed(conn, cursor, statement, params, context, executemany):
+        # the trigger fires right after the deferred jobs' query: the scheduler moves it on
+        if not fired and "task_instance.state = " in statement and "LIMIT" in statement:
+            fired.append(statement)
+            cursor.connection.execute(
+                "UPDATE task_instance SET state='scheduled' WHERE task_id='train'")
+
+    event.listen(engine, "after_cursor_execute", resumed)
+    try:
+        listed = _client().get("/api/jobs").json()["jobs"]
+    finally:
+        event.remove(engine, "after_cursor_execute", resumed)
+    assert fired and [j["task_id"] for j in listed] == ["train"]
 
 
 def test_the_usage_page_says_which_tasks_it_cannot_count(db, monkeypatch):

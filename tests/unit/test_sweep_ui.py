@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from airflow_skypilot.plugins.formatting import TEMPLATES
-from airflow_skypilot.plugins.jobs import group_sweeps, sweep_summary
+from airflow_skypilot.plugins.sweep_views import group_sweeps, sweep_summary
 
 
 def _job(task_id="train", map_index=-1, run_id="r1", state="success", connection="slurm_alpha",
