@@ -227,3 +227,25 @@ def test_a_missing_script_says_so(tmp_path):
                           text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
                           timeout=30)
     assert proc.returncode == 127 and "run.sh cannot be read" in proc.stderr
+
+
+def test_setup_runs_without_the_gpu_assignment_run_keeps_it(tmp_path):
+    """SkyPilot runs ``unset CUDA_VISIBLE_DEVICES; <setup>`` (its examples/env_check.yaml
+    fails its setup when the variable is set); Slurm sets it in the job's GPU step, where the
+    setup runs. The run sees it as Slurm set it. Even a ~/.bashrc's export goes in setup."""
+    for name, body in (("setup.sh", 'echo "setup: ${CUDA_VISIBLE_DEVICES-unset}"\n'),
+                       ("run.sh", 'echo "run: ${CUDA_VISIBLE_DEVICES-unset}"\n')):
+        (tmp_path / name).write_text(jobscript.user_script(body))
+    (tmp_path / "env.sh").write_text(jobscript.exports({}))
+    (tmp_path / "node.sh").write_text(jobscript.node_script(
+        job_dir=str(tmp_path), workdir=str(tmp_path / "w"), rank_var="RANK", has_setup=True,
+        has_run=True))
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("export CUDA_VISIBLE_DEVICES=0,1\n")
+    out = [subprocess.run(["/bin/bash", str(tmp_path / "node.sh"), step], capture_output=True,
+                          text=True, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(home),
+                               "CUDA_VISIBLE_DEVICES": "0,1"}).stdout
+           for step in ("setup", "run")]
+    assert out == ["setup: unset\n", "run: 0,1\n"]

@@ -124,6 +124,7 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         '    export SKYPILOT_SETUP_NODE_RANK="$SKYPILOT_NODE_RANK"',
         '    export SKYPILOT_SETUP_NODE_IPS="$SKYPILOT_NODE_IPS"',
         '    export SKYPILOT_SETUP_NUM_GPUS_PER_NODE="$SKYPILOT_NUM_GPUS_PER_NODE"',
+        "    export AIRFLOW_SKYPILOT_STEP=setup",
         '    AIRFLOW_SKYPILOT_SCRIPT="$AIRFLOW_SKYPILOT_JOB_DIR/setup.sh" ;;' if has_setup
         else "    exit 0 ;;",
         "  run)",
@@ -197,7 +198,10 @@ _MASK_AWK = r"""BEGIN {
 #: clusters) would end the job "successfully" without running it: while it is read, ``exec``
 #: and ``exit`` only say so (the TERM trap's ``exit`` is the builtin: a TERM while a slow
 #: ``.bashrc`` is read still ends the script); and root's ``rm``/``cp``/``mv -i`` aliases
-#: (RHEL's) would answer their own prompt "no" and do nothing.
+#: (RHEL's) would answer their own prompt "no" and do nothing. A setup runs without
+#: ``CUDA_VISIBLE_DEVICES`` (SkyPilot runs ``unset CUDA_VISIBLE_DEVICES; <setup>`` after this
+#: prologue, ``sky/backends/task_codegen.py``, so a setup may set it for itself; on Slurm the
+#: setup runs in the job's GPU step, where Slurm sets it).
 PROLOGUE = """\
 # airflow-skypilot: SkyPilot's prologue of every setup and run; the task's script follows it.
 if { true >&3; } 2>/dev/null; then exec 2>&3 3>&-; fi
@@ -232,6 +236,7 @@ fi
 . "$AIRFLOW_SKYPILOT_JOB_DIR/env.sh"
 if [ -r "$AIRFLOW_SKYPILOT_JOB_DIR/secrets.sh" ]; then . "$AIRFLOW_SKYPILOT_JOB_DIR/secrets.sh"; fi
 cd "$AIRFLOW_SKYPILOT_WORKDIR" || exit 1
+if [ "${AIRFLOW_SKYPILOT_STEP:-}" = setup ]; then unset CUDA_VISIBLE_DEVICES; fi
 # --- the task's script ---
 """
 
