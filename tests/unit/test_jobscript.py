@@ -207,10 +207,10 @@ def test_a_bashrc_that_execs_another_shell_or_exits_does_not_end_the_job(tmp_pat
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "old").write_text("x")
     proc = _node(tmp_path, "rm old && echo reached; exit 7\n", {})
-    assert (proc.returncode, proc.stdout) == (7, "reached\n"), proc.stderr
+    assert (proc.returncode, proc.stdout) == (7, "airflow-skypilot: ~/.bashrc: exec sh skipped\n"
+                                              "airflow-skypilot: ~/.bashrc: exit 0 skipped\n"
+                                              "reached\n"), proc.stderr  # one stream
     assert not (tmp_path / "w" / "old").exists()
-    assert "~/.bashrc: exec sh skipped" in proc.stderr
-    assert "~/.bashrc: exit 0 skipped" in proc.stderr
 
 
 def test_the_sudo_stand_in_takes_options_and_assignments(tmp_path):
@@ -249,3 +249,15 @@ def test_setup_runs_without_the_gpu_assignment_run_keeps_it(tmp_path):
                                "CUDA_VISIBLE_DEVICES": "0,1"}).stdout
            for step in ("setup", "run")]
     assert out == ["setup: unset\n", "run: 0,1\n"]
+
+
+@pytest.mark.parametrize("secrets", [{}, {"TOKEN": "s3cr3t"}])
+def test_stdout_and_stderr_are_one_stream_in_the_order_written(tmp_path, secrets):
+    """SkyPilot runs setup and run with ``stderr=subprocess.STDOUT``: a ``set -x`` trace and
+    the output it traces interleave as written. A pod's stdout and stderr are read apart (the
+    kubelet, containerd), so two streams came out of order there; with secrets they were
+    already one (the masking pipe)."""
+    proc = _node(tmp_path, "set -x\necho one\necho two >&2\necho three\n", secrets)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "+ echo one\none\n+ echo two\ntwo\n+ echo three\nthree\n"
+    assert proc.stderr == ""

@@ -137,10 +137,11 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "fi",
         "# As SkyPilot runs it: `bash -i` (the prologue reads ~/.bashrc, --norc: once, with its",
         "# errors shown); the notes of job control that fails without a terminal go nowhere (fd 3",
-        "# is the stderr the prologue takes back).",
+        "# is the stderr the prologue takes back: the stdout, so one stream keeps the order of",
+        "# the lines, as SkyPilot's stderr=STDOUT; a pod's two streams are read apart).",
         "# Secret values never reach the job's log in clear: every line of output is filtered.",
         'if [ -z "${AIRFLOW_SKYPILOT_SECRET_NAMES:-}" ]; then '
-        'exec bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&2 2>/dev/null; fi',
+        'exec bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&1 2>/dev/null; fi',
         'bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&1 2>/dev/null '
         '| awk -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
         f"  {shlex.quote(_MASK_AWK)}",
