@@ -406,6 +406,19 @@ def test_log_offsets_give_only_new_text(target):
     assert rest.startswith("second-line") and end2 == end
 
 
+def test_output_reaches_the_log_as_written_progress_bars_and_stderr_in_order(target):
+    """SkyPilot's own tests/test_yamls/cr_progress_bar.yaml: frames drawn with a carriage
+    return stay one line (tqdm's), and stderr comes in its place among the stdout lines
+    (SkyPilot's stderr=STDOUT: a ``set -x`` trace before what it traces)."""
+    backend = target.backend()
+    handle, _ = _submit(target, backend, _task(
+        target, "printf 'frame-1\\rframe-2\\rframe-3\\n'; echo to-stderr >&2; echo to-stdout"))
+    status = _wait(target, backend, handle)
+    assert status.state == JobState.SUCCEEDED, status
+    text, _ = backend.read_log(handle, 0)
+    assert "frame-1\rframe-2\rframe-3\nto-stderr\nto-stdout\n" in text, repr(text)
+
+
 def test_logs_of_several_jobs_in_one_call(target):
     backend = target.backend()
     handles = [_submit(target, backend, _task(target, f"echo log-of-job-{i}-end"))[0]

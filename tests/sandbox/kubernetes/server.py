@@ -89,6 +89,13 @@ def truthy(value: str | None) -> bool:
     return (value or "").lower() in ("true", "1")
 
 
+def cri_lines(data: bytes) -> list[bytes]:
+    """A CRI log file's lines: split on newlines only, as the kubelet reads them (a ``\\r`` is
+    part of a line: a progress bar's frames stay in it; ``bytes.splitlines`` split them apart)."""
+    parts = data.split(b"\n")
+    return parts[:-1] if parts[-1] == b"" else parts
+
+
 @attrs.define(kw_only=True)
 class SandboxAPI(kmock.KubernetesEmulator):
     """kmock's emulator with the sandbox's routing in front of it."""
@@ -596,7 +603,7 @@ class SandboxAPI(kmock.KubernetesEmulator):
             return b"".join(out)
 
         data = path.read_bytes()
-        lines = data.splitlines()
+        lines = cri_lines(data)
         body = render(lines if tail is None else lines[-tail:] if tail > 0 else [])
         if limit is not None:
             body = body[:limit]
@@ -616,7 +623,7 @@ class SandboxAPI(kmock.KubernetesEmulator):
                     chunk = handle.read(size - offset)
                 complete = chunk.rfind(b"\n") + 1
                 if complete:
-                    await response.write(render(chunk[:complete].splitlines()))
+                    await response.write(render(cri_lines(chunk[:complete])))
                     offset += complete
                     continue
             if not self._container_running(uid, container, path):
