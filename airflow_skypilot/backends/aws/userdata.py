@@ -28,6 +28,17 @@ A node whose run ended well stays up (``run_done``) until every node's has, or a
 ended otherwise: as on SkyPilot, whose nodes live until the job ends, a daemon a worker rank
 started (``ray start``, an MPI target) lives on for the ranks still running.
 
+Setup and run each end once their output is closed by every process holding it, as SkyPilot's
+(``log_lib.run_with_log`` reads the output until EOF, then waits for the process): ``node.sh``
+writes through a pipe to a ``cat`` appending to the log, and the step is over when both have
+ended. A writer the script left in the background (``(sleep 8; echo late) &``) keeps the step
+going and its lines reach the log; written straight to the log file, the step ended with the
+script's shell and the ``shutdown`` killed the writer. The exit code is the script's
+(``PIPESTATUS``), not the pipe's; output the secret mask filters (``node.sh``'s awk) passes
+through the same pipe. A process that never closes the output keeps the job running, as on
+SkyPilot; a cancel terminates the instances whatever still runs there, and a TERM to the
+bootstrap (an OS shutdown) still ends it at once (its EXIT trap reports and powers off).
+
 The bootstrap's ``umask 077`` keeps its own files private; setup and run get the usual 022
 (files a job makes are 0644, as on SkyPilot's nodes).
 
@@ -318,8 +329,12 @@ if [ -x "$JOB_DIR/mounts.sh" ]; then
   bash "$JOB_DIR/mounts.sh" || finish bootstrap_error "file_mounts failed"
 fi
 
+step() {  # setup|run: node.sh's exit code, once every writer of its output closed it
+  (umask 022; exec bash "$JOB_DIR/node.sh" "$1") 2>&1 | cat
+  return "${PIPESTATUS[0]}"
+}
 say "setup"
-(umask 022; exec bash "$JOB_DIR/node.sh" setup)
+step setup
 rc=$?
 [ $rc -eq 0 ] || { say "setup failed with exit code $rc; run skipped"; finish exit_code "$rc"; }
 
@@ -343,7 +358,7 @@ if [ "$NUM_NODES" -gt 1 ]; then
 fi
 
 say "run"
-(umask 022; exec bash "$JOB_DIR/node.sh" run)
+step run
 rc=$?
 [ $rc -ne 0 ] || [ "$NUM_NODES" -eq 1 ] || barrier run_done || :
 finish exit_code "$rc"
