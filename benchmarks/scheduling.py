@@ -147,6 +147,24 @@ class Knobs:
     from its last look: what waiting jobs' looks would publish in the ledger; no backend or
     ledger does it). ``paid_priority_place``: a new placement too (its wait saved: the best
     unpaid place's estimated wait).
+    What-if: ``event_looks``: ``""`` (off); ``aws``: when one of the deployment's own AWS
+    instances ends (its quota room freed, known to the deployment), every waiting job of ours
+    looks again ``EVENT_LOOK_S`` after (the trigger watching the ledger for a release the
+    operator writes, then its usual look), that connection probed afresh, not only every
+    ``reprobe_interval``; ``all``: also when one of ours ends on-prem or a move cancels its
+    waiting copy (no trigger does it).
+    What-if: ``joint_looks``: ``""`` (off), else the looks due at one moment form a round:
+    each reads the ledger (``ledger.hold``, as a placement does; the trigger's look does not
+    now) and a look that decides a move notes its target there at once (a refused or dropped
+    move drops the note), so the later looks of the round see the room taken and pick the
+    next-best place; the round's order: ``wait`` (the longest estimated wait left where it
+    waits first; unknown: first), ``rate`` (that wait per GPU-second of its time limit),
+    ``gpus`` (the largest job first, then ``wait``), ``ledger`` (the order they are due: the
+    ledger only). No trigger or ledger does it. With ``event_looks``, every waiting job
+    looks in the release's round: the room freed goes by the round's order.
+    What-if: ``paid_min_wait``: seconds (0: off): a look does not move a job to a costlier
+    place while the estimated wait where it waits is under this (``reconsider`` sees only
+    places that cost no more; no backend or ``reconsider`` does it).
     """
 
     slurm_estimate: str = "backfill"
@@ -160,12 +178,18 @@ class Knobs:
     aws_keep_large: bool = False
     paid_priority: bool = False
     paid_priority_place: bool = False
+    event_looks: str = ""
+    joint_looks: str = ""
+    paid_min_wait: float = 0.0
 
     def label(self) -> str:
         base = Knobs()
         diff = [f"{k}={v}" for k, v in asdict(self).items() if getattr(base, k) != v]
         return ", ".join(diff) or "the code now"
 
+
+#: ``Knobs.event_looks``: seconds from one of our jobs' release to the waiting jobs' looks
+EVENT_LOOK_S = 5.0
 
 #: the backends of Step 7 (before this step's changes): the inputs they read
 STEP7 = Knobs(slurm_estimate="testonly", slurm_free="idle", own_estimate="none",
@@ -1062,6 +1086,8 @@ class Job:
     #: its wait left as its last look (or its submission) estimated it, and when
     look_wait: float | None = None
     look_t: float = 0.0
+    #: a look decided a move that ``_move`` has not done yet (``event_looks``/``joint_looks``)
+    in_move: bool = False
 
 
 @dataclass
@@ -1202,6 +1228,8 @@ class Sim:
         self.onprem = [p for p in self.places.values() if p.onprem]
         self.back = 0
         self.paid_short = 0
+        #: ``joint_looks``: the looks due now, run together by ``_round``
+        self.round: list[tuple[Job, BJob, int]] = []
         self.result: Result | None = None  # set by ``compare``
 
     # events ---------------------------------------------------------------------------------
@@ -1269,6 +1297,8 @@ class Sim:
         if bj.owner is not None:
             self._finished(bj.owner)
         self._schedule(place)
+        if bj.owner is not None:
+            self._released(place.conn)
 
     def _started(self, job: Job, t: float) -> None:
         job.log.append((t, f"started on {job.where}"))
@@ -1454,9 +1484,10 @@ class Sim:
         self._decide(job, self._offers(job, conns), conns)
 
     # the placement ledger (``airflow_skypilot.ledger``, as ``Placer`` uses it) -----------------
-    def _hold(self, job: Job, offers: list[Offer]) -> list[Offer]:
-        """Copies of ``offers`` (of a probe begun now) with what the live entries hold taken
-        (``ledger.hold``, as ``Placer.place`` and ``Placer._still_good`` call it)."""
+    def _hold(self, job: Job, offers: list[Offer], began: float | None = None) -> list[Offer]:
+        """Copies of ``offers`` (of a probe begun now, or at ``began``) with what the live
+        entries hold taken (``ledger.hold``, as ``Placer.place`` and ``Placer._still_good``
+        call it)."""
         if not self.knobs.herd_avoid:
             return offers
         now = EPOCH + self.t  # ``PlacementLedger.deciding``: entries past the TTL lapse
@@ -1468,7 +1499,8 @@ class Sim:
             c = copy.copy(o)
             c.details, c.notes = dict(o.details), list(o.notes)
             copies.append(c)
-        return ledger.hold(copies, self.entries, probe_began=now, own=_copy_name(job))
+        return ledger.hold(copies, self.entries, own=_copy_name(job),
+                           probe_began=now if began is None else EPOCH + began)
 
     def _note(self, job: Job, offer: Offer) -> None:
         """``PlacementLedger.note``: the job's copy goes to ``offer``'s place (simulated time)."""
@@ -1524,6 +1556,7 @@ class Sim:
                 job.gpu_h_billed += billed * info.gpus
                 bj.state = "done"
                 self._finished(job)
+                self._released(place.conn)
 
             self.at(self.t + job.spec.boot, running, prio=0)
             return True
@@ -1546,9 +1579,32 @@ class Sim:
                 self.at(self.t + self.sc.reprobe_interval, lambda: self._look(job, bj, gen))
         return True
 
+    def _released(self, conn: str) -> None:
+        """``event_looks``: one of our jobs left ``conn`` (ended, or cancelled by a move):
+        every waiting job of ours looks again shortly, ``conn`` probed afresh."""
+        if not self.moving or self.knobs.event_looks not in ("aws", "all") \
+                or self.knobs.event_looks == "aws" and conn != "aws":
+            return
+        for key in [k for k in self.probe_cache if k[0] == conn]:
+            del self.probe_cache[key]
+        for job in self.jobs:
+            bj = job.copy
+            if job.start is not None or job.in_move or bj is None or bj.state != "pending" \
+                    or job.moves >= self.knobs.max_moves or job.copies:
+                continue
+            job.trigger_gen += 1
+            gen = job.trigger_gen
+            self.at(self.t + EVENT_LOOK_S,
+                    lambda job=job, bj=bj, gen=gen: self._look(job, bj, gen))
+
     def _look(self, job: Job, bj: BJob, gen: int) -> None:
         """The trigger's look at a waiting job (``rebalance.adecide``)."""
         if bj.state != "pending" or gen != job.trigger_gen or job.moves >= self.knobs.max_moves:
+            return
+        if self.knobs.joint_looks:
+            if not self.round:
+                self.at(self.t, self._round, prio=5)  # after every look due now
+            self.round.append((job, bj, gen))
             return
         place = self.places[job.where]
         offers = self._offers(job, shared=True)
@@ -1561,7 +1617,8 @@ class Sim:
         to = None
         if current is not None:
             job.look_wait, job.look_t = current.wait_seconds, self.t
-            others = [o for o in offers if o.place_key in set(job.places)]
+            others = self._paid_gate(current, [o for o in offers
+                                               if o.place_key in set(job.places)])
             to = placement.reconsider(current, others, self.policy, ordered=job.task.ordered,
                                       blocked=job.blocked, waited_s=self.t - job.spec.arrival,
                                       moves=job.moves, max_moves=self.knobs.max_moves,
@@ -1573,7 +1630,78 @@ class Sim:
             return
         job.log.append((self.t, f"reconsider -> {to.place_key}: "
                                 f"{to.details.get('move_reason')}"))
+        job.in_move = True
         self.at(self.t + self.sc.resume_s, lambda: self._move(job, bj, current, to, gen))
+
+    def _look_input(self, job: Job, bj: BJob) -> tuple[list[Offer], Offer | None]:
+        """A look's offers (the shared probe, less what the ledger holds) and the job's own
+        place as re-probed (``joint_looks``)."""
+        offers = []
+        for conn in self.places:
+            hit = self.probe_cache.get((conn, job.task.name))
+            began = hit[0] if hit is not None and \
+                self.t - hit[0] < self.sc.reprobe_interval / 2 else self.t
+            got = self._offers(job, [conn], shared=True)
+            offers += self._hold(job, got, began)
+        handle = JobHandle(backend=job.offer.backend, connection=job.where, job_id=str(bj.seq),
+                           job_name=f"job{job.spec.id}", location=job.offer.location,
+                           infra=job.offer.infra, accelerator=job.offer.accelerator)
+        own = self.places[job.where].own_start(bj, self.t)
+        status = JobStatus(JobState.PENDING, est_start=None if own is None else EPOCH + own)
+        return offers, rebalance._current(offers, handle, status)
+
+    def _round(self) -> None:
+        """``joint_looks``: the looks due now, in the round's order, each under the ledger;
+        a move decided notes its target at once."""
+        items, self.round = self.round, []
+        looks = []
+        for job, bj, gen in items:
+            if bj.state != "pending" or gen != job.trigger_gen \
+                    or job.moves >= self.knobs.max_moves:
+                continue
+            offers, current = self._look_input(job, bj)
+            left = math.inf if current is None or current.wait_seconds is None \
+                else current.wait_seconds
+            key = {"wait": (-left,), "rate": (-left / (job.spec.gpus * job.spec.limit),),
+                   "gpus": (-job.spec.gpus, -left)}.get(self.knobs.joint_looks, ())
+            looks.append((key, len(looks), job, bj, gen))
+        looks.sort(key=lambda x: x[:2])
+        for _, _, job, bj, gen in looks:
+            offers, current = self._look_input(job, bj)  # the round's earlier notes held
+            to = None
+            if current is not None:
+                job.look_wait, job.look_t = current.wait_seconds, self.t
+                others = self._paid_gate(current, [o for o in offers
+                                                   if o.place_key in set(job.places)])
+                to = placement.reconsider(current, others, self.policy,
+                                          ordered=job.task.ordered, blocked=job.blocked,
+                                          waited_s=self.t - job.spec.arrival, moves=job.moves,
+                                          max_moves=self.knobs.max_moves, now=EPOCH + self.t)
+            if to is None:
+                self.at(self.t + self.sc.reprobe_interval,
+                        lambda job=job, bj=bj, gen=gen: self._look(job, bj, gen))
+                continue
+            job.log.append((self.t, f"reconsider -> {to.place_key}: "
+                                    f"{to.details.get('move_reason')}"))
+            self._note(job, to)
+            job.in_move = True
+            self.at(self.t + self.sc.resume_s,
+                    lambda job=job, bj=bj, current=current, to=to, gen=gen:
+                    self._move(job, bj, current, to, gen))
+
+    def _paid_gate(self, current: Offer, others: list[Offer]) -> list[Offer]:
+        """``paid_min_wait``: a short wait here keeps the costlier places out of the look."""
+        short = self.knobs.paid_min_wait
+        if not short or current.wait_seconds is None or current.wait_seconds >= short:
+            return others
+        return [o for o in others if o.price_per_hour <= current.price_per_hour]
+
+    def _drop_note(self, job: Job) -> None:
+        """``joint_looks``: a move decided by a look and not made: its note goes."""
+        if self.knobs.joint_looks:
+            name = _copy_name(job)
+            self.entries[:] = [e for e in self.entries
+                               if e["copy"] != name or e.get("submitted") is not None]
 
     def _gain_rate(self, job: Job) -> float:
         """``paid_priority``: the wait a job would save per second of a paid place's room."""
@@ -1617,15 +1745,19 @@ class Sim:
         """``Placer.move``: only a copy that still waits, and only if ``to``, probed again,
         still takes it as promised; cancel, confirm, block the place left for the cooldown (no
         back and forth), submit there; a refused submission places the job anew."""
+        job.in_move = False
         if bj.state != "pending":  # it started meanwhile: it stays
+            self._drop_note(job)
             return
         fresh = self._still_good(job, to)
         if fresh is None:  # the trigger keeps watching the copy where it is
+            self._drop_note(job)
             self.at(self.t + self.sc.reprobe_interval, lambda: self._look(job, bj, gen))
             return
         self._count_move(job, current, fresh)
         self.places[job.where].cancel(bj, self.t)
         self._schedule(self.places[job.where])
+        self._released(job.where)
         job.blocked.append(Blocked(current.place_key, "moved away from it", at=EPOCH + self.t,
                                    until=EPOCH + self.t + self.sc.block_cooldown))
         job.moves += 1
