@@ -535,6 +535,69 @@ def test_a_git_workdir_travels_as_skypilots_rsync_sends_it(target, tmp_path):
     assert status.state == JobState.SUCCEEDED and "tree-as-sent" in log, (status, log)
 
 
+def test_symbolic_links_travel_as_links_as_skypilots_rsync_sends_them(target, tmp_path):
+    """SkyPilot's ``rsync -a`` sends a link as a link, its target text unchanged (SkyPilot's
+    symlink_playground.yaml): Slurm made a link to a folder an empty folder, copied a link to
+    a file, and refused the whole job on a dangling link ("[Errno 2]"; under the operator every
+    partition then refused it, and the task waited for ever). Every rank (each works in its
+    own copy of the workdir on Slurm) sees the links of the workdir and of a file-mount folder,
+    and the user's code runs once per rank."""
+    marks = Path(shared_dir())
+    src = tmp_path / "src"
+    (src / "v3").mkdir(parents=True)
+    (src / "v3" / "model.bin").write_text("weights-v3\n")
+    (src / "configs").mkdir()
+    (src / "configs" / "base.yaml").write_text("lr: 1\n")
+    outside = f"/opt/ct-outside-{uuid.uuid4().hex[:8]}/data"  # out of the tree, absent
+    links = {"latest": "v3", "cfg.yaml": "configs/base.yaml", "outside": outside,
+             "gone": "missing/nothing-here"}
+    for name, to in links.items():
+        (src / name).symlink_to(to)
+    checks = [f'test -L {d}{name} && [ "$(readlink {d}{name})" = "{to}" ]'
+              for d in ("", "mnt/") for name, to in links.items()]
+    run = "\n".join([
+        'for l in latest cfg.yaml outside gone mnt/latest; do echo "link $l -> $(readlink $l)";'
+        " done",
+        f"echo ran >> {marks}/runs-$SKYPILOT_NODE_RANK",
+        " && ".join([*checks, '[ "$(cat latest/model.bin)" = weights-v3 ]',
+                     '[ "$(cat cfg.yaml)" = "lr: 1" ]', "test -d latest/ && test ! -e gone",
+                     'echo "rank $SKYPILOT_NODE_RANK links-as-sent"'])])
+    backend = target.backend()
+    task = _task(target, run, num_nodes=2, workdir=str(src), file_mounts={"mnt": str(src)})
+    handle, _ = _submit(target, backend, task)
+    status = _wait(target, backend, handle)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED, (status, log)
+    for rank in (0, 1):
+        assert f"rank {rank} links-as-sent" in log, log
+        assert (marks / f"runs-{rank}").read_text() == "ran\n", "the user's code ran once"
+
+
+def test_a_workdir_or_mount_source_that_is_a_link_sends_what_it_points_to(target, tmp_path):
+    """SkyPilot resolves a local source before its rsync (``Path.resolve()``, then ``src/``
+    for a folder): a workdir or file mount given as a link (SkyPilot's symlink_playground.yaml,
+    ``workdir: ~/Downloads/temp1``, a link to the data) sends the folder or file it points
+    to, and the links inside it as links."""
+    real = tmp_path / "real"
+    (real / "v3").mkdir(parents=True)
+    (real / "v3" / "model.bin").write_text("weights-v3\n")
+    (real / "latest").symlink_to("v3")
+    (tmp_path / "base.yaml").write_text("lr: 1\n")
+    (tmp_path / "wd").symlink_to(real)  # absolute
+    (tmp_path / "cfg.yaml").symlink_to("base.yaml")  # relative: dangles anywhere else
+    run = " && ".join([
+        '[ "$(cat v3/model.bin)" = weights-v3 ] && [ "$(readlink latest)" = v3 ]',
+        '[ "$(cat mnt/latest/model.bin)" = weights-v3 ] && [ "$(readlink mnt/latest)" = v3 ]',
+        'test ! -L cfg.yaml && [ "$(cat cfg.yaml)" = "lr: 1" ]', "echo sources-resolved"])
+    backend = target.backend()
+    task = _task(target, run, workdir=str(tmp_path / "wd"),
+                 file_mounts={"mnt": str(tmp_path / "wd"), "cfg.yaml": str(tmp_path / "cfg.yaml")})
+    handle, _ = _submit(target, backend, task)
+    status = _wait(target, backend, handle)
+    log, _ = backend.read_log(handle)
+    assert status.state == JobState.SUCCEEDED and "sources-resolved" in log, (status, log)
+
+
 def test_a_rank_whose_run_ends_first_keeps_its_node_until_the_job_ends(keeping_target):
     """SkyPilot keeps every node of a job until the job ends: a worker rank that starts a
     daemon (``ray start``, an MPI target) and exits leaves it to the ranks still running.

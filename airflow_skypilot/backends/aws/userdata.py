@@ -108,8 +108,9 @@ def _owner_free(info: tarfile.TarInfo) -> tarfile.TarInfo:
 def _add_tree(tar: tarfile.TarFile, local: str, arcname: str) -> None:
     """What travels of the tree ``local`` (:func:`~airflow_skypilot.backends.common.workdir.walk`)
     under ``arcname``, in tar's own order (depth first, by name): the same tree packs the same
-    bytes."""
-    tar.add(local, arcname=arcname, recursive=False, filter=_owner_free)
+    bytes. ``local`` given as a link is the folder it points to, as SkyPilot resolves a source
+    before its rsync (kept as a link, the members under it would not unpack)."""
+    tar.add(os.path.realpath(local), arcname=arcname, recursive=False, filter=_owner_free)
     for path, rel, _ in sorted(walk(local), key=lambda entry: entry[1].split(os.sep)):
         tar.add(path, arcname=f"{arcname}/{rel}", recursive=False, filter=_owner_free)
 
@@ -182,8 +183,8 @@ def render_payload(task: Task, node_env: Mapping[str, str]) -> Payload:
         for path, name in local:
             if os.path.isdir(path):
                 _add_tree(tar, path, name)
-            else:
-                tar.add(path, arcname=name)
+            else:  # a source given as a link: the file it points to, as SkyPilot sends it
+                tar.add(os.path.realpath(path), arcname=name)
             names.append(name)
     return Payload(buf.getvalue(), names)
 

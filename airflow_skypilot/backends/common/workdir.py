@@ -7,6 +7,11 @@ What SkyPilot's rsync leaves out of a local ``workdir`` or file-mount folder sta
 travels, as in SkyPilot (``git`` works in the job), unless a list names it; Kubernetes leaves
 every ``.git`` out (its Secret holds ~900 KiB). Relative sources start at the task YAML's
 folder, not the worker's cwd; relative destinations at the job's workdir.
+
+A symbolic link travels as a link, as rsync ``-a`` (``-l``) sends it: its target text as
+written (relative or absolute, inside the tree or not, dangling or not), never followed. It is
+a :class:`Link` entry of :func:`walk`, left out by name as a file is (for rsync a link to a
+folder is not a folder: ``x/`` does not name it), and nothing under it is listed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 from airflow_skypilot.backends.common.ignore import Filter
 from airflow_skypilot.spec.task import Task
@@ -24,12 +30,39 @@ log = logging.getLogger(__name__)
 GIT_FILES_NOTED = 2000
 
 
-def walk(local: str, keep_git: bool = True) -> list[tuple[str, str, bool]]:
+class Entry(NamedTuple):
+    """One thing of a tree that travels: its local path, its tree-relative path ("/"-joined),
+    and whether it is a folder (one made there, its own entries listed after it)."""
+
+    path: str
+    rel: str
+    is_dir: bool
+
+
+class Link(Entry):
+    """A symbolic link (to a file, a folder, or nothing): made as a link with ``target``, the
+    text :func:`os.readlink` gives. Never a folder: ``is_dir`` is False."""
+
+    target: str
+
+    def __new__(cls, path: str, rel: str, target: str) -> Link:
+        self = super().__new__(cls, path, rel, False)
+        self.target = target  # the text as it was when walked: what is sent is what was read
+        return self
+
+    def __getnewargs__(self) -> tuple[str, str, str]:  # a copy (pickle, copy) keeps the target
+        return self.path, self.rel, self.target
+
+    def __repr__(self) -> str:
+        return f"Link(path={self.path!r}, rel={self.rel!r}, target={self.target!r})"
+
+
+def walk(local: str, keep_git: bool = True) -> list[Entry]:
     """``(path, tree-relative path, is_dir)`` of everything under ``local`` that travels,
-    parents before children, in a stable order (the same tree renders the same bytes).
-    ``keep_git=False`` leaves every ``.git`` out as well."""
+    parents before children, in a stable order (the same tree renders the same bytes); a
+    symbolic link is a :class:`Link`. ``keep_git=False`` leaves every ``.git`` out as well."""
     rules = Filter(local)
-    out: list[tuple[str, str, bool]] = []
+    out: list[Entry] = []
     for root, dirs, files in os.walk(local):
         rel_root = os.path.relpath(root, local).replace(os.sep, "/")
         rel_root = "" if rel_root == "." else rel_root
@@ -41,14 +74,19 @@ def walk(local: str, keep_git: bool = True) -> list[tuple[str, str, bool]]:
         def kept(name: str, is_dir: bool, rel_root: str = rel_root) -> bool:
             if not keep_git and name == ".git":
                 return False
-            # a link to a folder is not entered, and no folder for a dir-only pattern
-            real_dir = is_dir and not os.path.islink(os.path.join(local, rel(name)))
-            return not rules.left_out(rel_root, rel(name), real_dir)
+            return not rules.left_out(rel_root, rel(name), is_dir)
 
-        dirs[:] = sorted(d for d in dirs if kept(d, True))
-        out += [(os.path.join(root, name), rel(name), True) for name in dirs]
-        out += [(os.path.join(root, name), rel(name), False) for name in sorted(files)
-                if kept(name, False)]
+        # os.walk lists a link to a folder among the folders (not entering it), any other
+        # link (to a file, dangling) among the files: each is a link, matched by the rules
+        # as rsync matches a link, as a non-directory
+        links = {name for name in (*dirs, *files) if os.path.islink(os.path.join(root, name))}
+        dirs[:] = sorted(d for d in dirs if d not in links and kept(d, True))
+        out += [Entry(os.path.join(root, name), rel(name), True) for name in dirs]
+        for name in sorted({*files, *links}):
+            if kept(name, False):
+                path = os.path.join(root, name)
+                out.append(Link(path, rel(name), os.readlink(path)) if name in links
+                           else Entry(path, rel(name), False))
     git = sum(1 for _, rel, is_dir in out if not is_dir and rel.startswith(".git/"))
     if git > GIT_FILES_NOTED:
         log.warning("%s/.git travels with it, as in SkyPilot (%d files): list .git/ in its "

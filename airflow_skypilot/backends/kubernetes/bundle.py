@@ -101,7 +101,10 @@ def bundle(task: Task, limit: int = DEFAULT_BUNDLE_LIMIT) -> Bundle:
             out.data[key] = _tar_b64(_tree(path), raw_limit)
             out.targets.append((key, _dest_dir_word(dst.rstrip("/") or "/", task.secrets)))
         elif os.path.isfile(path):
-            out.data[key] = _tar_b64([(path, os.path.basename(dst.rstrip("/")))], raw_limit)
+            # a source given as a link is the file it points to, as SkyPilot resolves a source
+            # before its rsync (a link would dangle in the pod)
+            out.data[key] = _tar_b64([(os.path.realpath(path), os.path.basename(dst.rstrip("/")))],
+                                     raw_limit)
             # "" (a file right in the workdir) for a relative one, "/" for one at the root
             parent = os.path.dirname(dst.rstrip("/")) or ("/" if dst.startswith("/") else "")
             out.targets.append((key, _dest_dir_word(parent, task.secrets)))

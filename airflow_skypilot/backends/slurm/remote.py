@@ -10,9 +10,10 @@ opening a channel, and each command (its limit; a watchdog closes the connection
 server stop answering half way, which paramiko alone would wait on for ever).
 
 Uploads are a list of steps (:class:`MakeDirs`, :class:`Chmod`, :class:`WriteFile`,
-:class:`PutFile`) planned elsewhere (no remote I/O there) and applied here, in order, over one
-SFTP channel: each SFTP request may take ``command_timeout`` and the whole upload
-``upload_timeout``; past either it is a SubmissionError (nothing was submitted yet).
+:class:`PutFile`, :class:`MakeLink`) planned elsewhere (no remote I/O there: :mod:`uploads`)
+and applied here, in order, over one SFTP channel: each SFTP request may take
+``command_timeout`` and the whole upload ``upload_timeout``; past either it is a
+SubmissionError (nothing was submitted yet).
 """
 
 from __future__ import annotations
@@ -68,7 +69,16 @@ class PutFile:
     remote: str
 
 
-UploadStep = MakeDirs | Chmod | WriteFile | PutFile
+@dataclass(frozen=True)
+class MakeLink:
+    """Make ``path`` a symbolic link to ``target`` (its text as is: relative, absolute,
+    dangling), as rsync ``-a`` sends a link; whatever non-folder is at ``path`` is replaced."""
+
+    target: str
+    path: str
+
+
+UploadStep = MakeDirs | Chmod | WriteFile | PutFile | MakeLink
 
 #: seconds for each step of connecting: the TCP connect, the server's banner, authentication
 CONNECT_TIMEOUT = 15
@@ -265,6 +275,8 @@ def _apply(sftp: Any, step: UploadStep, deadline: float = float("inf")) -> None:
         with sftp.open(step.path, "w") as fh:
             sftp.chmod(step.path, step.mode)  # before any byte is written
             fh.write(step.content.encode())
+    elif isinstance(step, MakeLink):
+        _symlink(sftp, step.target, step.path)
     else:
         with open(step.local, "rb") as src, sftp.open(step.remote, "w") as fh:
             sftp.chmod(step.remote, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
@@ -273,6 +285,27 @@ def _apply(sftp: Any, step: UploadStep, deadline: float = float("inf")) -> None:
                 fh.write(chunk)
                 in_time()
 
+
+def _symlink(sftp: Any, target: str, path: str) -> None:
+    # paramiko sends (target, path): the order OpenSSH's sftp-server reads (the SFTP draft
+    # has the reverse; servers do as OpenSSH does)
+    try:
+        sftp.symlink(target, path)
+        return
+    except TimeoutError:
+        raise
+    except OSError as exc:
+        refused = exc
+    # something is there already (an upload retried into the same job dir): rsync replaces
+    # it, unless it is a folder. Asked only now: no extra request for every link
+    try:
+        there = sftp.lstat(path)
+    except OSError:
+        raise refused from None  # nothing there: the link itself was refused
+    if there.st_mode is None or stat.S_ISDIR(there.st_mode):
+        raise refused
+    sftp.remove(path)
+    sftp.symlink(target, path)
 
 
 def _makedirs(sftp: Any, path: str, mode: int) -> None:

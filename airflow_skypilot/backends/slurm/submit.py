@@ -1,4 +1,5 @@
-"""A job on the cluster: its files, how they get there, ``sbatch`` once per name, and cancel.
+"""A job on the cluster: its files, ``sbatch`` once per name, and cancel (how the files get
+there: :mod:`~airflow_skypilot.backends.slurm.uploads`).
 
 Every job has its own dir ``<remote_work_dir>/jobs/<job name>/`` (mode 0700) holding the task's
 ``setup.sh``/``run.sh`` verbatim, ``env.sh``, ``secrets.sh`` (0600, removed when the job ends),
@@ -21,8 +22,6 @@ command (:func:`gc_script`); never the dir of a job Slurm still has queued or ru
 
 from __future__ import annotations
 
-import os
-import posixpath
 import shlex
 import time
 from collections.abc import Mapping
@@ -30,14 +29,6 @@ from typing import Any
 
 from airflow_skypilot.backends.base import JobHandle, Offer
 from airflow_skypilot.backends.common import jobscript
-from airflow_skypilot.backends.common.workdir import local_source, mount_destination, walk
-from airflow_skypilot.backends.slurm.remote import (
-    Chmod,
-    MakeDirs,
-    PutFile,
-    UploadStep,
-    WriteFile,
-)
 from airflow_skypilot.backends.slurm.settings import BACKEND, SlurmSettings, task_sbatch_options
 from airflow_skypilot.backends.slurm.shell import (
     NO_ANSWER,
@@ -51,6 +42,11 @@ from airflow_skypilot.backends.slurm.shell import (
     remote_dir_expr,
     section_rc,
 )
+
+# the plan of the upload (the job's files, the workdir, the file mounts) is its own module;
+# callers found it here
+from airflow_skypilot.backends.slurm.uploads import mount_target as mount_target
+from airflow_skypilot.backends.slurm.uploads import upload_plan as upload_plan
 from airflow_skypilot.exceptions import BackendError, BackendUnreachable, SubmissionError
 from airflow_skypilot.spec.sbatch import CONTROL
 from airflow_skypilot.spec.task import Task
@@ -387,50 +383,6 @@ def render(task: Task, offer: Offer, settings: SlurmSettings, job_name: str,
     if task.secrets:
         files["secrets.sh"] = (jobscript.exports(task.secrets), 0o600)
     return files
-
-
-def _tree(local: str, remote: str) -> list[UploadStep]:
-    """A local tree (what :func:`walk` says travels), parents first, file modes kept."""
-    steps: list[UploadStep] = [MakeDirs(remote, 0o755)]
-    for path, rel, is_dir in walk(local):
-        target = f"{remote}/{rel}"
-        steps.append(MakeDirs(target, 0o755) if is_dir else PutFile(path, target))
-    return steps
-
-
-def mount_target(dst: str, home: str, workdir: str) -> str:
-    """Where a file mount lands, as an absolute path (:func:`mount_destination`'s rule: the
-    home, the root, or the job's ``workdir``, its cwd during setup and run)."""
-    anchor, rest = mount_destination(dst)
-    if anchor == "root":
-        return rest
-    base = home if anchor == "home" else workdir
-    return posixpath.normpath(f"{base}/{rest}") if rest else base
-
-
-def upload_plan(task: Task, job_dir: str, files: Mapping[str, tuple[str, int]],
-                home: str) -> list[UploadStep]:
-    """The job dir and its files, the local workdir into ``workdir/``, then the local file
-    mounts at their targets (``~`` is ``home``; a relative one is under ``workdir/``, made
-    whether or not the task has a workdir). SkyPilot's order: the workdir first, then the
-    mounts, so a mount under the workdir is never overwritten by it."""
-    steps: list[UploadStep] = [MakeDirs(job_dir, 0o700), Chmod(job_dir, 0o700)]
-    steps += [WriteFile(f"{job_dir}/{name}", content, mode)
-              for name, (content, mode) in files.items()]
-    workdir = f"{job_dir}/workdir"
-    steps.append(MakeDirs(workdir, 0o700))
-    if isinstance(task.workdir, str):
-        steps += _tree(local_source(task, task.workdir), workdir)
-    for dst, src in task.file_mounts.items():
-        if isinstance(src, str) and "://" not in src:
-            local = local_source(task, src)
-            target = mount_target(dst, home, workdir)
-            if os.path.isdir(local):
-                steps += _tree(local, target)
-            else:
-                steps += [MakeDirs(os.path.dirname(target) or "/", 0o755),
-                          PutFile(local, target)]
-    return steps
 
 
 # --- sbatch and scancel ----------------------------------------------------------------------
