@@ -795,8 +795,9 @@ def test_user_data_is_small_and_has_no_secret():
                       "envs": TRICKY, "secrets": {"HF_TOKEN": secret, "DB_PASS": "pw$(x)"}})
     script, payload = _render(task, sorted(task.secrets))
     # well under EC2's 16 KB with the payload inline (since SkyPilot's prologue went into
-    # setup.sh and run.sh, and the run barrier into the bootstrap: 8.2 KiB, was 7.9)
-    assert ud.user_data_size(script) < 9 * 1024 < ud.USER_DATA_BUDGET
+    # setup.sh and run.sh, and the run barrier into the bootstrap: 8.2 KiB, was 7.9; the
+    # steps' log pipe and the mask's line reads: 9.1 KiB)
+    assert ud.user_data_size(script) < 10 * 1024 < ud.USER_DATA_BUDGET
     files = _unpack(payload)
     everything = script.encode() + b"".join(files.values())
     for value in task.secrets.values():

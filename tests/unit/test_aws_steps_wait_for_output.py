@@ -37,6 +37,16 @@ def _rank0(fake):
     return fake / "s3" / "bucket/jobs/sky-job-1/rank-0"
 
 
+def _until_logged(tmp_path, proc, text: str) -> None:
+    """Wait until the node's log has ``text``, the bootstrap still running."""
+    log = tmp_path / "home/.airflow-skypilot/sky-job-1/node.log"
+    deadline = time.monotonic() + 30
+    while text not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, f"{text!r} never logged"
+        assert proc.poll() is None, "the bootstrap ended with the run's shell"
+        time.sleep(0.2)
+
+
 def _lines(log: str) -> list[str]:
     return log.splitlines()
 
@@ -91,12 +101,7 @@ def test_a_term_ends_the_bootstrap_at_once_though_a_writer_ignoring_it_holds_the
     proc = subprocess.Popen(["bash", str(user_data)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
-        log = tmp_path / "home/.airflow-skypilot/sky-job-1/node.log"
-        deadline = time.monotonic() + 30
-        while "run body done" not in (log.read_text() if log.exists() else ""):
-            assert time.monotonic() < deadline, "run never started"
-            assert proc.poll() is None, "the bootstrap ended with the run's shell"
-            time.sleep(0.2)
+        _until_logged(tmp_path, proc, "run body done")
         time.sleep(1)
         assert proc.poll() is None, "the run ended while a writer held its output"
         start = time.monotonic()
@@ -109,6 +114,30 @@ def test_a_term_ends_the_bootstrap_at_once_though_a_writer_ignoring_it_holds_the
         assert "late line from background" not in (out / "log").read_text()
     finally:
         # the writer left behind (on EC2 the power-off ends it)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_broken_log_pipe_is_the_nodes_failure_not_the_jobs(tmp_path):
+    """The log's ``cat`` killed mid-run: the run dies of SIGPIPE (141) at its next line; that
+    is a failure of the node (``bootstrap_error``), not an exit code of the user's script."""
+    fake, env, user_data = _boot(tmp_path, {"run": 'echo "run started"; sleep 3; echo after'})
+    proc = subprocess.Popen(["bash", str(user_data)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _until_logged(tmp_path, proc, "run started")
+        cats = subprocess.run(["pgrep", "-P", str(proc.pid), "-x", "cat"], capture_output=True,
+                              text=True).stdout.split()
+        assert cats, "no log pipe"
+        for pid in cats:
+            os.kill(int(pid), signal.SIGKILL)
+        proc.wait(timeout=30)
+        out = _rank0(fake)
+        assert not (out / "exit_code").exists()
+        assert "output could not be logged" in (out / "bootstrap_error").read_text()
+    finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -261,3 +261,23 @@ def test_stdout_and_stderr_are_one_stream_in_the_order_written(tmp_path, secrets
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "+ echo one\none\n+ echo two\ntwo\n+ echo three\nthree\n"
     assert proc.stderr == ""
+
+
+def test_masked_output_comes_as_it_is_written_not_at_the_end(tmp_path):
+    """With a secret the output goes through the mask's awk; Debian's awk (mawk) read its pipe
+    in 4 KiB blocks whatever fflush() did, so a job with HF_TOKEN set showed no line until it
+    ended. The first line must come while the script still sleeps."""
+    import time
+
+    _node(tmp_path, "echo first; sleep 4; echo second\n", {"TOKEN": "s3cr3t-value"})  # files
+    home = tmp_path / "home"
+    start = time.monotonic()
+    with subprocess.Popen(["/bin/bash", str(tmp_path / "node.sh"), "run"], text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          env={"RANK": "0", "PATH": "/usr/bin:/bin", "HOME": str(home),
+                               "TOKEN": "s3cr3t-value"}) as proc:
+        first = proc.stdout.readline()
+        took = time.monotonic() - start
+        rest = proc.stdout.read()
+    assert (first, rest, proc.returncode) == ("first\n", "second\n", 0)
+    assert took < 3.5, f"the first line came after {took:.1f}s, with the job's end"

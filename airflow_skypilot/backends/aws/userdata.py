@@ -332,7 +332,10 @@ fi
 
 step() {  # setup|run: node.sh's exit code, once every writer of its output closed it
   (umask 022; exec bash "$JOB_DIR/node.sh" "$1") 2>&1 | cat
-  return "${PIPESTATUS[0]}"
+  set -- "$1" "${PIPESTATUS[@]}"
+  # a log pipe that broke (its cat killed) is the node's failure, not the job's SIGPIPE (141)
+  [ "$3" -eq 0 ] || finish bootstrap_error "the $1 step's output could not be logged (exit $3)"
+  return "$2"
 }
 say "setup"
 step setup

@@ -127,7 +127,8 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "    export AIRFLOW_SKYPILOT_STEP=setup",
         '    AIRFLOW_SKYPILOT_SCRIPT="$AIRFLOW_SKYPILOT_JOB_DIR/setup.sh" ;;' if has_setup
         else "    exit 0 ;;",
-        "  run)",
+        "  run)",  # its own STEP, not one the environment brought: the run keeps its GPUs
+        "    export AIRFLOW_SKYPILOT_STEP=run",
         '    AIRFLOW_SKYPILOT_SCRIPT="$AIRFLOW_SKYPILOT_JOB_DIR/run.sh" ;;' if has_run
         else "    exit 0 ;;",
         '  *) echo "node.sh: expected setup or run, got $1" >&2; exit 2 ;;',
@@ -137,13 +138,17 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "fi",
         "# As SkyPilot runs it: `bash -i` (the prologue reads ~/.bashrc, --norc: once, with its",
         "# errors shown); the notes of job control that fails without a terminal go nowhere (fd 3",
-        "# is the stderr the prologue takes back: the stdout, so one stream keeps the order of",
-        "# the lines, as SkyPilot's stderr=STDOUT; a pod's two streams are read apart).",
+        "# is the stderr the prologue takes back: the stdout, one stream, as SkyPilot's).",
         "# Secret values never reach the job's log in clear: every line of output is filtered.",
+        # (one stream keeps the lines' order: a pod's stdout and stderr are read apart. The
+        # filter passes each line as it comes: mawk, Debian's awk, reads a pipe in blocks
+        # whatever fflush() does, unless -W interactive; gawk and busybox read lines)
         'if [ -z "${AIRFLOW_SKYPILOT_SECRET_NAMES:-}" ]; then '
         'exec bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&1 2>/dev/null; fi',
+        "AIRFLOW_SKYPILOT_AWK=(awk)",
+        "awk -W version 2>&1 | grep -q mawk && AIRFLOW_SKYPILOT_AWK=(awk -W interactive)",
         'bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&1 2>/dev/null '
-        '| awk -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
+        '| "${AIRFLOW_SKYPILOT_AWK[@]}" -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
         f"  {shlex.quote(_MASK_AWK)}",
         'exit "${PIPESTATUS[0]}"',
     ]
