@@ -281,3 +281,12 @@ def test_masked_output_comes_as_it_is_written_not_at_the_end(tmp_path):
         rest = proc.stdout.read()
     assert (first, rest, proc.returncode) == ("first\n", "second\n", 0)
     assert took < 3.5, f"the first line came after {took:.1f}s, with the job's end"
+
+
+def test_a_secret_across_4_kib_of_a_long_line_is_masked(tmp_path):
+    """The mask reads lines as they come (mawk -W interactive): a secret straddling byte 4096
+    of a longer line must still be masked, in one line (mawk 1.3.3's -W interactive cut lines
+    there, so it is not used with that mawk)."""
+    proc = _node(tmp_path, 'printf "%04080d%s tail\\n" 0 "$TOKEN"\n', {"TOKEN": "s3cr3t-value"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "0" * 4080 + "*** tail\n"

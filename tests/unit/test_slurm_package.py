@@ -83,7 +83,7 @@ def test_the_job_files_and_their_upload_plan(tmp_path):
     assert puts == [(str(tmp_path / "src" / ".git" / "HEAD"), f"{job_dir}/workdir/.git/HEAD"),
                     (str(tmp_path / "src" / "pkg" / "train.py"), f"{job_dir}/workdir/pkg/train.py"),
                     (str(tmp_path / "data.txt"), "/home/u/in/data.txt")]
-    pkg = MakeDirs(f"{job_dir}/workdir/pkg", 0o755)
+    pkg = MakeDirs(f"{job_dir}/workdir/pkg", 0o755, in_tree=True)
     assert plan.index(pkg) < plan.index(PutFile(str(tmp_path / "src" / "pkg" / "train.py"),
                                                 f"{job_dir}/workdir/pkg/train.py"))
     dirs = [s.path for s in plan if isinstance(s, MakeDirs)]

@@ -187,6 +187,9 @@ class LocalSFTP:
     def open(self, path, mode):
         return _File(open(path, mode + "b"))
 
+    def posix_rename(self, old, new):
+        os.replace(old, new)
+
 
 def _upload(task, job_dir: str, home: str) -> LocalSFTP:
     from airflow_skypilot.backends.slurm import submit
@@ -211,7 +214,8 @@ def test_slurms_upload_makes_the_links_rsync_makes(tmp_path):
     home.mkdir(parents=True)
     sftp = _upload(task, str(job), str(home))
     assert _seen(job / "workdir") == want and _seen(home / "m") == want
-    assert "symlink" in sftp.calls and "lstat" not in sftp.calls  # no request per link else
+    # one request per link, none more: a tree's folder is looked at with lstat, not stat
+    assert sftp.calls.count("symlink") == 12 and "remove" not in sftp.calls  # 6 links, twice
     assert (job / "workdir" / "latest" / "model.bin").read_text() == "weights"
     _upload(task, str(job), str(home))
     assert _seen(job / "workdir") == want and _seen(home / "m") == want
@@ -326,3 +330,56 @@ def test_slurm_upload_sends_what_a_source_link_points_to(tmp_path):
     assert {k: v for k, v in wd.items() if not k.startswith("mnt/")} == \
         {**_RESOLVED, "mnt": ("dir", ""), "cfg.yaml": ("file", "lr: 1")}
     assert _seen(job / "workdir" / "mnt") == _RESOLVED
+
+
+def _tree_of(root, files: dict[str, str]) -> str:
+    """A local tree: ``rel -> text`` files, ``rel -> "->target"`` links."""
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if text.startswith("->"):
+            os.symlink(text[2:], path)
+        else:
+            path.write_text(text)
+    return str(root)
+
+
+def test_a_mount_over_a_workdir_link_replaces_the_link_not_its_target(tmp_path):
+    """The workdir has cfg.yaml -> configs/dev.yaml and a file mount puts prod.yaml at
+    cfg.yaml: rsync writes aside and renames over the link; writing through it turned
+    configs/dev.yaml into prod (a review)."""
+    src = _tree_of(tmp_path / "src", {"configs/dev.yaml": "dev", "cfg.yaml": "->configs/dev.yaml"})
+    (tmp_path / "prod.yaml").write_text("prod")
+    task = load_task({"run": "x", "workdir": src,
+                      "file_mounts": {"cfg.yaml": str(tmp_path / "prod.yaml")}})
+    sky = tmp_path / "sky"
+    subprocess.run(["rsync", "-a", f"{src}/", f"{sky}/"], check=True)
+    subprocess.run(["rsync", "-a", str(tmp_path / "prod.yaml"), f"{sky}/cfg.yaml"], check=True)
+    job, home = tmp_path / "remote/job", tmp_path / "remote/home"
+    home.mkdir(parents=True)
+    _upload(task, str(job), str(home))
+    assert _seen(job / "workdir") == _seen(sky)
+    assert (job / "workdir/configs/dev.yaml").read_text() == "dev"
+
+
+def test_what_an_earlier_job_left_as_a_link_is_replaced_never_written_through(tmp_path):
+    """Job A mounts ~/m with links (to a file of its own, to a file outside every job dir,
+    to a file where job B has a folder); job B's ~/m has plain files and that folder: as
+    rsync, each link is replaced; nothing outside is written or chmodded, and the upload
+    does not fail on the folder (it failed every partition before)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    victim.chmod(0o600)
+    a = _tree_of(tmp_path / "a", {"v1/model.bin": "weights-v1", "latest": "->v1/model.bin",
+                                  "out": f"->{victim}", "f": "f", "x": "->f"})
+    b = _tree_of(tmp_path / "b", {"latest": "a note", "out": "overwritten", "x/data": "d"})
+    (tmp_path / "b" / "out").chmod(0o755)
+    home = tmp_path / "remote/home"
+    home.mkdir(parents=True)
+    for name, src in (("j1", a), ("j2", b)):
+        _upload(load_task({"run": "x", "file_mounts": {"~/m": src}}), str(tmp_path / name),
+                str(home))
+    assert (home / "m/v1/model.bin").read_text() == "weights-v1"
+    assert (victim.read_text(), victim.stat().st_mode & 0o777) == ("precious", 0o600)
+    assert (home / "m/latest").read_text() == "a note" and not (home / "m/latest").is_symlink()
+    assert (home / "m/x/data").read_text() == "d" and not (home / "m/x").is_symlink()

@@ -333,8 +333,10 @@ fi
 step() {  # setup|run: node.sh's exit code, once every writer of its output closed it
   (umask 022; exec bash "$JOB_DIR/node.sh" "$1") 2>&1 | cat
   set -- "$1" "${PIPESTATUS[@]}"
-  # a log pipe that broke (its cat killed) is the node's failure, not the job's SIGPIPE (141)
-  [ "$3" -eq 0 ] || finish bootstrap_error "the $1 step's output could not be logged (exit $3)"
+  # a log pipe that broke (its cat killed) is the node's failure, not the job's SIGPIPE (141);
+  # any other code is the job's own, even when the log could not take all (a full disk)
+  [ "$3" -eq 0 ] || [ "$2" -ne 141 ] ||
+    finish bootstrap_error "the $1 step's output could not be logged (exit $3)"
   return "$2"
 }
 say "setup"

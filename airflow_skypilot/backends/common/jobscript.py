@@ -142,11 +142,15 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "# Secret values never reach the job's log in clear: every line of output is filtered.",
         # (one stream keeps the lines' order: a pod's stdout and stderr are read apart. The
         # filter passes each line as it comes: mawk, Debian's awk, reads a pipe in blocks
-        # whatever fflush() does, unless -W interactive; gawk and busybox read lines)
+        # whatever fflush() does, unless -W interactive; gawk and busybox read lines. Not
+        # mawk 1.3.3's -W interactive (Debian 10): it cuts lines at 4 KiB, and a secret across
+        # the cut would pass unmasked. </dev/null: the one true awk reads "version" as a
+        # program, from stdin)
         'if [ -z "${AIRFLOW_SKYPILOT_SECRET_NAMES:-}" ]; then '
         'exec bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&1 2>/dev/null; fi',
         "AIRFLOW_SKYPILOT_AWK=(awk)",
-        "awk -W version 2>&1 | grep -q mawk && AIRFLOW_SKYPILOT_AWK=(awk -W interactive)",
+        'case $(awk -W version 2>&1 </dev/null) in "mawk 1.3.3"*) ;;',
+        "  mawk*) AIRFLOW_SKYPILOT_AWK=(awk -W interactive) ;; esac",
         'bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&1 2>/dev/null '
         '| "${AIRFLOW_SKYPILOT_AWK[@]}" -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
         f"  {shlex.quote(_MASK_AWK)}",

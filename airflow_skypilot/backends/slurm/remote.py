@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import logging
 import os
+import posixpath
 import stat
 import threading
 import time
@@ -39,10 +40,13 @@ if logging.getLogger("asyncssh").level == logging.NOTSET:
 
 @dataclass(frozen=True)
 class MakeDirs:
-    """Create ``path`` and its missing parents (each new one with ``mode``)."""
+    """Create ``path`` and its missing parents (each new one with ``mode``). ``in_tree``: a
+    folder of an uploaded tree, where rsync replaces a link or a file already there with the
+    folder (its parents, the destination, are followed as rsync follows them)."""
 
     path: str
     mode: int
+    in_tree: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,7 +272,7 @@ def _apply(sftp: Any, step: UploadStep, deadline: float = float("inf")) -> None:
 
     in_time()
     if isinstance(step, MakeDirs):
-        _makedirs(sftp, step.path, step.mode)
+        _makedirs(sftp, step.path, step.mode, in_tree=step.in_tree)
     elif isinstance(step, Chmod):
         sftp.chmod(step.path, step.mode)
     elif isinstance(step, WriteFile):
@@ -278,12 +282,17 @@ def _apply(sftp: Any, step: UploadStep, deadline: float = float("inf")) -> None:
     elif isinstance(step, MakeLink):
         _symlink(sftp, step.target, step.path)
     else:
-        with open(step.local, "rb") as src, sftp.open(step.remote, "w") as fh:
-            sftp.chmod(step.remote, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
+        # written aside, then renamed over the path, as rsync does: a link already there (an
+        # earlier job's, the workdir's under a file mount) is replaced, never written through
+        part = posixpath.join(posixpath.dirname(step.remote),
+                              f".{posixpath.basename(step.remote)}.airflow-skypilot-part")
+        with open(step.local, "rb") as src, sftp.open(part, "w") as fh:
+            sftp.chmod(part, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
             fh.set_pipelined(True)  # as paramiko's put: writes acknowledged in the background
             while chunk := src.read(_PUT_CHUNK):
                 fh.write(chunk)
                 in_time()
+        sftp.posix_rename(part, step.remote)
 
 
 def _symlink(sftp: Any, target: str, path: str) -> None:
@@ -308,14 +317,27 @@ def _symlink(sftp: Any, target: str, path: str) -> None:
     sftp.symlink(target, path)
 
 
-def _makedirs(sftp: Any, path: str, mode: int) -> None:
+def _makedirs(sftp: Any, path: str, mode: int, in_tree: bool = False) -> None:
     parts = path.split("/")
     current = "/" if path.startswith("/") else ""
-    for part in parts:
+    last = max((i for i, part in enumerate(parts) if part), default=-1)
+    for i, part in enumerate(parts):
         if not part:
             continue
         current = f"{current}{part}" if current.endswith("/") or not current else \
             f"{current}/{part}"
+        if in_tree and i == last:
+            # a tree's own folder: a link or a file there is replaced, as rsync does (the
+            # parents, the destination, are followed)
+            try:
+                there = sftp.lstat(current)
+            except OSError:
+                sftp.mkdir(current, mode)
+                continue
+            if there.st_mode is not None and not stat.S_ISDIR(there.st_mode):
+                sftp.remove(current)
+                sftp.mkdir(current, mode)
+            continue
         try:
             sftp.stat(current)
         except OSError:

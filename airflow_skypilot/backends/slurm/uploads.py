@@ -37,7 +37,8 @@ def tree(local: str, remote: str) -> list[UploadStep]:
         if isinstance(entry, Link):
             steps.append(MakeLink(entry.target, target))
         else:
-            steps.append(MakeDirs(target, 0o755) if entry.is_dir else PutFile(entry.path, target))
+            steps.append(MakeDirs(target, 0o755, in_tree=True) if entry.is_dir
+                         else PutFile(entry.path, target))
     return steps
 
 
