@@ -383,3 +383,56 @@ def test_what_an_earlier_job_left_as_a_link_is_replaced_never_written_through(tm
     assert (victim.read_text(), victim.stat().st_mode & 0o777) == ("precious", 0o600)
     assert (home / "m/latest").read_text() == "a note" and not (home / "m/latest").is_symlink()
     assert (home / "m/x/data").read_text() == "d" and not (home / "m/x").is_symlink()
+
+
+def test_an_upload_aside_has_a_name_of_its_own_and_goes_when_it_fails(tmp_path):
+    """Written aside then renamed (the previous test): two jobs mounting one file at once do
+    not share the aside name (the second's rename found it gone, a refused submission), a
+    name of 240 bytes still fits (255 with the suffix did not), and a failed write leaves
+    nothing (a read-only leftover blocked every later upload of that file)."""
+    from airflow_skypilot.backends.slurm.remote import PutFile, _apply
+
+    home = tmp_path / "home"
+    home.mkdir()
+    src = tmp_path / ("n" * 240)
+    src.write_text("{}")
+    src.chmod(0o444)
+    step = PutFile(str(src), str(home / src.name))
+
+    class Racing(LocalSFTP):
+        def open(self, path, mode):
+            fh = LocalSFTP.open(self, path, mode)
+            _apply(LocalSFTP(), step)  # the other job's whole upload of the same file
+            return fh
+
+    _apply(Racing(), step)
+    assert sorted(os.listdir(home)) == [src.name] and (home / src.name).read_text() == "{}"
+
+    class Failing(LocalSFTP):
+        def posix_rename(self, old, new):
+            raise OSError(5, "the connection broke")
+
+    with pytest.raises(OSError):
+        _apply(Failing(), PutFile(str(src), str(home / "other")))
+    assert sorted(os.listdir(home)) == [src.name]
+
+
+def test_a_server_without_posix_rename_gets_a_plain_rename(tmp_path):
+    """paramiko raises a bare IOError("Operation unsupported") (no errno) where a server lacks
+    OpenSSH's posix-rename: the upload still replaces what is there, link or file."""
+    from airflow_skypilot.backends.slurm.remote import PutFile, _apply
+
+    (tmp_path / "new").write_text("new")
+    os.symlink("elsewhere", tmp_path / "there")
+
+    class Plain(LocalSFTP):
+        def posix_rename(self, old, new):
+            raise OSError("Operation unsupported")
+
+        def rename(self, old, new):  # SFTP's rename refuses an existing target
+            if os.path.lexists(new):
+                raise OSError(17, "exists")
+            os.rename(old, new)
+
+    _apply(Plain(), PutFile(str(tmp_path / "new"), str(tmp_path / "there")))
+    assert (tmp_path / "there").read_text() == "new" and not (tmp_path / "there").is_symlink()

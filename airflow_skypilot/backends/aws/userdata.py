@@ -333,9 +333,10 @@ fi
 step() {  # setup|run: node.sh's exit code, once every writer of its output closed it
   (umask 022; exec bash "$JOB_DIR/node.sh" "$1") 2>&1 | cat
   set -- "$1" "${PIPESTATUS[@]}"
-  # a log pipe that broke (its cat killed) is the node's failure, not the job's SIGPIPE (141);
-  # any other code is the job's own, even when the log could not take all (a full disk)
-  [ "$3" -eq 0 ] || [ "$2" -ne 141 ] ||
+  # a log pipe that broke is the node's failure, not the job's code: its cat killed (a
+  # signal), or failing (a full disk) when the job died of the broken pipe (SIGPIPE, 141);
+  # a job that ended of itself keeps its code though the log could not take all of it
+  [ "$3" -eq 0 ] || { [ "$3" -lt 128 ] && [ "$2" -ne 141 ]; } ||
     finish bootstrap_error "the $1 step's output could not be logged (exit $3)"
   return "$2"
 }

@@ -19,10 +19,12 @@ SubmissionError (nothing was submitted yet).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
 import posixpath
+import secrets
 import stat
 import threading
 import time
@@ -282,17 +284,39 @@ def _apply(sftp: Any, step: UploadStep, deadline: float = float("inf")) -> None:
     elif isinstance(step, MakeLink):
         _symlink(sftp, step.target, step.path)
     else:
-        # written aside, then renamed over the path, as rsync does: a link already there (an
-        # earlier job's, the workdir's under a file mount) is replaced, never written through
-        part = posixpath.join(posixpath.dirname(step.remote),
-                              f".{posixpath.basename(step.remote)}.airflow-skypilot-part")
+        _put(sftp, step, in_time)
+
+
+def _put(sftp: Any, step: PutFile, in_time: Any) -> None:
+    """Written aside, then renamed over the path, as rsync does: a link already there (an
+    earlier job's, the workdir's under a file mount) is replaced, never written through. The
+    aside name is the upload's own (two jobs mounting one file at once do not share it; a
+    long name is cut to fit 255 bytes) and removed if the upload fails."""
+    base = posixpath.basename(step.remote).encode()[:200].decode(errors="ignore")
+    part = posixpath.join(posixpath.dirname(step.remote),
+                          f".{base}.{secrets.token_hex(4)}.airflow-skypilot-part")
+    try:
         with open(step.local, "rb") as src, sftp.open(part, "w") as fh:
             sftp.chmod(part, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
             fh.set_pipelined(True)  # as paramiko's put: writes acknowledged in the background
             while chunk := src.read(_PUT_CHUNK):
                 fh.write(chunk)
                 in_time()
-        sftp.posix_rename(part, step.remote)
+        try:
+            sftp.posix_rename(part, step.remote)
+        except OSError as exc:
+            if exc.errno is not None:
+                raise
+            # a server without OpenSSH's posix-rename ("Operation unsupported"): the plain
+            # rename, which does not replace, after the link or file there is removed
+            with contextlib.suppress(OSError):
+                if not stat.S_ISDIR(sftp.lstat(step.remote).st_mode or 0):
+                    sftp.remove(step.remote)
+            sftp.rename(part, step.remote)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            sftp.remove(part)
+        raise
 
 
 def _symlink(sftp: Any, target: str, path: str) -> None:
