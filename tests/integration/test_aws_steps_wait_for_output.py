@@ -32,6 +32,13 @@ from tests.integration.test_aws_backend import (  # noqa: F401  (box: the sandbo
 pytestmark = pytest.mark.sandbox
 
 
+def _until_body_done(backend, handle) -> None:
+    """The job runs and its run body's last line is in the log (its background writer on)."""
+    _wait(backend, handle, {JobState.RUNNING}, timeout=60)
+    wait_until(lambda: "run body done" in backend.read_log(handle)[0], timeout=60,
+               what="the run body's line in the log")
+
+
 def test_a_background_writers_late_line_is_logged_before_the_job_ends(box):  # noqa: F811
     backend = AwsBackend(CONN)
     marks = Path(shared_dir())  # one file per run of the user code
@@ -40,9 +47,7 @@ def test_a_background_writers_late_line_is_logged_before_the_job_ends(box):  # n
                              'echo "run body done"\n'})
     handle = backend.submit(task, _offer(backend, task), _name("late"), {})
     try:
-        _wait(backend, handle, {JobState.RUNNING}, timeout=60)
-        wait_until(lambda: "run body done" in backend.read_log(handle)[0], timeout=60,
-                   what="the run body's line in the log")
+        _until_body_done(backend, handle)
         running = time.monotonic()
         status = _wait(backend, handle, timeout=60)
         text, _ = backend.read_log(handle)
@@ -66,9 +71,7 @@ def test_a_cancel_ends_a_job_whose_background_writer_ignores_term_at_once(box): 
                              'echo "run body done"\n'})
     handle = backend.submit(task, _offer(backend, task), _name("late-cancel"), {})
     try:
-        _wait(backend, handle, {JobState.RUNNING}, timeout=60)
-        wait_until(lambda: "run body done" in backend.read_log(handle)[0], timeout=60,
-                   what="the run body's line in the log")
+        _until_body_done(backend, handle)
         time.sleep(3)  # the run's shell has exited: the writer holds its output
         status = backend.status([handle])[handle.job_id]
         assert status.state == JobState.RUNNING, status

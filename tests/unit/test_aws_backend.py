@@ -930,6 +930,19 @@ def _imds(fake: Path, rank: int, ip: str) -> None:
         (fake / "imds" / key).write_text(value)
 
 
+def _boot(tmp_path: Path, task) -> tuple[Path, dict[str, str], Path]:
+    """The bootstrap of ``task`` for rank 0 of one node, with its secrets in the stub SSM:
+    (the stubs' folder, their env, the user-data file)."""
+    script, _ = _render(task, sorted(task.secrets), log_interval=1)
+    fake, env = _stubs(tmp_path)
+    _imds(fake, 0, "10.0.0.5")
+    for key, value in task.secrets.items():
+        (fake / "ssm" / key).write_text("b64:" + base64.b64encode(value.encode()).decode())
+    user_data = tmp_path / "user-data"
+    user_data.write_text(script)
+    return fake, env, user_data
+
+
 def test_bootstrap_runs_setup_and_run_with_env_and_secrets(tmp_path):
     task = load_task({
         "setup": 'echo "setup rank=$SKYPILOT_SETUP_NODE_RANK"',
@@ -941,13 +954,7 @@ def test_bootstrap_runs_setup_and_run_with_env_and_secrets(tmp_path):
         "envs": {**TRICKY, "KEYS": json.dumps(sorted([*TRICKY, "TOKEN", "PASS"]))},
         "secrets": {"TOKEN": "tok en\n$(x)'\"", "PASS": "p\\w\td"},
     })
-    script, _ = _render(task, sorted(task.secrets), log_interval=1)
-    fake, env = _stubs(tmp_path)
-    _imds(fake, 0, "10.0.0.5")
-    for key, value in task.secrets.items():
-        (fake / "ssm" / key).write_text("b64:" + base64.b64encode(value.encode()).decode())
-    user_data = tmp_path / "user-data"
-    user_data.write_text(script)
+    fake, env, user_data = _boot(tmp_path, task)
     proc = subprocess.run(["bash", str(user_data)], env=env, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     s3 = fake / "s3" / "bucket/jobs/sky-job-1/rank-0"

@@ -8,29 +8,20 @@ and its lines are logged. The bootstrap is run for real here, with bash, against
 
 from __future__ import annotations
 
-import base64
 import os
 import signal
 import subprocess
 import time
 
 from airflow_skypilot.spec import load_task
-from tests.unit.test_aws_backend import _imds, _render, _stubs
+from tests.unit.test_aws_backend import _boot as _boot_task
 
 LATE = "(sleep 3; echo \"late line from background\") &\n"
 
 
-def _boot(tmp_path, spec, secrets=()):
+def _boot(tmp_path, spec):
     """The bootstrap of the task ``spec`` for rank 0 of one node: (fake, env, user-data)."""
-    task = load_task(spec)
-    script, _ = _render(task, sorted(task.secrets), log_interval=1)
-    fake, env = _stubs(tmp_path)
-    _imds(fake, 0, "10.0.0.5")
-    for key, value in task.secrets.items():
-        (fake / "ssm" / key).write_text("b64:" + base64.b64encode(value.encode()).decode())
-    user_data = tmp_path / "user-data"
-    user_data.write_text(script)
-    return fake, env, user_data
+    return _boot_task(tmp_path, load_task(spec))
 
 
 def _rank0(fake):
