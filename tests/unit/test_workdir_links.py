@@ -362,6 +362,37 @@ def test_a_mount_over_a_workdir_link_replaces_the_link_not_its_target(tmp_path):
     assert (job / "workdir/configs/dev.yaml").read_text() == "dev"
 
 
+def test_an_aws_mount_over_a_workdir_link_replaces_the_link_not_its_target(tmp_path):
+    """The same on an AWS node: the payload unpacked as the bootstrap unpacks it, then its
+    mounts.sh (a file mount at cfg.yaml, a folder mount over a folder of links): ``cp -a``
+    wrote through each link (configs/dev.yaml became prod, and so did what conf/x pointed
+    to); rsync, and now cp --remove-destination, replace the link."""
+    import gzip
+
+    from airflow_skypilot.backends.aws import userdata
+
+    src = _tree_of(tmp_path / "src", {"configs/dev.yaml": "dev", "cfg.yaml": "->configs/dev.yaml",
+                                      "conf/x": "->../configs/dev.yaml"})
+    (tmp_path / "prod.yaml").write_text("prod")
+    _tree_of(tmp_path / "conf", {"x": "new x"})
+    task = load_task({"run": "x", "workdir": src, "file_mounts": {
+        "cfg.yaml": str(tmp_path / "prod.yaml"), "conf": str(tmp_path / "conf")}})
+    sky = tmp_path / "sky"
+    subprocess.run(["rsync", "-a", f"{src}/", f"{sky}/"], check=True)
+    subprocess.run(["rsync", "-a", str(tmp_path / "prod.yaml"), f"{sky}/cfg.yaml"], check=True)
+    subprocess.run(["rsync", "-a", f"{tmp_path / 'conf'}/", f"{sky}/conf/"], check=True)
+    job = tmp_path / "node" / "job"
+    job.mkdir(parents=True)
+    (tmp_path / "payload.tar").write_bytes(gzip.decompress(userdata.render_payload(task, {}).data))
+    subprocess.run(["tar", "-xf", str(tmp_path / "payload.tar"), "-C", str(job)], check=True)
+    done = subprocess.run(["bash", str(job / "mounts.sh")], capture_output=True, text=True,
+                          env={"JOB_DIR": str(job), "HOME": str(tmp_path / "node"),
+                               "PATH": "/usr/bin:/bin"}, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert _seen(job / "workdir") == _seen(sky)
+    assert (job / "workdir/configs/dev.yaml").read_text() == "dev"
+
+
 def test_what_an_earlier_job_left_as_a_link_is_replaced_never_written_through(tmp_path):
     """Job A mounts ~/m with links (to a file of its own, to a file outside every job dir,
     to a file where job B has a folder); job B's ~/m has plain files and that folder: as

@@ -144,10 +144,13 @@ def mounts_script(task: Task) -> tuple[str, list[tuple[str, str]]]:
         name = f"mounts/{i}"
         local.append((path, name))
         lines.append(f"mkdir -p \"$(dirname {target_word})\"")
+        # --remove-destination: a link already there (the workdir's) is replaced, as rsync
+        # replaces it; a plain cp writes through it, into whatever it points to
         if os.path.isdir(path):
-            lines.append(f"mkdir -p {target_word} && cp -a {name}/. {target_word}/")
+            lines.append(f"mkdir -p {target_word} && "
+                         f"cp -a --remove-destination {name}/. {target_word}/")
         else:
-            lines.append(f"cp -a {name} {target_word}")
+            lines.append(f"cp -a --remove-destination {name} {target_word}")
     return "\n".join(lines) + "\n", local
 
 
