@@ -467,3 +467,31 @@ def test_a_server_without_posix_rename_gets_a_plain_rename(tmp_path):
 
     _apply(Plain(), PutFile(str(tmp_path / "new"), str(tmp_path / "there")))
     assert (tmp_path / "there").read_text() == "new" and not (tmp_path / "there").is_symlink()
+
+
+def test_a_fifo_or_socket_in_the_workdir_is_left_behind_not_read(tmp_path, caplog):
+    """A FIFO in the workdir (a tool's control pipe left there): Slurm's upload opened it to
+    send it and waited for a writer for ever (the worker hung before submitting); a socket
+    failed it. Neither can be made over SFTP: each is left behind, with a warning naming it,
+    and the rest travels."""
+    import socket
+    import threading
+
+    src = _tree_of(tmp_path / "src", {"train.py": "print(1)"})
+    os.mkfifo(tmp_path / "src" / "ctl.fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "src" / "s.sock"))
+    try:
+        assert [rel for _, rel, _ in walk(src)] == ["train.py"]
+        job, home = tmp_path / "remote/job", tmp_path / "remote/home"
+        home.mkdir(parents=True)
+        task = load_task({"run": "x", "workdir": src})
+        done = threading.Thread(target=_upload, args=(task, str(job), str(home)), daemon=True)
+        done.start()
+        done.join(timeout=20)
+        assert not done.is_alive(), "the upload blocked on the FIFO"
+        assert _seen(job / "workdir") == {"train.py": ("file", "print(1)")}
+        assert "ctl.fifo is not a file, folder or link: left behind" in caplog.text
+        assert "s.sock is not a file, folder or link" in caplog.text
+    finally:
+        sock.close()

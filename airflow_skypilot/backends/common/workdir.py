@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -85,13 +86,27 @@ def walk(local: str, keep_git: bool = True) -> list[Entry]:
         for name in sorted({*files, *links}):
             if kept(name, False):
                 path = os.path.join(root, name)
-                out.append(Link(path, rel(name), os.readlink(path)) if name in links
-                           else Entry(path, rel(name), False))
+                if name in links:
+                    out.append(Link(path, rel(name), os.readlink(path)))
+                elif _special(path):
+                    # a FIFO, socket or device: rsync -a makes one there, nothing here can
+                    # (SFTP has no mkfifo), and reading a FIFO to send it blocks for ever
+                    log.warning("%s/%s is not a file, folder or link: left behind", local,
+                                rel(name))
+                else:
+                    out.append(Entry(path, rel(name), False))
     git = sum(1 for _, rel, is_dir in out if not is_dir and rel.startswith(".git/"))
     if git > GIT_FILES_NOTED:
         log.warning("%s/.git travels with it, as in SkyPilot (%d files): list .git/ in its "
                     ".skyignore or .gitignore to leave the history behind", local, git)
     return out
+
+
+def _special(path: str) -> bool:
+    try:
+        return not stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:  # gone since it was listed: left to the reader to say so
+        return False
 
 
 def mount_word(dst: str, *, home: str, workdir: str, word: Callable[[str], str],
