@@ -177,6 +177,10 @@ def test_every_failed_ranks_code_is_read_while_slurm_still_lists_the_failed_job(
     assert status.state == JobState.FAILED, status
     assert (status.exit_code, status.exit_codes) == (33, [33, 100])
     assert status.reason == "exit code 33 on rank 0"
+    # rank 1's setup failed, srun stopped rank 0's (TERM: 143): rank 1's code is the failure
+    stopped = _listed(squeue, sacct, sacct_rc, "143 ranks setup 0=143 1=3")
+    assert (stopped.reason, stopped.exit_code, stopped.exit_codes) == \
+        ("exit code 3 on rank 1", 3, [143, 3])
     lost = _listed(squeue, sacct, sacct_rc, "137 ranks run 0=0 1=-")  # no rank failed
     assert lost.state == JobState.INFRA_FAILED and "rank 1" in lost.reason, lost
 

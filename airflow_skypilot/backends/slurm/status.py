@@ -215,7 +215,9 @@ def _ranks_status(words: list[str], exit_code: int) -> JobStatus:
     if not failed:
         return JobStatus(JobState.FAILED, reason=f"exit code {exit_code}",
                          exit_code=exit_code, raw_state="(exit file)")
-    rank, code = failed[0]
+    # the rank that failed of its own, not one srun then stopped (TERM, KILL: 143, 137) while
+    # its node.sh went on to write that code
+    rank, code = next(((r, c) for r, c in failed if c not in (137, 143)), failed[0])
     return JobStatus(JobState.FAILED, reason=f"exit code {code} on rank {rank}", exit_code=code,
                      exit_codes=[c for _, c in failed], raw_state="(exit file)")
 
