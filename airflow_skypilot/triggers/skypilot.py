@@ -54,6 +54,10 @@ WATCH_WRITE_EVERY = 300.0
 WATCH_READ_TIMEOUT = 10.0
 #: seconds a job's backend may stay silent before the job counts as lost
 DEFAULT_UNREACHABLE_TIMEOUT = 300.0
+#: seconds the trigger's on_kill keeps asking a silent backend to cancel the watched job (within
+#: Airflow's ``[triggerer] on_kill_timeout``, 30 s by default), and the wait between two asks
+ON_KILL_CANCEL_BUDGET = 20.0
+ON_KILL_RETRY_WAIT = 2.0
 #: seconds past two poll intervals a watcher waits for a poll's result before it counts the
 #: wait as a silence (longer than any backend call's own bound)
 POLL_RESULT_GRACE = 180.0
@@ -407,15 +411,40 @@ class SkyPilotJobTrigger(_SweepsMixin, BaseTrigger):
                 "(the trigger moved to another triggerer): the job is left running",
                 handle.job_id, handle.connection)
             return
+        # the watched job's cancel and one more try at the old copies still to confirm dead
+        # (those whatever cancel_on_kill says: it keeps the watched job only; nothing else
+        # would stop them), side by side: neither waits on the other's silent backend, and
+        # both fit Airflow's [triggerer] on_kill_timeout
+        jobs = [self._asweep_on_kill(() if self.cancel_on_kill else (handle.job_name,))]
         if self.cancel_on_kill:
-            backend = backend_for_handle(handle)
-            self.log.info("Task killed while deferred: cancelling %s job %s on %s",
-                          handle.backend, handle.job_id, handle.connection)
-            await asyncio.to_thread(backend.cancel, handle)
-        # old copies still to confirm dead are stopped whatever cancel_on_kill says (it keeps
-        # the watched job only): nothing else would stop them
-        await self._asweep_on_kill(() if self.cancel_on_kill else (handle.job_name,))
+            jobs.insert(0, self._acancel_on_kill(handle))
+        for outcome in await asyncio.gather(*jobs, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                self.log.error("Stopping the task's jobs as it was killed failed: %s: %s",
+                               type(outcome).__name__, outcome)
 
+    async def _acancel_on_kill(self, handle: JobHandle) -> None:
+        """Cancel the watched job, asked again after a failure within
+        :data:`ON_KILL_CANCEL_BUDGET` (a backend briefly silent: no later try comes to stop
+        it); a job still not cancelled is named in the log."""
+        backend = backend_for_handle(handle)
+        self.log.info("Task killed while deferred: cancelling %s job %s on %s",
+                      handle.backend, handle.job_id, handle.connection)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ON_KILL_CANCEL_BUDGET
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(backend.cancel, handle),
+                                       max(deadline - loop.time(), 0.1))
+                return
+            except Exception as exc:  # any failure is "not cancelled yet"
+                error = exc
+            if loop.time() + ON_KILL_RETRY_WAIT >= deadline:
+                break
+            await asyncio.sleep(ON_KILL_RETRY_WAIT)
+        self.log.error("Job %s on %s NOT cancelled as the task was killed (%s: %s); stop it "
+                       "by hand: %s job %s", handle.job_id, handle.connection,
+                       type(error).__name__, error, handle.backend, handle.job_name)
 
 
 class SkyPilotWaitTrigger(_SweepsMixin, BaseTrigger):

@@ -325,6 +325,40 @@ async def test_on_kill_without_cancel_on_kill_still_stops_old_copies():
     assert FakeBackend.jobs["2"]["status"].state == JobState.CANCELLED
 
 
+async def test_on_kill_stops_old_copies_and_asks_again_when_the_cancel_fails(monkeypatch,
+                                                                             capsys):
+    """The watched job's backend silent as the task is killed: the cancel raised, the old
+    copy waiting to be confirmed dead on another connection was never tried, and nothing
+    else would stop either (a task marked failed has no later try). Now the old copy is
+    stopped at once, the cancel is asked again and goes through once the backend answers;
+    one that never answers is named in the log."""
+    from airflow_skypilot.runstate import RunState, Sweep
+
+    monkeypatch.setattr(trig, "ON_KILL_RETRY_WAIT", 0.05)
+    watched, old = _job("1"), _job("2")
+    FakeBackend.jobs["2"]["conn"] = "c2"
+    old = JobHandle.from_dict({**old.to_dict(), "connection": "c2"})
+    run = RunState(prefix="n")
+    run.sweeps.append(Sweep(connection="c2", handle=old.to_dict(), reason="moved away"))
+    FakeBackend.down = {"c1"}
+
+    async def back_up():
+        await asyncio.sleep(0.2)
+        assert FakeBackend.jobs["2"]["status"].state == JobState.CANCELLED  # not waiting on c1
+        FakeBackend.down = set()
+
+    await asyncio.gather(SkyPilotJobTrigger(watched.to_dict(), state=run).on_kill(), back_up())
+    assert FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+
+    monkeypatch.setattr(trig, "ON_KILL_CANCEL_BUDGET", 0.3)
+    third = _job("3")
+    FakeBackend.down = {"c1"}
+    await SkyPilotJobTrigger(third.to_dict()).on_kill()
+    assert FakeBackend.jobs["3"]["status"].state == JobState.RUNNING
+    assert "Job 3 on c1 NOT cancelled as the task was killed (BackendUnreachable: c1 is down)" \
+        in capsys.readouterr().out
+
+
 class _BrokenRoundBackend(FakeBackend):
     """A backend whose answer the poll round cannot digest, for a while: the round raises
     outside the backend call (before, the poll loop died, and its watchers waited for ever)."""
