@@ -410,6 +410,52 @@ def test_a_job_cancelled_by_someone_else_reads_lost_once_slurm_forgets_it(slurm)
     assert _ran(marks, "runs") == ["started"]
 
 
+def test_a_job_id_slurm_gave_again_is_not_ours_to_watch_or_cancel(slurm):
+    """Slurm gives an id again (a controller that lost its state; the docker/ deployment wipes
+    it on every start, the job dirs stay): our old job's handle then names another task's
+    running job. Its state was read as ours (our task ended with the other's result, or a
+    clear's reconcile stopped it as an old copy) and its cancel killed it. Now a row counts
+    only under our job's name, or, by another name, submitted when ours was: ours reads lost
+    (no exit code of its own), the cancel leaves the other job alone, and that job's user
+    code runs once to its end."""
+    from dataclasses import replace
+
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    theirs = _submit(backend, f"echo started >> {marks}/runs; sleep 8; echo ran >> {marks}/runs",
+                     _name("theirs"))
+    wait_until(lambda: _ran(marks, "runs"), 60, what="their user code running")
+    old_dir = Path(shared_dir())  # our old job's dir: no exit code, its job ended with the state
+    ours = replace(theirs, job_name=_name("ours"), submitted_at=theirs.submitted_at - 3600,
+                   extra={**theirs.extra, "job_dir": str(old_dir)})
+    got = backend.status([ours])[ours.job_id]
+    assert got.state == JobState.LOST, got  # not their RUNNING
+    backend.cancel(ours)
+    assert wait_for_job(backend, theirs, {JobState.SUCCEEDED}, 60).state == JobState.SUCCEEDED
+    assert _ran(marks, "runs") == ["started", "ran"]
+    got = backend.status([ours])[ours.job_id]  # accounting's row of their ended job: not ours
+    assert got.state == JobState.LOST and got.exit_code is None, got
+
+
+def test_a_job_the_site_renamed_is_still_ours_to_watch_and_cancel(slurm):
+    """A site's job_submit plugin or an admin's `scontrol update JobName=` renames our job:
+    it is still ours (submitted when we submitted it), read RUNNING, not lost and placed
+    again beside itself, and our cancel stops it; its user code ran once."""
+    backend = SlurmBackend(CONN)
+    marks = Path(shared_dir())
+    handle = _submit(backend, f"echo started >> {marks}/runs; sleep 600", _name("renamed"))
+    wait_until(lambda: _ran(marks, "runs"), 60, what="the user code running")
+    slurm.run(CLUSTER, "scontrol", "update", f"JobId={handle.job_id}", "JobName=site-renamed",
+              as_root=True)
+    listed = slurm.run(CLUSTER, "squeue", "-h", "-j", handle.job_id, "-o", "%j").stdout
+    assert listed.strip() == "site-renamed"
+    assert backend.status([handle])[handle.job_id].state == JobState.RUNNING
+    backend.cancel(handle)
+    status = wait_for_job(backend, handle, {JobState.CANCELLED}, 60)
+    assert status.state == JobState.CANCELLED, status
+    assert _ran(marks, "runs") == ["started"]
+
+
 def test_secrets_are_removed_when_sbatch_refuses_the_job(slurm):
     backend = SlurmBackend(CONN)
     name = _name("refused")

@@ -122,8 +122,8 @@ def test_state_mapping(raw, reason, exit_file, state, code):
 
 
 def test_sacct_and_exit_files_cover_jobs_that_left_the_queue():
-    out = ("@@squeue\n@@squeue_rc\n0\n@@sacct\n8|NODE_FAIL|0:0|1796000000|1796000100\n"
-           "8.batch|CANCELLED|0:15\n@@sacct_rc\n0\n@@exits\n9|0\n")
+    out = ("@@squeue\n@@squeue_rc\n0\n@@sacct\n8|NODE_FAIL|0:0|1796000000|1796000100||n\n"
+           "8.batch|CANCELLED|0:15|||batch\n@@sacct_rc\n0\n@@exits\n9|0\n")
     got = parse_status(out, [_handle("8"), _handle("9"), _handle("10")])
     assert got["8"].state == JobState.INFRA_FAILED
     assert (got["8"].started_at, got["8"].ended_at) == (1796000000.0, 1796000100.0)
@@ -136,7 +136,7 @@ def test_a_step_that_srun_could_not_launch_is_an_infra_failure():
     # squeue, sacct or only the exit file still knows the job; a plain exit code stays the
     # user's
     out = ("@@squeue\n7|n|FAILED|NonZeroExitCode|a1|1|2\n@@squeue_rc\n0\n"
-           "@@sacct\n8|FAILED|1:0|1796000000|1796000100\n@@sacct_rc\n0\n"
+           "@@sacct\n8|FAILED|1:0|1796000000|1796000100||n\n@@sacct_rc\n0\n"
            "@@exits\n7|nostep run 1\n8|nostep setup 1\n9|nostep run 1\n10|1\n")
     got = parse_status(out, [_handle(j) for j in ("7", "8", "9", "10")])
     for job, phase in (("7", "run"), ("8", "setup"), ("9", "run")):
@@ -148,7 +148,7 @@ def test_a_step_that_srun_could_not_launch_is_an_infra_failure():
 _LISTED_FAILED = [  # squeue or sacct still knows the failed job (its exit file is written)
     ("7|n|FAILED|NonZeroExitCode|n[1-2]|100|200\n", "", 1),  # squeue's MinJobAge window
     ("7|n|COMPLETING|None|n[1-2]|100|200\n", "", 1),  # Slurm's clean-up after the exit file
-    ("", "7|FAILED|1:0|100|200\n", 0),  # left the queue, accounting remembers it
+    ("", "7|FAILED|1:0|100|200||n\n", 0),  # left the queue, accounting remembers it
 ]
 
 
@@ -210,10 +210,10 @@ def test_a_squeue_that_did_not_answer_is_unknown_never_lost(squeue):
 
 
 def test_a_failed_sacct_is_not_read_and_an_empty_state_is_unknown():
-    out = ("@@squeue\n@@squeue_rc\n0\n@@sacct\n8|NODE_FAIL|0:0||\n@@sacct_rc\n1\n"
+    out = ("@@squeue\n@@squeue_rc\n0\n@@sacct\n8|NODE_FAIL|0:0||||n\n@@sacct_rc\n1\n"
            "@@exits\n")
     assert parse_status(out, [_handle("8")])["8"].state == JobState.LOST
-    out = "@@squeue\n@@squeue_rc\n0\n@@sacct\n8||0:0||\n@@sacct_rc\n0\n@@exits\n"
+    out = "@@squeue\n@@squeue_rc\n0\n@@sacct\n8||0:0||||n\n@@sacct_rc\n0\n@@exits\n"
     assert parse_status(out, [_handle("8")])["8"].state == JobState.UNKNOWN
     out = "@@squeue\n8|n|SOMETHING_NEW|x|a1|1|2\n@@squeue_rc\n0\n@@sacct\n@@exits\n"
     assert parse_status(out, [_handle("8")])["8"].state == JobState.UNKNOWN
@@ -243,3 +243,55 @@ def test_settings_from_connection_extras():
                                       "--exclusive", "--comment=a b"]
     assert s.price_per_gpu_hour == 2.5
     assert SlurmSettings.from_extra("conn", {}).cluster == "conn"
+
+
+def test_a_row_under_our_id_but_another_name_and_later_is_not_our_job():
+    """Slurm gave our old job's id to another job, submitted after ours: its queue and
+    accounting rows are not ours; our job's own exit file still speaks, and without one it
+    is lost (never the other job's RUNNING or FAILED). A row by another name submitted when
+    ours was is ours, renamed (a site's job_submit plugin, an scontrol update)."""
+    from dataclasses import replace as with_
+
+    mine = [with_(_handle(j), submitted_at=1000.0) for j in ("7", "8")]
+    later = ("@@squeue\n7|sky-other|RUNNING|None|a1|100|N/A|5000\n@@squeue_rc\n0\n"
+             "@@sacct\n8|FAILED|1:0|5000|5100|5000|sky-other\n@@sacct_rc\n0\n@@exits\n")
+    got = parse_status(later, mine)
+    assert got["7"].state == got["8"].state == JobState.LOST, got
+    got = parse_status(later + "7|0\n8|0\n", mine)
+    assert got["7"].state == got["8"].state == JobState.SUCCEEDED, got
+    renamed = later.replace("|5000", "|1030")  # submitted when ours was: ours, renamed
+    got = parse_status(renamed, mine)
+    assert (got["7"].state, got["8"].state) == (JobState.RUNNING, JobState.FAILED), got
+    unknown = parse_status(later, [_handle("7"), _handle("8")])  # no submit time of ours
+    assert (unknown["7"].state, unknown["8"].state) == (JobState.RUNNING, JobState.FAILED)
+
+
+def test_a_cancel_leaves_a_job_that_only_holds_our_id(tmp_path):
+    """The cancel script, run against a stub squeue and scancel: another job submitted later
+    under our id is not cancelled (and says so), ours and ours renamed are."""
+    import subprocess
+    from dataclasses import replace as with_
+
+    from airflow_skypilot.backends.slurm.submit import cancel_script
+
+    script = cancel_script(with_(_handle("7"), submitted_at=1000.0))
+
+    def cancelled(row: str) -> tuple[bool, str]:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        (bin_dir / "squeue").write_text(f"#!/bin/sh\nprintf '%s\\n' '{row}'\n")
+        (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scancelled\n")
+        for tool in ("squeue", "scancel"):
+            (bin_dir / tool).chmod(0o755)
+        (tmp_path / "scancelled").unlink(missing_ok=True)
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                              env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return (tmp_path / "scancelled").exists(), done.stdout
+
+    assert cancelled("n|1001") == (True, "")
+    assert cancelled("renamed|1030")[0]
+    assert cancelled("")[0]  # not listed (ended), or squeue silent: scancel says
+    assert cancelled("sky-other|5000") == (
+        False, "airflow-skypilot: id 7 is held by another job now (sky-other|5000): not "
+               "cancelled\n")

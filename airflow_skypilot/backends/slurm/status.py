@@ -93,10 +93,11 @@ def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0,
         'printf "@@tz\\n%s\\n" "$(date +%z)"',
         'printf "@@now\\n%s\\n" "$(date +%s)"',
         "echo @@squeue",
-        f"_t {EPOCH_TIMES} squeue -h -t all -u \"$USER\" -o '%i|%j|%T|%r|%N|%S|%e'",
+        f"_t {EPOCH_TIMES} squeue -h -t all -u \"$USER\" -o '%i|%j|%T|%r|%N|%S|%e|%V'",
         rc_line("squeue"),
         "echo @@sacct",
-        f"_t {EPOCH_TIMES} sacct -n -P -X -j {ids} -o JobIDRaw,State,ExitCode,Start,End "
+        f"_t {EPOCH_TIMES} sacct -n -P -X -j {ids} -o JobIDRaw,State,ExitCode,Start,End,Submit,"
+        "JobName"
         "2>/dev/null",
         rc_line("sacct"),
         "echo @@exits",
@@ -123,16 +124,18 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
     now = epoch((sec.get("now") or [""])[0])
     squeue_rc = section_rc(sec, "squeue")
     answered = squeue_rc == 0
-    queue: dict[str, list[str]] = {}
+    # id -> (row, name, submit time)
+    queue: dict[str, tuple[list[str], str, str]] = {}
     for line in sec.get("squeue", []) if answered else []:
-        parts = line.split("|")
-        if len(parts) >= 6:
-            queue[parts[0].strip()] = [p.strip() for p in parts]
-    accounted: dict[str, list[str]] = {}
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) >= 6:  # id|name|state|reason|nodes|start|end|submit
+            queue[parts[0]] = (parts[:7], parts[1], parts[7] if len(parts) > 7 else "")
+    accounted: dict[str, tuple[list[str], str, str]] = {}
     for line in sec.get("sacct", []) if section_rc(sec, "sacct") == 0 else []:
         parts = line.split("|")
-        if len(parts) >= 3 and "." not in parts[0]:
-            accounted[parts[0].strip()] = [p.strip() for p in parts]
+        if len(parts) >= 3 and "." not in parts[0]:  # id|state|code|start|end|submit|name
+            accounted[parts[0].strip()] = ([p.strip() for p in parts[:5]], "|".join(
+                parts[6:]).strip(), parts[5].strip() if len(parts) > 5 else "")
     history = sec.get("history")
     discount = history_ratio(history) if history else None
     exits: dict[str, str] = {}
@@ -151,16 +154,18 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
         if nostep:  # "nostep <phase> <srun's exit code>": the job script's own verdict
             code_text = nostep[-1]
         exit_code = parse_int(code_text, None) if code_text else None  # type: ignore[arg-type]
-        if jid in queue:
+        listed = _ours(handle, queue.get(jid), offset)
+        booked = _ours(handle, accounted.get(jid), offset)
+        if listed is not None:
             # id|name|state|reason|nodes|start|end
-            _, _, raw, reason, nodes, start, end = (queue[jid] + [""] * 7)[:7]
+            _, _, raw, reason, nodes, start, end = (listed + [""] * 7)[:7]
             out[jid] = _status_from(raw, reason, exit_code, nodes, start, end, offset, now)
             est = out[jid].est_start
             if est is not None and now is not None and discount and discount.ratio:
                 # Slurm plans from time limits: discounted as the probe's estimates are
                 out[jid].est_start = now + (est - now) * discount.ratio
-        elif jid in accounted:
-            _, raw, code, start, end = (accounted[jid] + [""] * 5)[:5]
+        elif booked is not None:
+            _, raw, code, start, end = (booked + [""] * 5)[:5]
             sacct_code = parse_int(code.split(":")[0], None) if code else None  # type: ignore[arg-type]
             out[jid] = _status_from(raw, "", exit_code if exit_code is not None
                                     else sacct_code, "", start, end, offset)
@@ -192,6 +197,26 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
                 f"srun could not launch the job's {nostep[1]} step (exit {exit_code}): the "
                 f"task's {nostep[1]} never began"))
     return out
+
+
+#: seconds after our own submission within which a job under our id but another name is still
+#: ours (a site's job_submit plugin, or an ``scontrol update``, renamed it; the worker's and
+#: the controller's clocks differ). One submitted later got our id from Slurm again.
+RENAMED_SLACK = 600.0
+
+
+def _ours(handle: JobHandle, found: tuple[list[str], str, str] | None,
+          offset: float | None) -> list[str] | None:
+    """A squeue or sacct row under ``handle``'s id, if it is ``handle``'s job. Slurm gives an
+    id again (a controller that lost its state, MaxJobId wrapping): a job under our id, by
+    another name and submitted after ours, is another's, not ours to watch, adopt or judge."""
+    if found is None:
+        return None
+    row, name, submit_text = found
+    if not handle.job_name or name == handle.job_name or not handle.submitted_at:
+        return row
+    submit = epoch(submit_text, offset) if submit_text else None
+    return row if submit is None or submit <= handle.submitted_at + RENAMED_SLACK else None
 
 
 def _ranks_status(words: list[str], exit_code: int) -> JobStatus:

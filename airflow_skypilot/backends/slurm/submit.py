@@ -42,6 +42,7 @@ from airflow_skypilot.backends.slurm.shell import (
     remote_dir_expr,
     section_rc,
 )
+from airflow_skypilot.backends.slurm.status import RENAMED_SLACK
 
 # the plan of the upload (the job's files, the workdir, the file mounts) is its own module;
 # callers found it here
@@ -502,9 +503,24 @@ def submitted_handle(task: Task, offer: Offer, conn_id: str, job_id: str, job_na
 
 
 def cancel_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str:
-    """``scancel`` (its exit status is the script's) and drop the job's secrets."""
+    """``scancel`` (its exit status is the script's) and drop the job's secrets. Not a job
+    that only holds our id: one by another name submitted well after ours got the id from
+    Slurm again (a controller that lost its state); the rule of ``status._ours``."""
     job_dir = handle.extra.get("job_dir", "")
-    lines = [bounded(slurm_timeout), f"_t scancel {shlex.quote(handle.job_id)} 2>&1; rc=$?"]
+    jid = shlex.quote(handle.job_id)
+    lines = [bounded(slurm_timeout)]
+    if handle.job_name and handle.submitted_at:
+        later = int(handle.submitted_at + RENAMED_SLACK)
+        lines += [
+            f"row=$(_t env SLURM_TIME_FORMAT=%s squeue -h -j {jid} -o '%j|%V' 2>/dev/null)",
+            f"case $row in ''|{shlex.quote(handle.job_name + '|')}*) ;; *)",
+            "  sub=${row##*|}",
+            f'  case $sub in ""|*[!0-9]*) ;; *) if [ "$sub" -gt {later} ]; then',
+            f'    echo "airflow-skypilot: id {handle.job_id} is held by another job now ($row): '
+            'not cancelled"; other=1; fi ;; esac ;;',
+            "esac",
+        ]
+    lines.append(f'rc=0; [ -n "${{other:-}}" ] || {{ _t scancel {jid} 2>&1; rc=$?; }}')
     if job_dir:
         lines.append(f"rm -f {shlex.quote(job_dir)}/secrets.sh")
     return "\n".join(lines + ["exit $rc"])
