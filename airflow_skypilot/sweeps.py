@@ -18,6 +18,8 @@ from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.identity import parse_job_name
 from airflow_skypilot.runstate import Attempt, RunState, Sweep
 
+_log = logging.getLogger(__name__)
+
 
 def _settle(backend: Backend, handles: list[JobHandle]) -> tuple[list[JobHandle], list[str]]:
     """Cancel what is alive among ``handles``; the handles still alive after one more look,
@@ -64,6 +66,11 @@ def step(sweep: Sweep, backend: Backend, keep: Iterable[str] = (),
         return False
     sweep.done_at = time.time() if now is None else now
     sweep.outcome = ", ".join(sorted(set(ended))) or "nothing alive there"
+    for handle in handles:  # what a cancel leaves (a cancelled Kubernetes Job: no TTL ends it)
+        try:
+            backend.cleanup(handle)
+        except Exception as exc:  # dead is dead: what is left is the backend's own to end
+            _log.warning("Could not clean up after the old copy %s: %s", handle.job_name, exc)
     return True
 
 

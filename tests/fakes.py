@@ -140,6 +140,12 @@ class FakeBackend(Backend):
         data = self._log(handle)
         return tail_text([(0, data[-(max_bytes + 1):], len(data) <= max_bytes)], max_bytes)
 
+    def cleanup(self, handle: JobHandle) -> None:
+        if self.conn_id in self.down:
+            raise BackendUnreachable(f"{self.conn_id} is down")
+        if handle.job_id in self.jobs:
+            self.jobs[handle.job_id]["cleaned"] = True
+
     @classmethod
     def reset(cls) -> None:
         cls.offers, cls.down, cls.refusing, cls.delay, cls.jobs = {}, set(), set(), {}, {}
