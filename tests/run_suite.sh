@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make test`'s runner: the suite in two shards at once, each against sandboxes of its own
 # (ports SKYPILOT_SANDBOX_PORT_BASE and +500, state .sandbox and .sandbox-b): the e2e tests
-# (real Airflow, mostly waiting on jobs) and everything else. Both sets of sandboxes are up
+# and the Slurm fault tests (real Airflow and real daemons, mostly waiting on jobs), and
+# everything else. Both sets of sandboxes are up
 # before either shard starts and down after both end; munged, shared by both, is stopped by
 # the set that started it, last. pytest's exit 5 (no tests collected) is not a failure.
 #
@@ -87,17 +88,20 @@ sets=1
 sets=2
 "${second[@]}" "$PY" -m tests.sandbox up || { down; exit 1; }
 
+# The shards' lengths, as measured: the e2e tests 17.5 min, the rest 25.7; the Slurm fault
+# tests (about 4 min, mostly waiting on jobs) go with the e2e tests
+first_shard=(tests/e2e tests/integration/test_slurm_faults.py)
 e2e_log=$(mktemp)
-"${PYTEST[@]}" tests/e2e > "$e2e_log" 2>&1 &
+"${PYTEST[@]}" "${first_shard[@]}" > "$e2e_log" 2>&1 &
 e2e=$!
-"${second[@]}" "${PYTEST[@]}" --ignore=tests/e2e <&0 &
+"${second[@]}" "${PYTEST[@]}" "${first_shard[@]/#/--ignore=}" <&0 &
 others=$!
 running=("$e2e" "$others")
 wait "$others"; rest=$?
 wait "$e2e"; e2e_rc=$?
 running=()
 echo
-echo "=================================== tests/e2e ==================================="
+echo "=================================== tests/e2e (and the Slurm fault tests) ========="
 cat "$e2e_log"
 down; down_rc=$?
 

@@ -129,7 +129,10 @@ def test_suite_runs_both_shards_and_stops_both_sandbox_sets(suite, rest, e2e, ex
     assert sandbox_calls(lines()) == UP_BOTH + DOWN_BOTH, "each set up once and down once"
     assert f"tests/e2e exit {0 if e2e == 5 else e2e}, the rest exit {0 if rest == 5 else rest}" \
         in out
-    assert "pytest e2e start -q -p no:cacheprovider --durations=15 tests/e2e" in lines()
+    assert "pytest e2e start -q -p no:cacheprovider --durations=15 tests/e2e " \
+        "tests/integration/test_slurm_faults.py" in lines()
+    assert "pytest rest start -q -p no:cacheprovider --durations=15 --ignore=tests/e2e " \
+        "--ignore=tests/integration/test_slurm_faults.py" in lines()
 
 
 def test_suite_with_arguments_runs_once_on_one_set(suite):
