@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -161,6 +161,19 @@ class JobHandle:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> JobHandle:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def id_rounds(handles: Iterable[JobHandle]) -> list[list[JobHandle]]:
+    """``handles`` (one per job id and name) in rounds of distinct job ids: a status answer
+    is keyed by job id, and two jobs may share one (Slurm gives an id again after a state
+    loss: an old job's handle and the new job's), each to be asked in a request of its own."""
+    rounds: list[list[JobHandle]] = []
+    for handle in {(h.job_id, h.job_name): h for h in handles}.values():
+        free = next((r for r in rounds if all(h.job_id != handle.job_id for h in r)), None)
+        if free is None:
+            rounds.append(free := [])
+        free.append(handle)
+    return rounds
 
 
 @dataclass

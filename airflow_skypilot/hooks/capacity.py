@@ -26,6 +26,7 @@ from airflow_skypilot.backends.base import (
     JobState,
     JobStatus,
     Offer,
+    id_rounds,
 )
 from airflow_skypilot.backends.registry import backend_for_connection
 from airflow_skypilot.exceptions import ConfigurationError
@@ -101,8 +102,13 @@ class SkyPilotCapacityHook(BaseHook):
         earlier tries of a task left (one listing and one batched status per connection)."""
         def listing(backend: Backend) -> list[tuple[JobHandle, JobStatus]]:
             handles = backend.find_all(prefix)
-            statuses = backend.status(handles) if handles else {}
-            return [(h, statuses.get(h.job_id) or JobStatus(JobState.UNKNOWN)) for h in handles]
+            statuses: dict[tuple[str, str], JobStatus] = {}
+            for among in id_rounds(handles):  # one request, unless two jobs share an id
+                answer = backend.status(among)
+                statuses.update({(h.job_id, h.job_name): answer[h.job_id] for h in among
+                                 if h.job_id in answer})
+            return [(h, statuses.get((h.job_id, h.job_name)) or JobStatus(JobState.UNKNOWN))
+                    for h in handles]
 
         out = FoundJobs()
         for conn_id, (value, error, _, config) in self._each(listing).items():

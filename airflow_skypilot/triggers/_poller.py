@@ -13,7 +13,7 @@ import asyncio
 import weakref
 from dataclasses import dataclass
 
-from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus
+from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus, id_rounds
 from airflow_skypilot.backends.registry import backend_for_handle
 
 
@@ -119,23 +119,27 @@ class SharedPoller:
 
     async def _apoll_once(self) -> None:
         subs = list(self._subs)
-        handles = list({s.handle.job_id: s.handle for s in subs}.values())
+        rounds = id_rounds(s.handle for s in subs)  # one request, unless two jobs share an id
         self.status_polls += 1
+        statuses: dict[tuple[str, str], JobStatus] = {}
         try:
             if not self._prepared:
                 await self.backend.aprepare()
                 self._prepared = True
-            statuses = await self.backend.astatus(handles)
+            for handles in rounds:
+                answer = await self.backend.astatus(handles)
+                statuses.update({(h.job_id, h.job_name): answer[h.job_id] for h in handles
+                                 if h.job_id in answer})
         except Exception as exc:  # reported to every watcher; the loop goes on
             error = PollError(f"{type(exc).__name__}: {exc}")
             for sub in subs:
                 sub.queue.put_nowait(error)
-            await self._arenew(handles[0])
+            await self._arenew(rounds[0][0])
             return
         logs = await self._alogs([s for s in subs if s.stream_logs])
         for sub in subs:
             # a backend that does not speak for a job has not said it is gone
-            status = statuses.get(sub.handle.job_id) or JobStatus(
+            status = statuses.get((sub.handle.job_id, sub.handle.job_name)) or JobStatus(
                 JobState.UNKNOWN, reason="not in the backend's answer")
             text, offset = logs.get((sub.handle.job_id, sub.offset), ("", sub.offset))
             sub.offset = offset

@@ -546,3 +546,36 @@ async def test_a_poll_loop_stuck_in_a_backend_call_is_started_again(monkeypatch)
                                       poll_interval=0.05, unreachable_timeout=30)
     assert event["job_status"]["state"] == "succeeded"
     assert _HangingBackend.calls >= 3
+
+
+class _SharedIdBackend(FakeBackend):
+    """Slurm after a state loss: job id 1000 is an old job's (gone: lost) and a new job's
+    (running); the answer is keyed by id, the job named in the request decides."""
+
+    name = "fake_shared_id"
+    asked: list[list[str]] = []
+
+    async def astatus(self, handles):
+        _SharedIdBackend.asked.append([h.job_name for h in handles])
+        return {h.job_id: JobStatus(JobState.RUNNING if h.job_name == "new" else JobState.LOST)
+                for h in handles}
+
+
+async def test_two_jobs_sharing_an_id_each_get_their_own_status():
+    """Both watched by one triggerer: the poll sent one handle per id and gave its answer to
+    both (the new job read lost, and was placed again while it ran; or the old job read the
+    new one's RUNNING). Now a job sharing an id with another is asked in a request of its
+    own, and each watcher gets its job's answer."""
+    registry.register_backend(_SharedIdBackend)
+    _SharedIdBackend.asked = []
+    old, new = (JobHandle(backend="fake_shared_id", connection="c1", job_id="1000",
+                          job_name=name, location="p", infra="fake/c1/p")
+                for name in ("old", "new"))
+    watch_new = asyncio.create_task(_first_event(SkyPilotJobTrigger(
+        new.to_dict(), poll_interval=0.01, unreachable_timeout=60)))
+    event = await asyncio.wait_for(_first_event(SkyPilotJobTrigger(
+        old.to_dict(), poll_interval=0.01, unreachable_timeout=60)), 5)
+    assert event["job_status"]["state"] == "lost"
+    assert not watch_new.done()  # the new job runs on, watched
+    watch_new.cancel()
+    assert ["old"] in _SharedIdBackend.asked and ["new"] in _SharedIdBackend.asked
