@@ -295,3 +295,34 @@ def test_a_cancel_leaves_a_job_that_only_holds_our_id(tmp_path):
     assert cancelled("sky-other|5000") == (
         False, "airflow-skypilot: id 7 is held by another job now (sky-other|5000): not "
                "cancelled\n")
+
+
+def test_the_status_script_reads_sacct_and_picks_our_record_of_an_id_given_again(tmp_path):
+    """The generated script against stub Slurm commands: sacct is asked for every job that
+    held the id (-D) with its submit time and name, its answer reaches the parser, and our
+    record is the one read, not the newer job's (a missing space once sent sacct's output to
+    /dev/null and asked for a field "JobName2": no test ran the script)."""
+    import subprocess
+    from dataclasses import replace as with_
+
+    from airflow_skypilot.backends.slurm.status import status_script
+
+    ours = with_(_handle("7"), submitted_at=1000.0, extra={})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "squeue": "exit 0",
+        "sacct": f'echo "$@" > {tmp_path}/sacct.args\n'
+                 "printf '7|COMPLETED|0:0|1000|1100|1000|n\\n7|RUNNING|0:0|5000|Unknown|5000|"
+                 "sky-other\\n'",
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    done = subprocess.run(["bash", "-c", status_script([ours])], capture_output=True, text=True,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "USER": "u"}, timeout=30)
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "sacct.args").read_text().split()
+    assert "-D" in args and "JobIDRaw,State,ExitCode,Start,End,Submit,JobName" in args, args
+    got = parse_status(done.stdout, [ours])["7"]
+    assert got.state == JobState.SUCCEEDED, got  # our record, not the other job's RUNNING

@@ -196,8 +196,9 @@ class SlurmBackend(Backend):
                                      adopted, submitted_at)
 
     def cancel(self, handle: JobHandle) -> None:
-        rc, out, err = self.remote.run(jobs.cancel_script(handle, self.settings.slurm_timeout),
-                                       self._budget(1))
+        script = jobs.cancel_script(handle, self.settings.slurm_timeout,
+                                    jobstatus.renamed_slack(self.settings.upload_timeout))
+        rc, out, err = self.remote.run(script, self._budget(2))  # squeue, then scancel
         jobs.check_cancelled(rc, out, err, handle)
         self.log.info("Cancelled Slurm job %s on %s", handle.job_id, self.conn_id)
 
@@ -219,7 +220,8 @@ class SlurmBackend(Backend):
     def _statuses(self, out: str, err: str, handles: list[JobHandle]) -> dict[str, JobStatus]:
         if jobstatus.ANSWERED not in out:
             raise BackendUnreachable(f"{self.conn_id}: status query failed: {err.strip()[-200:]}")
-        return jobstatus.parse_status(out, handles)
+        return jobstatus.parse_status(out, handles,
+                                      jobstatus.renamed_slack(self.settings.upload_timeout))
 
     async def astatus(self, handles: list[JobHandle]) -> dict[str, JobStatus]:
         if not handles:

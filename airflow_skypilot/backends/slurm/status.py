@@ -81,6 +81,15 @@ STATE_MAP: dict[str, JobState] = {
 ANSWERED = "@@exits"
 #: Slurm's time stamps as epoch seconds (squeue %S/%e, sacct Start/End)
 EPOCH_TIMES = "env SLURM_TIME_FORMAT=%s"
+#: seconds past a job's own upload and sbatch within which Slurm's submit time may fall (the
+#: worker's and the controller's clocks differ; a flock wait)
+RENAMED_SLACK = 600.0
+
+
+def renamed_slack(upload_timeout: float) -> float:
+    """How long after a handle's ``submitted_at`` (taken before the upload) a job by another
+    name under its id may have been submitted and still be ours."""
+    return upload_timeout + RENAMED_SLACK
 
 
 def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0,
@@ -96,9 +105,9 @@ def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0,
         f"_t {EPOCH_TIMES} squeue -h -t all -u \"$USER\" -o '%i|%j|%T|%r|%N|%S|%e|%V'",
         rc_line("squeue"),
         "echo @@sacct",
-        f"_t {EPOCH_TIMES} sacct -n -P -X -j {ids} -o JobIDRaw,State,ExitCode,Start,End,Submit,"
-        "JobName"
-        "2>/dev/null",
+        # -D: every job that held an id (Slurm gives one again), ours picked by _ours
+        f"_t {EPOCH_TIMES} sacct -n -P -X -D -j {ids} "
+        "-o JobIDRaw,State,ExitCode,Start,End,Submit,JobName 2>/dev/null",
         rc_line("sacct"),
         "echo @@exits",
     ]
@@ -116,26 +125,29 @@ def status_script(handles: Sequence[JobHandle], slurm_timeout: float = 20.0,
     return "\n".join(lines)
 
 
-def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStatus]:
+def parse_status(output: str, handles: Sequence[JobHandle],
+                 slack: float = RENAMED_SLACK) -> dict[str, JobStatus]:
     """The status script's output -> a JobStatus per watched job id (see the module's rules
-    of who is authoritative)."""
+    of who is authoritative). ``slack``: see :func:`_ours`."""
     sec = parse_sections(output)
     offset = _utc_offset((sec.get("tz") or [""])[0])
     now = epoch((sec.get("now") or [""])[0])
     squeue_rc = section_rc(sec, "squeue")
     answered = squeue_rc == 0
-    # id -> (row, name, submit time)
-    queue: dict[str, tuple[list[str], str, str]] = {}
+    # id -> [(row, name, submit time)]
+    queue: dict[str, list[tuple[list[str], str, str]]] = {}
     for line in sec.get("squeue", []) if answered else []:
         parts = [p.strip() for p in line.split("|")]
         if len(parts) >= 6:  # id|name|state|reason|nodes|start|end|submit
-            queue[parts[0]] = (parts[:7], parts[1], parts[7] if len(parts) > 7 else "")
-    accounted: dict[str, tuple[list[str], str, str]] = {}
+            queue.setdefault(parts[0], []).append(
+                (parts[:7], parts[1], parts[7] if len(parts) > 7 else ""))
+    accounted: dict[str, list[tuple[list[str], str, str]]] = {}
     for line in sec.get("sacct", []) if section_rc(sec, "sacct") == 0 else []:
         parts = line.split("|")
         if len(parts) >= 3 and "." not in parts[0]:  # id|state|code|start|end|submit|name
-            accounted[parts[0].strip()] = ([p.strip() for p in parts[:5]], "|".join(
-                parts[6:]).strip(), parts[5].strip() if len(parts) > 5 else "")
+            accounted.setdefault(parts[0].strip(), []).append((
+                [p.strip() for p in parts[:5]], "|".join(parts[6:]).strip(),
+                parts[5].strip() if len(parts) > 5 else ""))
     history = sec.get("history")
     discount = history_ratio(history) if history else None
     exits: dict[str, str] = {}
@@ -154,8 +166,8 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
         if nostep:  # "nostep <phase> <srun's exit code>": the job script's own verdict
             code_text = nostep[-1]
         exit_code = parse_int(code_text, None) if code_text else None  # type: ignore[arg-type]
-        listed = _ours(handle, queue.get(jid), offset)
-        booked = _ours(handle, accounted.get(jid), offset)
+        listed = _ours(handle, queue.get(jid, []), offset, slack)
+        booked = _ours(handle, accounted.get(jid, []), offset, slack)
         if listed is not None:
             # id|name|state|reason|nodes|start|end
             _, _, raw, reason, nodes, start, end = (listed + [""] * 7)[:7]
@@ -199,24 +211,22 @@ def parse_status(output: str, handles: Sequence[JobHandle]) -> dict[str, JobStat
     return out
 
 
-#: seconds after our own submission within which a job under our id but another name is still
-#: ours (a site's job_submit plugin, or an ``scontrol update``, renamed it; the worker's and
-#: the controller's clocks differ). One submitted later got our id from Slurm again.
-RENAMED_SLACK = 600.0
-
-
-def _ours(handle: JobHandle, found: tuple[list[str], str, str] | None,
-          offset: float | None) -> list[str] | None:
-    """A squeue or sacct row under ``handle``'s id, if it is ``handle``'s job. Slurm gives an
-    id again (a controller that lost its state, MaxJobId wrapping): a job under our id, by
-    another name and submitted after ours, is another's, not ours to watch, adopt or judge."""
-    if found is None:
-        return None
-    row, name, submit_text = found
-    if not handle.job_name or name == handle.job_name or not handle.submitted_at:
-        return row
-    submit = epoch(submit_text, offset) if submit_text else None
-    return row if submit is None or submit <= handle.submitted_at + RENAMED_SLACK else None
+def _ours(handle: JobHandle, found: list[tuple[list[str], str, str]], offset: float | None,
+          slack: float) -> list[str] | None:
+    """The squeue or sacct row under ``handle``'s id that is ``handle``'s job, if any. Slurm
+    gives an id again (a controller that lost its state, MaxJobId wrapping): a job under our
+    id, by another name and submitted more than ``slack`` seconds after ``submitted_at``, is
+    another's, not ours to watch, adopt or judge. Within it, one by another name is ours,
+    renamed (a site's job_submit plugin, an ``scontrol update``); ``submitted_at`` is the
+    worker's clock before the upload and sbatch (see :func:`renamed_slack`)."""
+    for row, name, _ in found:
+        if not handle.job_name or name == handle.job_name:
+            return row
+    for row, _, submit_text in found:
+        submit = epoch(submit_text, offset) if submit_text else None
+        if not handle.submitted_at or submit is None or submit <= handle.submitted_at + slack:
+            return row
+    return None
 
 
 def _ranks_status(words: list[str], exit_code: int) -> JobStatus:

@@ -507,7 +507,8 @@ def submitted_handle(task: Task, offer: Offer, conn_id: str, job_id: str, job_na
                    submitted_at=submitted_at)
 
 
-def cancel_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str:
+def cancel_script(handle: JobHandle, slurm_timeout: float = 20.0,
+                  slack: float = RENAMED_SLACK) -> str:
     """``scancel`` (its exit status is the script's) and drop the job's secrets. Not a job
     that only holds our id: one by another name submitted well after ours got the id from
     Slurm again (a controller that lost its state); the rule of ``status._ours``."""
@@ -515,7 +516,7 @@ def cancel_script(handle: JobHandle, slurm_timeout: float = 20.0) -> str:
     jid = shlex.quote(handle.job_id)
     lines = [bounded(slurm_timeout)]
     if handle.job_name and handle.submitted_at:
-        later = int(handle.submitted_at + RENAMED_SLACK)
+        later = int(handle.submitted_at + slack)
         lines += [
             f"row=$(_t env SLURM_TIME_FORMAT=%s squeue -h -j {jid} -o '%j|%V' 2>/dev/null)",
             f"case $row in ''|{shlex.quote(handle.job_name + '|')}*) ;; *)",
