@@ -263,9 +263,9 @@ class Placer:
 
     # --- old copies -----------------------------------------------------------------------------
     def stop_copy(self, run: RunState, handle: JobHandle, why: str,
-                  attempt: Attempt | None = None) -> Sweep:
+                  attempt: Attempt | None = None, cleanup: bool = True) -> Sweep:
         return sweeps.stop_copy(run, handle, why, confirm_timeout=self.confirm_timeout,
-                                log=self.log, attempt=attempt)
+                                log=self.log, attempt=attempt, cleanup=cleanup)
 
     def sweep_pending(self, run: RunState, keep: tuple[str, ...] = ()) -> None:
         """One try at every pending sweep (the non-deferrable path's trigger work)."""
@@ -312,7 +312,8 @@ class Placer:
             self.log.info("Not moving job %s: it is %s now", handle.job_id, state)
             return refused(f"the job is {state} now")
         why = f"moved to {fresh.place_key}: {reason}"
-        sweep = self.stop_copy(run, handle, why)
+        # cleaned up once its start is read below (a deleted Kubernetes Job has none)
+        sweep = self.stop_copy(run, handle, why, cleanup=False)
         ended = run.close(handle, JobStatus(JobState.CANCELLED, reason=why))
         ended.state, ended.confirmed_dead = "moved", sweep.done_at is not None
         if sweep.done_at is not None:
@@ -324,6 +325,7 @@ class Placer:
                 ended.started_at = after.started_at
                 self.log.warning("Job %s had started just before it was cancelled for the "
                                  "move", handle.job_id)
+            sweeps.clean_up(backend, [handle])
         left = Blocked(ended.place, "moved away from it", until=time.time() + self.cooldown)
         run.blocked.append(left)
         run.moves += 1

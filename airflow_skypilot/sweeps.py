@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus
+from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus, id_rounds
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.identity import parse_job_name
 from airflow_skypilot.runstate import Attempt, RunState, Sweep
@@ -28,29 +28,36 @@ def _settle(backend: Backend, handles: list[JobHandle]) -> tuple[list[JobHandle]
     if not handles:
         return [], []
 
-    def look(among: list[JobHandle]) -> dict[str, JobStatus]:
-        answer = backend.status(among)
-        return {h.job_id: answer.get(h.job_id) or JobStatus(
-            JobState.UNKNOWN, reason="not in the backend's answer") for h in among}
+    def look(among: list[JobHandle]) -> dict[tuple[str, str], JobStatus]:
+        out: dict[tuple[str, str], JobStatus] = {}
+        for group in id_rounds(among):  # two jobs sharing an id: each its own answer
+            answer = backend.status(group)
+            out.update({(h.job_id, h.job_name): answer.get(h.job_id) or JobStatus(
+                JobState.UNKNOWN, reason="not in the backend's answer") for h in group})
+        return out
+
+    def key(h: JobHandle) -> tuple[str, str]:
+        return h.job_id, h.job_name
 
     statuses = look(handles)
-    alive = [h for h in handles if statuses[h.job_id].up]
-    ended = [statuses[h.job_id].state.value for h in handles if not statuses[h.job_id].up]
+    alive = [h for h in handles if statuses[key(h)].up]
+    ended = [statuses[key(h)].state.value for h in handles if not statuses[key(h)].up]
     if not alive:
         return [], ended
     for handle in alive:
         backend.cancel(handle)
     again = look(alive)
-    still = [h for h in alive if again[h.job_id].up]
-    ended += [again[h.job_id].state.value for h in alive if not again[h.job_id].up]
+    still = [h for h in alive if again[key(h)].up]
+    ended += [again[key(h)].state.value for h in alive if not again[key(h)].up]
     return still, ended
 
 
 def step(sweep: Sweep, backend: Backend, keep: Iterable[str] = (),
-         now: float | None = None) -> bool:
+         now: float | None = None, cleanup: bool = True) -> bool:
     """One try at confirming ``sweep``'s copy dead; True (and ``sweep.done_at`` set) once the
-    backend says nothing of it is alive. ``keep``: job names never to cancel (the copy being
-    watched). Raises BackendError when the backend cannot be asked."""
+    backend says nothing of it is alive, and (``cleanup``) what it left cleaned up. ``keep``:
+    job names never to cancel (the copy being watched). Raises BackendError when the backend
+    cannot be asked."""
     keep = set(keep)
     if sweep.handle:
         handles = [JobHandle.from_dict(sweep.handle)]
@@ -66,25 +73,33 @@ def step(sweep: Sweep, backend: Backend, keep: Iterable[str] = (),
         return False
     sweep.done_at = time.time() if now is None else now
     sweep.outcome = ", ".join(sorted(set(ended))) or "nothing alive there"
-    for handle in handles:  # what a cancel leaves (a cancelled Kubernetes Job: no TTL ends it)
+    if cleanup:
+        clean_up(backend, handles)
+    return True
+
+
+def clean_up(backend: Backend, handles: Iterable[JobHandle]) -> None:
+    """What dead copies left (a cancelled Kubernetes Job: no TTL ends a suspended Job)."""
+    for handle in handles:
         try:
             backend.cleanup(handle)
         except Exception as exc:  # dead is dead: what is left is the backend's own to end
             _log.warning("Could not clean up after the old copy %s: %s", handle.job_name, exc)
-    return True
 
 
 def stop_copy(run: RunState, handle: JobHandle, why: str, *, confirm_timeout: float,
-              log: logging.Logger, attempt: Attempt | None = None) -> Sweep:
+              log: logging.Logger, attempt: Attempt | None = None,
+              cleanup: bool = True) -> Sweep:
     """Cancel a copy and wait (up to ``confirm_timeout`` seconds) for its backend to confirm
-    it dead. The sweep is recorded in ``run`` either way: done, or pending for the trigger."""
+    it dead (``cleanup``: then clean up after it). The sweep is recorded in ``run`` either
+    way: done, or pending for the trigger."""
     sweep = Sweep(connection=handle.connection, handle=handle.to_dict(), reason=why)
     run.sweeps.append(sweep)
     deadline = time.monotonic() + confirm_timeout
     error = ""
     while True:
         try:
-            if step(sweep, backend_for_handle(handle)):
+            if step(sweep, backend_for_handle(handle), cleanup=cleanup):
                 break
             error = ""  # answered: still up
         except Exception as exc:  # silent: keep trying until the deadline

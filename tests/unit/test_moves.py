@@ -451,3 +451,27 @@ def test_a_task_killed_in_the_worker_stops_the_old_copies_still_to_confirm(monke
         worker.execute_complete(_ctx(), {"status": "reprobe",
                                          "state": info.value.trigger.state})
     assert _live_jobs() == [] and FakeBackend.jobs["1"]["status"].state == JobState.CANCELLED
+
+
+def test_a_moved_copy_is_cleaned_up_once_its_start_is_read(monkeypatch):
+    """A cancelled Kubernetes Job stays (suspended, no TTL) until cleanup: the move cleans up
+    after its old copy, but only after reading whether it had started (a deleted Job has no
+    start: the copy's time, and cost, would be lost)."""
+    deferred = _waiting_on_c1()
+    FakeBackend.offers["c2"] = [offer("c2", "q")]
+    event = asyncio.run(asyncio.wait_for(_first(deferred.trigger), 5))
+
+    def cancel(self, handle):  # it had started just before the cancel
+        FakeBackend.jobs[handle.job_id]["status"] = JobStatus(JobState.CANCELLED,
+                                                              started_at=123.0)
+
+    def cleanup(self, handle):  # as Kubernetes deletes a cancelled Job: gone from then on
+        FakeBackend.jobs.pop(handle.job_id, None)
+
+    monkeypatch.setattr(FakeBackend, "cancel", cancel)
+    monkeypatch.setattr(FakeBackend, "cleanup", cleanup)
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute_complete(_ctx(), event)
+    run = RunState.from_dict(info.value.trigger.state)
+    assert run.attempts[0].state == "moved" and run.attempts[0].started_at == 123.0
+    assert [j["name"][-2:] for j in FakeBackend.jobs.values()] == ["a1"]  # a0 cleaned up

@@ -700,3 +700,41 @@ def test_a_sensor_cleared_or_marked_leaves_the_job_it_watches_alone():
         SkyPilotJobSensor(task_id="wait", handle=handle).execute({})
     asyncio.run(info.value.trigger.on_kill())  # the triggerer, as the user clears the sensor
     assert FakeBackend.jobs["1"]["status"].state == JobState.PENDING
+
+
+class _SharedIdSync(FakeBackend):
+    """Slurm after a state loss, as a sweep by prefix finds it: two of the task's copies under
+    one job id, an old one that failed and a live one; the answer is keyed by id, the job
+    named in the request decides."""
+
+    name = "fake_shared_id_sync"
+    state = {"sky-x-c0-t1-a2": JobState.RUNNING, "sky-x-c0-t1-a3": JobState.FAILED}
+    cancelled: list[str] = []
+
+    def status(self, handles):
+        return {h.job_id: JobStatus(self.state[h.job_name]) for h in handles}
+
+    def cancel(self, handle):
+        _SharedIdSync.cancelled.append(handle.job_name)
+        _SharedIdSync.state[handle.job_name] = JobState.CANCELLED
+
+
+def test_a_sweep_asks_two_copies_sharing_an_id_apart_and_stops_the_live_one():
+    """Asked together, the one answer for the id went to both: the live copy read failed,
+    was never cancelled, and was confirmed dead (its files cleaned up under it)."""
+    from airflow_skypilot.backends.base import JobHandle
+    from airflow_skypilot.sweeps import step
+
+    live, failed = (JobHandle(backend="fake_shared_id_sync", connection="c1", job_id="1000",
+                              job_name=name, location="p", infra="fake/c1/p")
+                    for name in ("sky-x-c0-t1-a2", "sky-x-c0-t1-a3"))
+    _SharedIdSync.cancelled = []
+
+    class _Listing(_SharedIdSync):
+        def find_all(self, prefix):
+            return [live, failed]
+
+    sweep = Sweep(connection="c1", prefix="sky-x-", reason="earlier tries")
+    assert step(sweep, _Listing("c1"))
+    assert _SharedIdSync.cancelled == ["sky-x-c0-t1-a2"]
+    assert sorted(sweep.outcome.split(", ")) == ["cancelled", "failed"]
