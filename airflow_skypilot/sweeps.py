@@ -13,7 +13,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus, id_rounds
+from airflow_skypilot.backends.base import (
+    Backend,
+    JobHandle,
+    JobState,
+    JobStatus,
+    job_key,
+    statuses_apart,
+)
 from airflow_skypilot.backends.registry import backend_for_handle
 from airflow_skypilot.identity import parse_job_name
 from airflow_skypilot.runstate import Attempt, RunState, Sweep
@@ -29,15 +36,11 @@ def _settle(backend: Backend, handles: list[JobHandle]) -> tuple[list[JobHandle]
         return [], []
 
     def look(among: list[JobHandle]) -> dict[tuple[str, str], JobStatus]:
-        out: dict[tuple[str, str], JobStatus] = {}
-        for group in id_rounds(among):  # two jobs sharing an id: each its own answer
-            answer = backend.status(group)
-            out.update({(h.job_id, h.job_name): answer.get(h.job_id) or JobStatus(
-                JobState.UNKNOWN, reason="not in the backend's answer") for h in group})
-        return out
+        answer = statuses_apart(backend, among)  # two jobs sharing an id: each its own
+        return {key(h): answer.get(key(h)) or JobStatus(
+            JobState.UNKNOWN, reason="not in the backend's answer") for h in among}
 
-    def key(h: JobHandle) -> tuple[str, str]:
-        return h.job_id, h.job_name
+    key = job_key
 
     statuses = look(handles)
     alive = [h for h in handles if statuses[key(h)].up]

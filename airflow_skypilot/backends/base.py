@@ -176,6 +176,32 @@ def id_rounds(handles: Iterable[JobHandle]) -> list[list[JobHandle]]:
     return rounds
 
 
+def job_key(handle: JobHandle) -> tuple[str, str]:
+    """What tells two jobs apart where a status answer's job id may not (see id_rounds)."""
+    return handle.job_id, handle.job_name
+
+
+def statuses_apart(backend: Backend, handles: Iterable[JobHandle]
+                   ) -> dict[tuple[str, str], JobStatus]:
+    """``backend.status`` of ``handles``, by :func:`job_key`: one request, or one per
+    :func:`id_rounds` round when jobs share an id. A job the backend left out is left out."""
+    out: dict[tuple[str, str], JobStatus] = {}
+    for group in id_rounds(handles):
+        answer = backend.status(group)
+        out.update({job_key(h): answer[h.job_id] for h in group if h.job_id in answer})
+    return out
+
+
+async def astatuses_apart(backend: Backend, handles: Iterable[JobHandle]
+                          ) -> dict[tuple[str, str], JobStatus]:
+    """:func:`statuses_apart` with ``backend.astatus``."""
+    out: dict[tuple[str, str], JobStatus] = {}
+    for group in id_rounds(handles):
+        answer = await backend.astatus(group)
+        out.update({job_key(h): answer[h.job_id] for h in group if h.job_id in answer})
+    return out
+
+
 @dataclass
 class Offer:
     """One candidate resource request at one location of one connection, with live capacity.

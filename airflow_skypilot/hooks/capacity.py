@@ -26,7 +26,8 @@ from airflow_skypilot.backends.base import (
     JobState,
     JobStatus,
     Offer,
-    id_rounds,
+    job_key,
+    statuses_apart,
 )
 from airflow_skypilot.backends.registry import backend_for_connection
 from airflow_skypilot.exceptions import ConfigurationError
@@ -102,12 +103,8 @@ class SkyPilotCapacityHook(BaseHook):
         earlier tries of a task left (one listing and one batched status per connection)."""
         def listing(backend: Backend) -> list[tuple[JobHandle, JobStatus]]:
             handles = backend.find_all(prefix)
-            statuses: dict[tuple[str, str], JobStatus] = {}
-            for among in id_rounds(handles):  # one request, unless two jobs share an id
-                answer = backend.status(among)
-                statuses.update({(h.job_id, h.job_name): answer[h.job_id] for h in among
-                                 if h.job_id in answer})
-            return [(h, statuses.get((h.job_id, h.job_name)) or JobStatus(JobState.UNKNOWN))
+            statuses = statuses_apart(backend, handles)  # two jobs may share an id
+            return [(h, statuses.get(job_key(h)) or JobStatus(JobState.UNKNOWN))
                     for h in handles]
 
         out = FoundJobs()

@@ -13,7 +13,14 @@ import asyncio
 import weakref
 from dataclasses import dataclass
 
-from airflow_skypilot.backends.base import Backend, JobHandle, JobState, JobStatus, id_rounds
+from airflow_skypilot.backends.base import (
+    Backend,
+    JobHandle,
+    JobState,
+    JobStatus,
+    astatuses_apart,
+    job_key,
+)
 from airflow_skypilot.backends.registry import backend_for_handle
 
 
@@ -119,27 +126,23 @@ class SharedPoller:
 
     async def _apoll_once(self) -> None:
         subs = list(self._subs)
-        rounds = id_rounds(s.handle for s in subs)  # one request, unless two jobs share an id
         self.status_polls += 1
-        statuses: dict[tuple[str, str], JobStatus] = {}
         try:
             if not self._prepared:
                 await self.backend.aprepare()
                 self._prepared = True
-            for handles in rounds:
-                answer = await self.backend.astatus(handles)
-                statuses.update({(h.job_id, h.job_name): answer[h.job_id] for h in handles
-                                 if h.job_id in answer})
+            # one request, unless two jobs share an id
+            statuses = await astatuses_apart(self.backend, (s.handle for s in subs))
         except Exception as exc:  # reported to every watcher; the loop goes on
             error = PollError(f"{type(exc).__name__}: {exc}")
             for sub in subs:
                 sub.queue.put_nowait(error)
-            await self._arenew(rounds[0][0])
+            await self._arenew(subs[0].handle)
             return
         logs = await self._alogs([s for s in subs if s.stream_logs])
         for sub in subs:
             # a backend that does not speak for a job has not said it is gone
-            status = statuses.get((sub.handle.job_id, sub.handle.job_name)) or JobStatus(
+            status = statuses.get(job_key(sub.handle)) or JobStatus(
                 JobState.UNKNOWN, reason="not in the backend's answer")
             text, offset = logs.get((sub.handle.job_id, sub.offset), ("", sub.offset))
             sub.offset = offset
