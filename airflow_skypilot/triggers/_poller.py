@@ -144,29 +144,32 @@ class SharedPoller:
             # a backend that does not speak for a job has not said it is gone
             status = statuses.get(job_key(sub.handle)) or JobStatus(
                 JobState.UNKNOWN, reason="not in the backend's answer")
-            text, offset = logs.get((sub.handle.job_id, sub.offset), ("", sub.offset))
+            text, offset = logs.get((job_key(sub.handle), sub.offset), ("", sub.offset))
             sub.offset = offset
             sub.queue.put_nowait(PollResult(status, text, offset))
 
-    async def _alogs(self, subs: list[_Sub]) -> dict[tuple[str, int], tuple[str, int]]:
-        """Each streamed job's new output from each offset its watchers are at: one request
-        for all jobs, and one more for each further offset of a job two triggers watch (the
-        operator's and a sensor's: each has shown its own part of the output)."""
-        out: dict[tuple[str, int], tuple[str, int]] = {}
-        wanted = {(s.handle.job_id, s.offset): s.handle for s in subs}
+    async def _alogs(self, subs: list[_Sub]
+                     ) -> dict[tuple[tuple[str, str], int], tuple[str, int]]:
+        """Each streamed job's new output from each offset its watchers are at, by
+        :func:`job_key`: one request for all jobs, and one more for each further offset of a
+        job two triggers watch (the operator's and a sensor's: each has shown its own part of
+        the output) and for each further job sharing an id (an answer is keyed by job id:
+        after a Slurm state loss, one job's output would be streamed as the other's)."""
+        out: dict[tuple[tuple[str, str], int], tuple[str, int]] = {}
+        wanted = {(job_key(s.handle), s.offset): s.handle for s in subs}
         while wanted:
-            batch: dict[str, tuple[JobHandle, int]] = {}
-            for (job_id, offset), handle in wanted.items():
-                batch.setdefault(job_id, (handle, offset))
+            batch: dict[str, tuple[tuple[tuple[str, str], int], JobHandle, int]] = {}
+            for (key, offset), handle in wanted.items():
+                batch.setdefault(handle.job_id, ((key, offset), handle, offset))
             self.log_polls += 1
             try:
-                got = await self.backend.aread_logs(list(batch.values()))
+                got = await self.backend.aread_logs([(h, o) for _, h, o in batch.values()])
             except Exception:  # output is a convenience; the status is what matters
                 got = {}
-            for job_id, (_, offset) in batch.items():
+            for job_id, (wanted_key, _, _) in batch.items():
                 if job_id in got:
-                    out[(job_id, offset)] = got[job_id]
-                del wanted[(job_id, offset)]
+                    out[wanted_key] = got[job_id]
+                del wanted[wanted_key]
         return out
 
     async def _arenew(self, handle: JobHandle) -> None:

@@ -579,3 +579,37 @@ async def test_two_jobs_sharing_an_id_each_get_their_own_status():
     assert not watch_new.done()  # the new job runs on, watched
     watch_new.cancel()
     assert ["old"] in _SharedIdBackend.asked and ["new"] in _SharedIdBackend.asked
+
+
+class _SharedIdLogBackend(_SharedIdBackend):
+    """The same two jobs under id 1000, each with its own output; a log answer is keyed by
+    id, the job named in the request decides."""
+
+    name = "fake_shared_id_logs"
+    log_asked: list[list[str]] = []
+
+    async def aread_logs(self, requests):
+        _SharedIdLogBackend.log_asked.append([h.job_name for h, _ in requests])
+        return {h.job_id: (f"output of {h.job_name}\n", offset + 1) for h, offset in requests}
+
+
+async def test_two_jobs_sharing_an_id_each_stream_their_own_output():
+    """Statuses were asked apart, logs not: one request per id, its answer given to both
+    watchers, so one job's output was streamed as the other's."""
+    from airflow_skypilot.triggers._poller import SharedPoller
+
+    _SharedIdLogBackend.log_asked = []
+    old, new = (JobHandle(backend="fake_shared_id_logs", connection="c1", job_id="1000",
+                          job_name=name, location="p", infra="fake/c1/p")
+                for name in ("old", "new"))
+    poller = SharedPoller(_SharedIdLogBackend("c1"), 0.01)
+    queues = {h.job_name: poller.subscribe(h, 0.01) for h in (old, new)}
+    try:
+        got = {name: await asyncio.wait_for(q.get(), 5) for name, q in queues.items()}
+    finally:
+        for q in queues.values():
+            poller.unsubscribe(q)
+    assert got["old"].log == "output of old\n" and got["new"].log == "output of new\n"
+    assert got["old"].status.state == JobState.LOST
+    assert got["new"].status.state == JobState.RUNNING
+    assert sorted(map(sorted, _SharedIdLogBackend.log_asked[:2])) == [["new"], ["old"]]
