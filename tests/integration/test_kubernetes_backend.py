@@ -25,6 +25,7 @@ from airflow_skypilot.backends.kubernetes import KubernetesBackend, KubernetesSe
 from airflow_skypilot.backends.registry import backend_for_connection
 from airflow_skypilot.cli import main as cli
 from airflow_skypilot.spec import load_task
+from tests.unit.test_kubernetes_stop import TRAINER  # saves a checkpoint on TERM
 
 pytestmark = pytest.mark.sandbox
 
@@ -336,6 +337,46 @@ def test_bad_image_fails_clearly_and_is_not_failed_over(k8s, kube, monkeypatch):
     # cleanup of a job that never ended frees its GPU: the Job is deleted
     backend.cleanup(handle)
     wait_for(lambda: not _pods(kube, handle.job_name) and backend.find(handle.job_name) is None)
+
+
+def _trainer(backend, out) -> JobHandle:
+    (out / "trainer.py").write_text(TRAINER)
+    handle = _submit(backend, {"run": 'python3 "$OUT/trainer.py"', "envs": {"OUT": str(out)},
+                               "secrets": {"TOKEN": "tok-3141592"}})
+    wait_for(lambda: (out / "started").exists())
+    return handle
+
+
+@pytest.mark.parametrize("how", ["delete-pod", "cancel"])
+def test_a_stopped_pod_gives_the_program_its_term_to_checkpoint_on(k8s, kube, tmp_path, how):
+    """The kubelet TERMs a container's first process only (main.sh), which passes it on: the
+    program saves its checkpoint and ran once (its last words, masked: the unit tests of
+    test_kubernetes_stop.py; a deleted pod's log goes with it). A pod
+    deleted by hand (no DisruptionTarget; the program exits 0) reads as the cluster's stop,
+    which the operator places again, not as a success nor as the program's failure; our own
+    cancel reads CANCELLED. (Before: the TERM went nowhere, the program was KILLed at the
+    grace's end with no checkpoint, and a deleted pod's 137 could read as a user failure.)"""
+    backend = KubernetesBackend("k8s_sandbox")
+    handle = _trainer(backend, tmp_path)
+    if how == "cancel":
+        backend.cancel(handle)
+    else:
+        [pod] = _pods(kube, handle.job_name)
+        _core(kube).delete_namespaced_pod(pod.metadata.name, NS)
+    status = _terminal(backend, handle, use_poll=True)
+    wait_for(lambda: not any(p["pod"].startswith(handle.job_name) for p in k8s.processes()))
+    assert (tmp_path / "checkpoint").read_text() == "step 7"
+    assert (tmp_path / "runs").read_text() == "run\n"
+    if how == "cancel":
+        assert status.state == JobState.CANCELLED, status
+        return
+    assert status.state == JobState.INFRA_FAILED, status
+    assert status.state.infra_failure and ("stopped" in status.reason
+                                           or "deleted" in status.reason), status
+    # and the same verdict once the pod is gone, from the Job's own record
+    wait_for(lambda: not _pods(kube, handle.job_name))
+    later = backend.status([handle])[handle.job_id]
+    assert later.state == JobState.INFRA_FAILED, later
 
 
 def test_cancel_stops_the_pods_keeps_the_job_as_cancelled_until_cleanup(k8s, kube):

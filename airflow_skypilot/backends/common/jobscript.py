@@ -140,6 +140,9 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "# errors shown); the notes of job control that fails without a terminal go nowhere (fd 3",
         "# is the stderr the prologue takes back: the stdout, one stream, as SkyPilot's).",
         "# Secret values never reach the job's log in clear: every line of output is filtered.",
+        "# A TERM to every process (scancel with proctrack/cgroup, an instance's shutdown, the",
+        "# pod's main.sh passing its own on) stops the program, not this script nor the filter:",
+        "# what the program writes as it stops is masked and kept, and its status is the step's.",
         # (one stream keeps the lines' order: a pod's stdout and stderr are read apart. The
         # filter passes each line as it comes: mawk, Debian's awk, reads a pipe in blocks
         # whatever fflush() does, unless -W interactive; gawk and busybox read lines. Not
@@ -151,9 +154,13 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "AIRFLOW_SKYPILOT_AWK=(awk)",
         'case $(awk -W version 2>&1 </dev/null) in "mawk 1.3.3"*) ;;',
         "  mawk*) AIRFLOW_SKYPILOT_AWK=(awk -W interactive) ;; esac",
+        # (the trap runs once the pipeline has ended; PIPESTATUS outlives it. The filter
+        # ends when the last writer of its input has gone)
+        "trap : TERM",
         'bash --norc -i "$AIRFLOW_SKYPILOT_SCRIPT" 3>&1 2>/dev/null '
-        '| "${AIRFLOW_SKYPILOT_AWK[@]}" -v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
-        f"  {shlex.quote(_MASK_AWK)}",
+        "| { trap '' TERM; exec \"${AIRFLOW_SKYPILOT_AWK[@]}\" "
+        '-v names="$AIRFLOW_SKYPILOT_SECRET_NAMES" \\',
+        f"  {shlex.quote(_MASK_AWK)}; }}",
         'exit "${PIPESTATUS[0]}"',
     ]
     return "\n".join(lines) + "\n"
@@ -217,6 +224,7 @@ PROLOGUE = """\
 if { true >&3; } 2>/dev/null; then exec 2>&3 3>&-; fi
 set +m +o history +H
 trap 'builtin exit 143' TERM
+if [ -e "${AIRFLOW_SKYPILOT_TERM_MARK:-/nonexistent}" ]; then builtin exit 143; fi
 if [ -f ~/.bashrc ]; then
   exec() { echo "airflow-skypilot: ~/.bashrc: exec $* skipped" >&2; }
   exit() { echo "airflow-skypilot: ~/.bashrc: exit $* skipped" >&2; }

@@ -19,8 +19,9 @@ OpenAPI schema. How a job reaches its pods:
   Job set ``subdomain`` to it, so each rank has the stable name
   ``<job>-<rank>.<service>.<namespace>.svc.<cluster domain>``.
 
-The container command is a fixed one-liner that runs ``main.sh``; ``${SANDBOX_MOUNT_ROOT:-}``
-is empty on a real cluster (the test kubelet roots the pod's filesystem there).
+The container command is a fixed one-liner that runs ``main.sh`` (:mod:`.entry`: how a stop
+reaches the task's programs); ``${SANDBOX_MOUNT_ROOT:-}`` is empty on a real cluster (the test
+kubelet roots the pod's filesystem there).
 :func:`job_for` and :func:`dependents_for` build them from a task, an offer and the settings.
 """
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,13 @@ from airflow_skypilot.backends.common import jobscript
 from airflow_skypilot.backends.common.fit import shape as shape_of
 from airflow_skypilot.backends.kubernetes.bundle import Bundle
 from airflow_skypilot.backends.kubernetes.cluster import GPU_TOLERATION
+from airflow_skypilot.backends.kubernetes.entry import (
+    BUNDLE_MOUNT,
+    FILES_DIR_EXPR,
+    FILES_MOUNT,
+    WORKDIR_MOUNT,
+    main_script,
+)
 from airflow_skypilot.backends.kubernetes.names import (
     ANN_PENDING_TIMEOUT,
     ANN_PREFIX,
@@ -49,7 +56,6 @@ from airflow_skypilot.backends.kubernetes.names import (
     key_error,
     label_value_error,
     labels_for,
-    node_addresses,
     secret_name,
     service_name,
 )
@@ -57,11 +63,6 @@ from airflow_skypilot.backends.kubernetes.settings import KubernetesSettings
 from airflow_skypilot.exceptions import SubmissionError
 from airflow_skypilot.spec.task import ResourceRequest, Task
 
-FILES_MOUNT = "/etc/airflow-skypilot"
-BUNDLE_MOUNT = "/etc/airflow-skypilot-bundle"
-WORKDIR_MOUNT = "/sky_workdir"
-FILES_DIR_EXPR = '"${SANDBOX_MOUNT_ROOT:-}' + FILES_MOUNT + '"'
-BUNDLE_DIR_EXPR = '"${SANDBOX_MOUNT_ROOT:-}' + BUNDLE_MOUNT + '"'
 #: SkyPilot's pod template mounts a memory-backed /dev/shm (a container's default is 64 MB,
 #: too small for PyTorch's DataLoader workers and NCCL); a pod_config ``dshm`` replaces it
 SHM_VOLUME = "dshm"
@@ -78,52 +79,6 @@ def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # --- scripts --------------------------------------------------------------------------------
-
-
-def main_script(*, job_name: str, namespace: str, num_nodes: int, cluster_domain: str,
-                targets: list[tuple[str, str]]) -> str:
-    """The pod's entry point: node addresses, unpack files, then setup and run via node.sh."""
-    addrs = node_addresses(job_name, namespace, num_nodes, cluster_domain)
-    lines = [
-        "#!/bin/bash",
-        f"# airflow-skypilot: entry point of every pod of job {job_name} (generated). The",
-        "# task's own scripts are setup.sh and run.sh beside this file; env.sh has its envs.",
-        # its own variables are AIRFLOW_SKYPILOT_* (a prefix no env or secret may take): the
-        # pod's env holds the task's secrets, whatever their names
-        'AIRFLOW_SKYPILOT_ROOT="${SANDBOX_MOUNT_ROOT:-}"',
-        f"AIRFLOW_SKYPILOT_JOB_DIR={FILES_DIR_EXPR}",
-        f"AIRFLOW_SKYPILOT_BUNDLE_DIR={BUNDLE_DIR_EXPR}",
-        f'export AIRFLOW_SKYPILOT_WORKDIR="$AIRFLOW_SKYPILOT_ROOT"{WORKDIR_MOUNT}',
-    ]
-    if num_nodes > 1:
-        lines.append("export SKYPILOT_NODE_IPS=" + shlex.quote("\n".join(addrs)))
-    else:
-        lines.append('export SKYPILOT_NODE_IPS="${AIRFLOW_SKYPILOT_POD_IP:-127.0.0.1}"')
-    lines += [
-        'mkdir -p "$AIRFLOW_SKYPILOT_WORKDIR"',
-        jobscript.sky_workdir_link('"$AIRFLOW_SKYPILOT_WORKDIR"',
-                                   note=">&2 echo airflow-skypilot:"),
-        "unpack() {  # bundle Secret key, target directory",
-        '  mkdir -p "$2" && base64 -d "$AIRFLOW_SKYPILOT_BUNDLE_DIR/$1" | tar -xzf - -C "$2"',
-        "}",
-    ]
-    # the workdir first, then the file mounts (a relative one is under the workdir), as
-    # SkyPilot syncs them: a mount is never overwritten by the workdir
-    for key, target in targets:
-        lines.append(f"unpack {shlex.quote(key)} {target} || "
-                     f"{{ echo 'airflow-skypilot: could not unpack {key}' >&2; exit 1; }}")
-    lines += [
-        f'echo "airflow-skypilot: job {job_name}, rank ${{JOB_COMPLETION_INDEX:-0}} of '
-        f'{num_nodes}, pod $HOSTNAME"',
-        'bash "$AIRFLOW_SKYPILOT_JOB_DIR/node.sh" setup',
-        "rc=$?",
-        "if [ $rc -ne 0 ]; then",
-        '  echo "airflow-skypilot: setup failed with exit code $rc; run skipped" >&2',
-        "  exit $rc",
-        "fi",
-        'exec bash "$AIRFLOW_SKYPILOT_JOB_DIR/node.sh" run',
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def files_data(task: Task, *, job_name: str, namespace: str, node_env: Mapping[str, str],

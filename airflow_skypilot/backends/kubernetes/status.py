@@ -8,9 +8,11 @@ The mapping (:func:`job_status`) follows SkyPilot: a pod that lost its allocatio
 preemption, node lost or NotReady past a grace, ``DisruptionTarget``) is infrastructure, and
 so is a pod's failure beside a peer still running on a NotReady node, whatever the grace (the
 allocation lost decides before an exit code); a
-container exit code is the user's; an image or container config error lasting past
-``image_error_grace`` fails the job with a clear message and is not failed over (it would fail
-on any cluster).
+container exit code is the user's, but not one the cluster's TERM caused (a container
+``main.sh`` ended after a stop says so in its termination message, see :mod:`.entry`: a
+``kubectl delete pod`` has no ``DisruptionTarget``), save at the pod's own deadline; an image
+or container config error lasting past ``image_error_grace`` fails the job with a clear
+message and is not failed over (it would fail on any cluster).
 
 Our own cancel is read from the Job: :func:`~airflow_skypilot.backends.kubernetes.submit.cancel`
 marks it (:data:`~airflow_skypilot.backends.kubernetes.names.ANN_CANCELLED`) and keeps it until
@@ -34,6 +36,7 @@ from typing import Any
 from airflow_skypilot.backends.base import JobHandle, JobState, JobStatus
 from airflow_skypilot.backends.kubernetes.client import KubeApiError, KubeClient
 from airflow_skypilot.backends.kubernetes.cluster import TERMINAL, NodeView, epoch
+from airflow_skypilot.backends.kubernetes.entry import STOPPED_EXIT, STOPPED_NOTE
 from airflow_skypilot.backends.kubernetes.names import (
     ANN_CANCELLED,
     ANN_PENDING_TIMEOUT,
@@ -68,6 +71,8 @@ class PodView:
     deleting: bool
     disruption: str = ""
     preempted: bool = False
+    stopped: str = ""  # main.sh's termination message after the cluster's TERM
+    deadline: bool = False  # stopped at its own activeDeadlineSeconds: the task's time limit
     exit_code: int | None = None
     term_reason: str = ""
     waiting_reason: str = ""
@@ -96,6 +101,7 @@ class PodView:
                                + (f" ({target['message']})" if target.get("message") else ""))
             view.preempted = "preempt" in str(target.get("reason", "")).lower()
         reason = status.get("reason") or ""
+        view.deadline = reason == "DeadlineExceeded"
         if not view.disruption and (reason in DISRUPTION_REASONS or reason.startswith("OutOf")):
             view.disruption = f"pod {view.name}: {reason}" + (
                 f" ({status['message']})" if status.get("message") else "")
@@ -115,6 +121,9 @@ class PodView:
                 view.started = epoch(term.get("startedAt")) or view.started
                 if code is not None and (view.exit_code in (None, 0)):
                     view.exit_code = int(code)
+                message = str(term.get("message") or "")
+                if cs.get("name") == CONTAINER and message.startswith(STOPPED_NOTE):
+                    view.stopped = message.strip()
                 if view.term_reason == "ContainerStatusUnknown" and not view.disruption:
                     view.disruption = (f"pod {view.name}: its container was lost with node "
                                        f"{view.node or '?'}")
@@ -260,15 +269,25 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
                          f"{first.exit_code}): the allocation was lost, not the program",
                          ended=first.finished,
                          codes=sorted({p.exit_code for p in peers_failed if p.exit_code}))
-    # 2. the user's program failed (pods the controller is deleting are victims, not causes)
-    failed = [v for v in peers_failed if not v.deleting]
+    # 2. the user's program failed (pods the controller is deleting are victims, not causes;
+    # so are pods the cluster stopped, but at their own deadline: the task's time limit)
+    failed = [v for v in peers_failed if not v.deleting and (not v.stopped or v.deadline)]
     if failed:
         first = min(failed, key=lambda v: (v.finished or now, v.rank))
-        extra = " (out of memory: OOMKilled)" if first.term_reason == "OOMKilled" else ""
+        extra = " (out of memory: OOMKilled)" if first.term_reason == "OOMKilled" else \
+            " (time limit: the pod's activeDeadlineSeconds)" if first.deadline else ""
         where = f" on rank {first.rank}" if num_nodes > 1 else ""
         return out(JobState.FAILED, f"exit code {first.exit_code}{where}{extra}",
                    first.exit_code, ended=first.finished,  # the first failure, not the kills
                    codes=sorted({int(v.exit_code) for v in failed}))
+    # 2b. the cluster stopped a pod while the job ran, with no disruption recorded (a pod
+    # deleted by hand): main.sh, TERMed, said so (its exit code is the TERM's, not the program's)
+    stopped = [v for v in views if v.stopped and not v.deadline]
+    deadline_job = (failed_cond or {}).get("reason") == "DeadlineExceeded"
+    if stopped and not deadline_job:
+        first = min(stopped, key=lambda v: (v.finished or now, v.rank))
+        return infra(f"pod {first.name} was stopped while the job ran ({first.stopped})",
+                     ended=first.finished)
     # 3. the Job's own verdict, which outlives its pods
     if failed_cond is not None:
         reason, message = failed_cond.get("reason", ""), failed_cond.get("message", "")
@@ -276,6 +295,14 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
         if "DisruptionTarget" in message:
             return infra(f"the Job failed: {message}")
         code = re.search(r"exit code (\d+)", message)
+        gone = re.search(r"for pod [^/\s]+/(\S+) failed", message)
+        if code and int(code.group(1)) in (STOPPED_EXIT, 137) and gone and pods_known and \
+                all(v.name != gone.group(1) for v in views):
+            # its pod exited as a TERM (or the KILL at the grace's end) makes it and is gone:
+            # deleted (a pod that fails on its own stays until its Job goes), its termination
+            # message with it
+            return infra(f"the Job failed: {message}; the pod is gone: it was deleted while "
+                         f"the job ran", ended=ended_at)
         if code:
             return out(JobState.FAILED, f"exit code {code.group(1)}", int(code.group(1)), raw)
         if reason == "DeadlineExceeded":

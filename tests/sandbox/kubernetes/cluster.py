@@ -214,6 +214,10 @@ class JobTrack:
     create_failed_at: float = -1e9
 
 
+#: the Job controller's finalizer on its pods: a pod is not removed before it is counted
+JOB_TRACKING = "batch.kubernetes.io/job-tracking"
+
+
 class Cluster:
     """Admission, deletion, controllers and faults over one :class:`Store`."""
 
@@ -714,7 +718,9 @@ class Cluster:
         spec.setdefault("parallelism", 1)
         spec.setdefault("backoffLimit", 6)
         spec.setdefault("suspend", False)
-        spec.setdefault("podReplacementPolicy", "TerminatingOrFailed")
+        # as batch/v1's defaults.go: Failed with a pod failure policy (the only value allowed)
+        spec.setdefault("podReplacementPolicy",
+                        "Failed" if spec.get("podFailurePolicy") else "TerminatingOrFailed")
         spec.setdefault("manualSelector", False)
         spec["selector"] = {"matchLabels": {"batch.kubernetes.io/controller-uid": uid}}
         labels = template.setdefault("metadata", {}).setdefault("labels", {})
@@ -948,7 +954,7 @@ class Cluster:
     def _finish_delete(self, res: Resource, namespace: str | None, name: str) -> None:
         removed = self.store.remove(res, namespace, name)
         if removed is not None and res == PODS:
-            self.kubelet.forget(removed["metadata"]["uid"])
+            self.kubelet.forget(removed["metadata"]["uid"], removed)
 
     def _orphan_dependents(self, uid: str) -> None:
         for res, ns, name in self.store.all_namespaced():
@@ -1386,6 +1392,30 @@ class Cluster:
                 self._sync_job(job, pods_by_owner.get(job["metadata"]["uid"], []))
             except Exception:
                 log.exception("job %s failed to sync", job["metadata"]["name"])
+        self._release_tracked_pods({job["metadata"]["uid"]: job for job in jobs})
+
+    def _release_tracked_pods(self, jobs: dict[str, dict[str, Any]]) -> None:
+        """Drop the Job controller's finalizer from the pods it has counted (ended, their
+        outcome recorded), and from pods whose Job is gone or going that no longer run: a
+        deleted pod is removed then, once its end (phase, exit codes) could be read."""
+        for pod in self.store.items(PODS):
+            meta = pod["metadata"]
+            if JOB_TRACKING not in (meta.get("finalizers") or []):
+                continue
+            owner = jobs.get(owner_uid(pod, "Job") or "")
+            track = self.tracks.get(owner["metadata"]["uid"]) if owner else None
+            ended = pod["status"].get("phase") in TERMINAL
+            counted = ended and track is not None and meta["uid"] in track.outcomes
+            orphan = owner is None or bool(owner["metadata"].get("deletionTimestamp"))
+            if not (counted or (orphan and (ended or not self.kubelet.is_running(meta["uid"])))):
+                continue
+            kept = [f for f in meta["finalizers"] if f != JOB_TRACKING]
+            self.update_status(PODS, meta["namespace"], meta["name"],
+                               lambda o, k=kept: o["metadata"].__setitem__("finalizers", k))
+            # gone once its kubelet has confirmed the deletion (grace 0; not a lost node's)
+            if meta.get("deletionTimestamp") and not kept and \
+                    meta.get("deletionGracePeriodSeconds") == 0:
+                self._finish_delete(PODS, meta["namespace"], meta["name"])
 
     @staticmethod
     def _pod_index(pod: dict[str, Any]) -> int | None:
@@ -1393,10 +1423,14 @@ class Cluster:
         return int(value) if value is not None and str(value).isdigit() else None
 
     @staticmethod
-    def _failure_action(job: dict[str, Any], pod: dict[str, Any]) -> str:
+    def _failure_action(job: dict[str, Any], pod: dict[str, Any]) -> tuple[str, str]:
+        """The first pod failure policy rule the failed pod matches: its action, and the Job
+        controller's message for it (pkg/controller/job/pod_failure_policy.go)."""
         rules = ((job["spec"].get("podFailurePolicy") or {}).get("rules")) or []
         statuses = (pod.get("status") or {}).get("containerStatuses") or []
-        for rule in rules:
+        ns, name = pod["metadata"].get("namespace", ""), pod["metadata"]["name"]
+        for index, rule in enumerate(rules):
+            action = rule.get("action", "Count")
             codes = rule.get("onExitCodes")
             if codes:
                 values = set(codes.get("values") or [])
@@ -1407,12 +1441,15 @@ class Cluster:
                     if code is None or code == 0:
                         continue
                     if (codes.get("operator") == "In") == (code in values):
-                        return rule.get("action", "Count")
+                        return action, (f"Container {cs.get('name')} for pod {ns}/{name} failed "
+                                        f"with exit code {code} matching {action} rule at "
+                                        f"index {index}")
             for pattern in rule.get("onPodConditions") or []:
                 cond = get_condition(pod, pattern.get("type", ""))
                 if cond and cond.get("status") == pattern.get("status", "True"):
-                    return rule.get("action", "Count")
-        return "Count"
+                    return action, (f"Pod {ns}/{name} has condition {pattern.get('type')} "
+                                    f"matching {action} rule at index {index}")
+        return "Count", ""
 
     def _sync_job(self, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         meta, spec = job["metadata"], job["spec"]
@@ -1440,13 +1477,10 @@ class Cluster:
                 if index is not None:
                     track.succeeded_indexes.add(index)
             elif phase == "Failed":
-                action = self._failure_action(job, pod)
+                action, message = self._failure_action(job, pod)
                 track.outcomes[puid] = "ignored" if action == "Ignore" else "failed"
                 if action == "FailJob" and track.fail is None:
-                    track.fail = (
-                        "PodFailurePolicy",
-                        f"Container of pod {ns}/{pod['metadata']['name']} matched a FailJob rule",
-                    )
+                    track.fail = ("PodFailurePolicy", message)
                 if action != "Ignore":
                     track.index_failures[index] = track.index_failures.get(index, 0) + 1
                 track.last_failure[index] = clock
@@ -1530,7 +1564,8 @@ class Cluster:
                 for pod in active:
                     self._delete_quietly(pod)
                 active = []
-            elif clock - track.create_failed_at > 2.0:
+            elif clock - track.create_failed_at > 2.0 and not (
+                    terminating and self._replace_only_failed(spec)):
                 active += self._create_job_pods(
                     job, active, track, indexed, succeeded, completions, parallelism, clock
                 )
@@ -1570,6 +1605,12 @@ class Cluster:
             self.delete_pod(pod["metadata"]["namespace"], pod["metadata"]["name"])
         except kmock.KubernetesError:
             pass
+
+    @staticmethod
+    def _replace_only_failed(spec: dict[str, Any]) -> bool:
+        """``podReplacementPolicy: Failed``: no replacement while a pod is terminating; it is
+        counted, and the pod failure policy applied, once it has ended."""
+        return spec.get("podReplacementPolicy") == "Failed"
 
     def _create_job_pods(
         self,
@@ -1664,6 +1705,7 @@ class Cluster:
                 "namespace": meta["namespace"],
                 "labels": labels,
                 "annotations": annotations,
+                "finalizers": [JOB_TRACKING],
                 "ownerReferences": [
                     {
                         "apiVersion": "batch/v1",

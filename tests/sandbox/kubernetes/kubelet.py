@@ -646,7 +646,15 @@ class Kubelet:
             if self.runs.get(run.uid) is run:
                 del self.runs[run.uid]
             if run.mode in ("delete",):
-                self.cluster._finish_delete(PODS, run.namespace, run.name)
+                left = self.store.get(PODS, run.namespace, run.name)
+                # the kubelet's final delete (grace 0); a finalizer (the Job controller's,
+                # until it has counted the pod) keeps the object until it is dropped
+                if left is None or not (left.get("metadata") or {}).get("finalizers"):
+                    self.cluster._finish_delete(PODS, run.namespace, run.name)
+                else:
+                    self.cluster.update_status(
+                        PODS, run.namespace, run.name,
+                        lambda o: o["metadata"].__setitem__("deletionGracePeriodSeconds", 0))
             if self.store.get(PODS, run.namespace, run.name) is None:
                 shutil.rmtree(run.poddir, ignore_errors=True)
             self.cluster.kick()
@@ -695,12 +703,14 @@ class Kubelet:
         self._finalize(run, list(codes))
 
     def _finalize(self, run: PodRun, codes: list[int]) -> None:
-        if run.mode in ("delete", "reset", "forget"):
+        if run.mode in ("reset", "forget"):
             return
         from tests.sandbox.kubernetes.cluster import condition, set_condition
 
         def mutate(o: dict[str, Any]) -> None:
-            if run.mode is not None:
+            # a deleted pod ends in a terminal phase by its containers' codes (the kubelet
+            # does since 1.27), seen by whoever holds a finalizer on it
+            if run.mode is not None and run.mode != "delete":
                 self.mark_disrupted(o, run.mode)
                 return
             status = o["status"]
@@ -762,6 +772,12 @@ class Kubelet:
             container_id = f"sandbox://{run.uid[:8]}-{cr.name}-{cr.restart_count}"
             started_at = rfc3339()
             terminated: dict[str, Any]
+            # terminationMessagePath (its default): a file the container may write, read
+            # at its end (the kubelet's limit: 4096 bytes)
+            message_file = root / str(
+                cr.spec.get("terminationMessagePath") or "/dev/termination-log").lstrip("/")
+            message_file.parent.mkdir(parents=True, exist_ok=True)
+            message_file.write_bytes(b"")
             with open(log_dir / f"{cr.restart_count}.log", "ab") as sink:
                 try:
                     cr.proc = await asyncio.create_subprocess_exec(
@@ -811,6 +827,11 @@ class Kubelet:
                     }
                     if code != 0 and raw < 0:
                         terminated["signal"] = -raw
+                    with contextlib.suppress(OSError):
+                        with open(message_file, "rb") as fh:
+                            text = fh.read(4096).decode("utf-8", "replace")
+                        if text:
+                            terminated["message"] = text
             restart = not run.mode and (
                 policy == "Always"
                 or (policy == "OnFailure" and code != 0)
@@ -984,17 +1005,22 @@ class Kubelet:
 
     # ------------------------------------------------------------------ stopping
     def kill(self, uid: str, mode: str, grace: int) -> None:
-        """Stop a pod's processes: SIGTERM to each process group, SIGKILL after ``grace``."""
+        """Stop a pod's processes: SIGTERM to each container's first process (as the kubelet
+        does: the runtime signals the container's PID 1 only), SIGKILL to all of each
+        container after ``grace``."""
         run = self.runs.get(uid)
         if run is None:
             return
         if run.mode is None or mode in ("delete", "node-lost", "reset", "forget"):
             run.mode = mode
         run.stop.set()
-        sig = signal.SIGKILL if grace <= 0 else signal.SIGTERM
         for cr in run.containers.values():
             if cr.proc is not None and cr.proc.returncode is None:
-                self._killpg(cr, sig)
+                if grace <= 0:
+                    self._killpg(cr, signal.SIGKILL)
+                else:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(cr.proc.pid, signal.SIGTERM)
         if grace > 0:
             asyncio.get_running_loop().call_later(grace, self._force, run)
 
@@ -1003,12 +1029,15 @@ class Kubelet:
             if cr.proc is not None and cr.proc.returncode is None:
                 self._killpg(cr, signal.SIGKILL)
 
-    def forget(self, uid: str) -> None:
-        """The pod object is gone: stop whatever still runs and drop its bookkeeping."""
+    def forget(self, uid: str, pod: dict[str, Any] | None = None) -> None:
+        """The pod object is gone: stop whatever still runs and drop its bookkeeping (and
+        its folder, once nothing runs in it: a finalizer kept it after its containers ended)."""
         self.pull_started.pop(uid, None)
         self.ips.pop(uid, None)
         if uid in self.runs:
             self.kill(uid, "forget", 0)
+        elif pod is not None:
+            shutil.rmtree(self.poddir(pod), ignore_errors=True)
 
     async def kill_all(self, grace: float = 0) -> None:
         """Stop every pod process (reset and shutdown), waiting a bounded time."""
