@@ -282,7 +282,13 @@ def test_a_rank_that_fails_while_rank_0_sleeps_is_in_the_log_once_the_job_failed
             # from another process (nothing seen by a poll), and the triggerer's way
             assert line in AwsBackend(CONN).read_tail(handle).splitlines()
             assert line in asyncio.run(_read_async(AwsBackend(CONN), handle, 0))[0]
-        assert "rank0 sleeping" in text.splitlines()
+        # rank 0's own lines: in its next upload (every few seconds), which a loaded machine
+        # may not have made when rank 1's failure is read
+        deadline = time.monotonic() + 30
+        while "rank0 sleeping" not in text.splitlines() and time.monotonic() < deadline:
+            time.sleep(1)
+            text, _ = backend.read_log(handle)
+        assert "rank0 sleeping" in text.splitlines(), text
     finally:
         backend.cleanup(handle)
     # rank 0 terminated: its log is final; what comes next repeats nothing
