@@ -19,7 +19,8 @@ its place again (as just re-probed) beside fresh offers elsewhere and says wheth
 Start estimates are guesses (Slurm's come from time limits, which real jobs rarely use up), so a
 move needs a clear margin, never goes back and forth without bound, and never to a place the
 policy would not pick (a costlier place under ``fastest`` only within the request's
-``max_hourly_cost``; never under ``cheapest``; never against the user's ``ordered`` list).
+``max_hourly_cost`` and when the wait where the job is would be long; never under
+``cheapest``; never against the user's ``ordered`` list).
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ MAX_MOVES = 3
 MOVE_GAIN_SHARE = 0.5
 #: ...and at least this many seconds
 MOVE_GAIN_MIN_S = 120.0
+#: a waiting job whose place estimates its start within this many seconds does not move to a
+#: costlier place: queued copies start at about half their estimate (benchmarks/README.md:
+#: median real/estimated wait 0.5) and a cloud instance boots for minutes, so paying to save
+#: such a wait buys little (the scheduling benchmark: 0.99x SkyPilot's spend instead of 1.02x
+#: at the same wait). The operator's ``paid_move_min_wait``; 0: a costlier place free now
+#: always wins under ``fastest``
+PAID_MOVE_MIN_WAIT_S = 1800.0
 
 
 @dataclass
@@ -398,7 +406,8 @@ class Reconsideration:
 
 def reconsider(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = False,
                blocked: Iterable[Blocked] = (), waited_s: float = 0.0, moves: int = 0,
-               max_moves: int = MAX_MOVES, now: float | None = None) -> Offer | None:
+               max_moves: int = MAX_MOVES, now: float | None = None,
+               paid_min_wait: float = PAID_MOVE_MIN_WAIT_S) -> Offer | None:
     """Should a job waiting in a queue move? The offer to move to, or None to stay.
 
     ``current`` is the waiting job's own place as just re-probed (its estimated start counts
@@ -408,19 +417,21 @@ def reconsider(current: Offer, offers: list[Offer], policy: str, *, ordered: boo
 
     Rules: never after ``max_moves`` moves, and never when the current place can start the job
     now. A place that can start it now wins over a queue (under ``cheapest`` only if it costs no
-    more; under ``fastest`` a costlier one too, within the request's ``max_hourly_cost``). A
+    more; under ``fastest`` a costlier one too, within the request's ``max_hourly_cost``, unless
+    the job's own place estimates its start within ``paid_min_wait`` seconds). A
     queue elsewhere wins only with a clear margin: it must save at least ``MOVE_GAIN_SHARE`` of
     the current wait and ``MOVE_GAIN_MIN_S`` seconds, since start estimates are guesses. With
     ``ordered`` candidates a move never goes to a later candidate than the current one.
     ``waited_s`` (how long the job has waited) only shows in the reason.
     """
     return judge(current, offers, policy, ordered=ordered, blocked=blocked, waited_s=waited_s,
-                 moves=moves, max_moves=max_moves, now=now).move_to
+                 moves=moves, max_moves=max_moves, now=now, paid_min_wait=paid_min_wait).move_to
 
 
 def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = False,
           blocked: Iterable[Blocked] = (), waited_s: float = 0.0, moves: int = 0,
-          max_moves: int = MAX_MOVES, now: float | None = None) -> Reconsideration:
+          max_moves: int = MAX_MOVES, now: float | None = None,
+          paid_min_wait: float = PAID_MOVE_MIN_WAIT_S) -> Reconsideration:
     """:func:`reconsider`, with the best other place and why the job moves or stays."""
     if moves >= max_moves:
         return Reconsideration(None, None, f"moved {moves} time(s) already (max_moves "
@@ -429,15 +440,24 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
         return Reconsideration(None, None, "its place can start it now")
     here = current.place_key
     elsewhere = [o for o in offers if o.place_key != here]
-    others = [o for o in elsewhere
-              if not (ordered and o.request.index > current.request.index)
-              and not (policy == "cheapest" and o.price_per_hour > current.price_per_hour)]
+    # a short wait here is not worth paying more to save (PAID_MOVE_MIN_WAIT_S)
+    short_wait = (paid_min_wait > 0 and current.wait_seconds is not None
+                  and current.wait_seconds < paid_min_wait)
+    later = [o for o in elsewhere if ordered and o.request.index > current.request.index]
+    others = [o for o in elsewhere if not any(o is x for x in later)
+              and not ((policy == "cheapest" or short_wait)
+                       and o.price_per_hour > current.price_per_hour)]
     if not others:
-        if elsewhere:
-            return Reconsideration(None, None, "the other places " + (
-                "cost more (policy cheapest)" if policy == "cheapest"
-                else "come later in your order"))
-        return Reconsideration(None, None, "no other place takes it")
+        if not elsewhere:
+            return Reconsideration(None, None, "no other place takes it")
+        if policy == "cheapest":
+            why = "cost more (policy cheapest)"
+        elif len(later) == len(elsewhere):
+            why = "come later in your order"
+        else:
+            why = (f"cost more, and here it starts est. in {_duration(current.wait_seconds)}, "
+                   f"under paid_move_min_wait ({_duration(paid_min_wait)})")
+        return Reconsideration(None, None, "the other places " + why)
     # a place that can start it now wins over a queue, under cheapest too (``rank`` puts the
     # price first there: a cheaper queue without an estimate would hide it)
     free = [o for o in others if o.free_now]

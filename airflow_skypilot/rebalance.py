@@ -50,6 +50,7 @@ class ReconsiderSpec:
     interval: float = 60.0
     moves: int = 0
     max_moves: int = placement.MAX_MOVES
+    paid_min_wait: float = placement.PAID_MOVE_MIN_WAIT_S
     blocked: list[dict[str, Any]] = field(default_factory=list)
     probe_timeout: float = 60.0
     waiting_since: float = field(default_factory=time.time)
@@ -233,7 +234,7 @@ async def adecide(spec: ReconsiderSpec, handle: JobHandle, status: JobStatus) ->
         current, others, spec.policy, ordered=bool(spec.task.get("ordered")),
         blocked=[Blocked.from_dict(b) for b in spec.blocked],
         waited_s=max(0.0, time.time() - spec.waiting_since), moves=spec.moves,
-        max_moves=spec.max_moves)
+        max_moves=spec.max_moves, paid_min_wait=spec.paid_min_wait)
     return Decision(verdict.move_to, look_of(verdict, current, handle, at))
 
 

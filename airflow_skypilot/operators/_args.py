@@ -19,7 +19,8 @@ from airflow_skypilot import placement
 #: arguments that must be > 0 and >= 0 (None: the configured default)
 POSITIVE = ("poll_interval", "reprobe_interval")
 NOT_NEGATIVE = ("max_failovers", "max_moves", "confirm_timeout", "unreachable_timeout",
-                "block_cooldown", "probe_timeout")  # probe_timeout 0: the configured default
+                "block_cooldown", "probe_timeout",  # probe_timeout 0: the configured default
+                "paid_move_min_wait")
 
 
 def _templated(value: Any) -> bool:

@@ -98,6 +98,10 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
         looks at a job waiting in a queue (it moves when another place starts it clearly
         sooner: ``placement.reconsider``).
     :param max_moves: moves of a waiting job at most (0: never move it).
+    :param paid_move_min_wait: seconds; a waiting job whose queue estimates its start within
+        this is not moved to a costlier place (a cloud instance) under ``fastest``: queued jobs
+        tend to start well before their estimate. 0: a costlier place that can start it now
+        always wins. Placement itself is not affected: a job is placed where it starts soonest.
     :param stream_logs: copy the job's output into the task log as it runs.
     :param unreachable_timeout: seconds the job's backend may stay silent (cannot be asked, or
         cannot say) before the job counts as lost and is placed again; default
@@ -135,6 +139,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
         confirm_timeout: float = 30.0,
         block_cooldown: float | None = None,
         max_moves: int = placement.MAX_MOVES,
+        paid_move_min_wait: float = placement.PAID_MOVE_MIN_WAIT_S,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -157,6 +162,7 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
         self.confirm_timeout = confirm_timeout
         self.block_cooldown = block_cooldown
         self.max_moves = max_moves
+        self.paid_move_min_wait = paid_move_min_wait
         self._handle: JobHandle | None = None
         # literal values now, at DAG parse time; Jinja ones (template fields) in load()
         args.check(vars(self), self.template_fields)
@@ -363,7 +369,8 @@ class SkyPilotOperator(args.TaskNotRenderedInside, StopsItsJobs, BaseOperator):
         return rebalance.ReconsiderSpec(
             connections=self._conn_ids(), task=task.capacity_view(), policy=self.policy,
             places=run.places, interval=self.reprobe_interval, moves=run.moves,
-            max_moves=self.max_moves, blocked=[b.to_dict() for b in run.blocked],
+            max_moves=self.max_moves, paid_min_wait=self.paid_move_min_wait,
+            blocked=[b.to_dict() for b in run.blocked],
             probe_timeout=self._hook().timeout, waiting_since=handle.submitted_at).to_dict()
 
     def _move(self, context: Context, task: Task, run: RunState, handle: JobHandle, to: Offer,

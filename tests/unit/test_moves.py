@@ -126,6 +126,31 @@ def test_no_move_without_a_clear_margin_or_with_moves_off():
     assert info.value.trigger.reconsider is None
 
 
+@pytest.mark.parametrize(("paid_move_min_wait", "moves"), [(None, False), (0, True)])
+def test_a_short_wait_is_not_paid_away_unless_the_setting_is_off(paid_move_min_wait, moves):
+    """c1 estimates the start in 20 minutes; a paid place frees up: by default (30 min) the
+    job stays where it waits; with ``paid_move_min_wait=0`` it moves."""
+    FakeBackend.offers["c1"] = [offer("c1", "p", nodes_free=0, est_in=1200)]
+    kw = {} if paid_move_min_wait is None else {"paid_move_min_wait": paid_move_min_wait}
+    with pytest.raises(TaskDeferred) as info:
+        _op(**kw).execute(_ctx())
+    trigger = info.value.trigger
+    assert trigger.reconsider["paid_min_wait"] == (1800 if paid_move_min_wait is None else 0)
+    FakeBackend.offers["c2"] = [offer("c2", "q", price=3.0)]  # a paid place frees up
+
+    async def watch():
+        task = asyncio.create_task(_first(trigger))
+        await asyncio.sleep(0.3)  # several looks
+        if not task.done():
+            FakeBackend.jobs["1"]["status"] = JobStatus(JobState.SUCCEEDED, exit_code=0)
+        return await asyncio.wait_for(task, 5)
+
+    event = asyncio.run(watch())
+    assert event["status"] == ("move" if moves else "done")
+    if moves:
+        assert event["to"]["connection"] == "c2" and event["reason"].endswith("$3/h vs $0/h")
+
+
 def test_the_worker_moves_a_waiting_job_too_when_not_deferrable(monkeypatch):
     FakeBackend.offers["c1"] = [offer("c1", "p", nodes_free=0, est_in=3600)]
     real = FakeBackend.astatus

@@ -527,6 +527,7 @@ def test_state_survives_airflows_own_serialization_of_the_deferral():
 @pytest.mark.parametrize("arg, value", [("poll_interval", -1), ("poll_interval", 0),
                                         ("probe_timeout", -1), ("reprobe_interval", -5),
                                         ("max_failovers", -1), ("max_moves", -1),
+                                        ("paid_move_min_wait", -1),
                                         ("confirm_timeout", -0.5), ("unreachable_timeout", -1),
                                         ("policy", "quickest"), ("poll_interval", "soon")])
 def test_an_argument_out_of_range_fails_when_the_dag_is_parsed_naming_it(arg, value):

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_skypilot.placement import MAX_MOVES, Blocked, reconsider
+from airflow_skypilot.placement import (
+    MAX_MOVES,
+    PAID_MOVE_MIN_WAIT_S,
+    Blocked,
+    judge,
+    reconsider,
+)
 from tests.fakes import offer
 
 
@@ -58,6 +64,30 @@ def test_cheapest_never_moves_to_a_costlier_place_fastest_may_to_start_now():
     assert reconsider(_here(), [paid], "cheapest") is None
     moved = reconsider(_here(), [paid], "fastest")
     assert moved is not None and moved.details["move_reason"].endswith("$3/h vs $0/h")
+
+
+@pytest.mark.parametrize(("here", "moves"), [
+    (1799, False),  # starts within PAID_MOVE_MIN_WAIT_S where it is: not worth paying for
+    (1800, True),
+    (None, True),   # no estimate where it is: a place that starts it now wins
+])
+def test_fastest_pays_to_move_only_to_save_a_long_wait(here, moves):
+    paid = offer("aws", "us-east-1a", price=3.0)
+    assert PAID_MOVE_MIN_WAIT_S == 1800
+    look = judge(_here(est_in=here), [paid], "fastest")
+    assert (look.move_to is not None) is moves
+    if not moves:
+        assert look.why == ("the other places cost more, and here it starts est. in 29m, "
+                            "under paid_move_min_wait (30m)")
+
+
+def test_a_short_wait_still_moves_to_a_place_that_costs_no_more():
+    free = offer("beta", "main")
+    paid = offer("aws", "us-east-1a", price=3.0)
+    moved = reconsider(_here(est_in=600), [paid, free], "fastest")
+    assert moved is not None and moved.place_key == "beta/main"
+    # and a paid place that starts it now is taken for a short wait when the setting is off
+    assert reconsider(_here(est_in=600), [paid], "fastest", paid_min_wait=0) is not None
 
 
 def test_the_request_price_cap_holds_for_moves():
