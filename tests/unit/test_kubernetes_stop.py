@@ -91,9 +91,9 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
-def _run_and_stop(command, env, root, *, as_init: bool, wait_for: Path):
-    """Start the container's command, TERM its first process once ``wait_for`` exists, and
-    return (exit code, stdout, stderr)."""
+def _run_and_stop(command, env, root, *, as_init: bool, wait_for: Path, times: int = 1):
+    """Start the container's command, TERM its first process (``times`` times, at once) once
+    ``wait_for`` exists, and return (exit code, stdout, stderr)."""
     argv = (["unshare", "--pid", "--fork", "--mount-proc", *command] if as_init else command)
     proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -102,7 +102,8 @@ def _run_and_stop(command, env, root, *, as_init: bool, wait_for: Path):
         first = proc.pid
         if as_init:  # unshare's child is the namespace's init: the container's first process
             [first] = _children(proc.pid)
-        os.kill(first, signal.SIGTERM)
+        for _ in range(times):
+            os.kill(first, signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
@@ -189,6 +190,47 @@ def test_a_run_that_ends_on_its_own_keeps_its_status_and_leaves_no_note(tmp_path
     assert (root / "dev" / "termination-log").read_text() == ""
 
 
+def test_a_term_after_the_run_ended_is_no_stop(tmp_path):
+    """The run ended (exit 0, its status written by its wrapper) and the TERM comes before
+    main.sh has exited (a cancel as the job ends): the run's own result stands, no note
+    (before, the success read as the cluster's stop and the job was placed again)."""
+    for i in range(15):
+        command, env, root = _materialise(tmp_path / str(i), {"run": "exit 0"})
+        ended = root / "dev" / "shm" / f"airflow-skypilot-stopping-{env['HOSTNAME']}.run"
+        proc = subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 20
+            while not ended.exists() and proc.poll() is None:
+                assert time.monotonic() < deadline, "the run's status was never written"
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # main.sh had ended already
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert ended.read_text() == "0\n"
+        assert proc.returncode == 0, (i, out, err)
+        assert (root / "dev" / "termination-log").read_text() == ""
+
+
+@pytest.mark.parametrize("as_init", [False, True], ids=["group-leader", "pid-namespace-init"])
+def test_a_second_term_as_the_first_is_passed_on_is_ignored(tmp_path, as_init):
+    """Two TERMs microseconds apart (a kubelet and a kill by hand): the stop runs once, the
+    program's handler once (a second TERM re-entered it mid-save)."""
+    command, env, root = _materialise(tmp_path, {
+        "run": 'python3 "$OUT/trainer.py"', "secrets": {"TOKEN": SECRET}})
+    out_dir = Path(env["OUT"])
+    code, out, err = _run_and_stop(command, env, root, as_init=as_init,
+                                   wait_for=out_dir / "started", times=2)
+    assert code == entry.STOPPED_EXIT, (out, err)
+    assert err.count("passed on to the task") == 1, err
+    assert out.count("saving checkpoint") == 1 and (out_dir / "checkpoint").exists(), out
+
+
 def test_a_run_whose_shell_missed_the_term_ends_at_its_prologue(tmp_path):
     """The run's interactive bash ignores TERM until its prologue's trap: a TERM that came
     before is read from the mark main.sh's trap made, and no user code runs."""
@@ -211,7 +253,7 @@ def test_a_run_whose_shell_missed_the_term_ends_at_its_prologue(tmp_path):
 # --- how the status reads a stopped container ------------------------------------------------
 
 
-def _stopped(code=143, message=None):
+def _stopped(code=entry.STOPPED_EXIT, message=None):
     state = _term(code)
     state["terminated"]["message"] = message if message is not None else (
         entry.STOPPED_NOTE + "; the step's exit code: 143\n")
@@ -225,10 +267,10 @@ def _failed_by(code, pod="j-0-x"):
 
 
 def test_a_pod_deleted_by_hand_is_the_clusters_stop_not_the_programs_failure():
-    """``kubectl delete pod``: no DisruptionTarget; main.sh passed the TERM on and ended 143
-    with its note. The Job's verdict says "exit code 143": the note decides, whether the pod
-    is still being deleted or has finished deleting (and is gone, note and all)."""
-    job = _job([_failed_by(143)])
+    """``kubectl delete pod``: no DisruptionTarget; main.sh passed the TERM on and ended with
+    its own code and note. The note decides while the pod is listed (being deleted or not);
+    once it is gone, note and all, the Job's verdict carries main.sh's code."""
+    job = _job([_failed_by(entry.STOPPED_EXIT)])
     for pod in (_jpod(phase="Failed", state=_stopped(), deleting=True),
                 _jpod(phase="Failed", state=_stopped())):
         st = _status(job, [pod])
@@ -237,9 +279,26 @@ def test_a_pod_deleted_by_hand_is_the_clusters_stop_not_the_programs_failure():
         assert _status(job, [pod], spot=True).state == JobState.PREEMPTED
     st = _status(job, [])  # the pod is gone: deleted
     assert st.state == JobState.INFRA_FAILED and "deleted" in st.reason, st
-    # its program outlived the grace period: KILLed (137), the pod gone as well
-    st = _status(_job([_failed_by(137)]), [])
-    assert st.state == JobState.INFRA_FAILED and "deleted" in st.reason, st
+
+
+@pytest.mark.parametrize("code", [143, 137, 3])
+def test_a_programs_own_term_or_kill_stays_its_failure_once_its_pod_is_gone(code):
+    """A program that dies of its own TERM (143) or is OOM-killed (137), its pod then
+    removed (a janitor, the pod GC) before a poll saw it: the Job's verdict is the program's
+    failure, not a stop (placing it again would run the code a second time)."""
+    st = _status(_job([_failed_by(code)]), [])
+    assert (st.state, st.exit_code) == (JobState.FAILED, code), st
+
+
+def test_a_failed_rank_gone_since_wins_over_the_ranks_the_controller_stopped():
+    """Rank 1 failed (exit 3) and its pod is gone; rank 0, which the Job controller then
+    deleted, is listed with main.sh's note: the verdict names rank 1, the program failed."""
+    pods = [_jpod(0, phase="Failed", state=_stopped(), deleting=True)]
+    st = _status(_job([_failed_by(3, pod="j-1-x")]), pods, num_nodes=2)
+    assert (st.state, st.exit_code) == (JobState.FAILED, 3), st
+    # the verdict names the stopped rank itself: the cluster's stop
+    st = _status(_job([_failed_by(entry.STOPPED_EXIT, pod="j-0-x")]), pods, num_nodes=2)
+    assert st.state == JobState.INFRA_FAILED, st
 
 
 def test_a_programs_own_143_stays_its_failure():

@@ -140,9 +140,10 @@ def node_script(*, job_dir: str, workdir: str, rank_var: str, ips_var: str = "",
         "# errors shown); the notes of job control that fails without a terminal go nowhere (fd 3",
         "# is the stderr the prologue takes back: the stdout, one stream, as SkyPilot's).",
         "# Secret values never reach the job's log in clear: every line of output is filtered.",
-        "# A TERM to every process (scancel with proctrack/cgroup, an instance's shutdown, the",
-        "# pod's main.sh passing its own on) stops the program, not this script nor the filter:",
-        "# what the program writes as it stops is masked and kept, and its status is the step's.",
+        "# A TERM to every process stops the program, not this script nor the filter: on a pod",
+        "# (main.sh passes its TERM on and waits) what the program writes as it stops is masked",
+        "# and kept, and its status is the step's. (On Slurm and AWS the step's own wrapper ends",
+        "# at the TERM: what is left is killed, or loses its reader.)",
         # (one stream keeps the lines' order: a pod's stdout and stderr are read apart. The
         # filter passes each line as it comes: mawk, Debian's awk, reads a pipe in blocks
         # whatever fflush() does, unless -W interactive; gawk and busybox read lines. Not

@@ -20,13 +20,17 @@ not catch. For the task's programs to get their TERM to checkpoint on, as on Slu
   ``bash`` ignores TERM until its prologue's trap) learns of it from :data:`TERM_MARK`, a file
   the trap makes in the pod's ``/dev/shm``: the prologue ends the step with 143 when it is there.
 * once stopped, ``main.sh`` does not end before every other process of the container has
-  (init's end would KILL a program still writing its checkpoint), then ends with 143, never 0
-  (a program that saves and exits 0 on TERM would make the pod, then the Job, succeed: a
-  preempted training run read as done). Its trap writes :data:`STOPPED_NOTE` to the
-  container's termination message at once (a program that outlives the grace period is
-  KILLed, the note stays), which :mod:`.status` reads as the cluster's stop, not the
-  program's failure (a ``kubectl delete pod`` gives no ``DisruptionTarget``). A step that
-  ended before the TERM keeps its own status.
+  (init's end would KILL a program still writing its checkpoint), then ends with
+  :data:`STOPPED_EXIT`, never 0 (a program that saves and exits 0 on TERM would make the pod,
+  then the Job, succeed: a preempted training run read as done), and not a TERM's 143 (a
+  program's own 143 is its failure; the Job's verdict, which outlives a deleted pod, carries
+  the code). Its trap writes :data:`STOPPED_NOTE` to the container's termination message at
+  once (a program that outlives the grace period is KILLed, the note stays), which
+  :mod:`.status` reads as the cluster's stop, not the program's failure (a
+  ``kubectl delete pod`` gives no ``DisruptionTarget``).
+* a run that had ended before the TERM (its status written by the step's wrapper, a subshell
+  that outlives the TERM) keeps its own status: the TERM is no stop. A second TERM while the
+  first is passed on is ignored.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ TERM_MARK = '"${SANDBOX_MOUNT_ROOT:-}/dev/shm/airflow-skypilot-stopping-$HOSTNAM
 TERMINATION_LOG = '"${SANDBOX_MOUNT_ROOT:-}/dev/termination-log"'
 #: how a container stopped by the cluster's TERM begins its termination message
 STOPPED_NOTE = "airflow-skypilot: stopped by the cluster (TERM)"
-#: its exit code then: a TERM's, whatever the program's own (which the message carries)
-STOPPED_EXIT = 143
+#: its exit code then, whatever the program's own (which the message carries): no signal's
+#: (128 + n, n <= 64) nor a TERM's 143, which a program's own failure gives too
+STOPPED_EXIT = 199
 
 # The stop, as functions main.sh defines before anything else. ``others``: is any other
 # process of the container still up? As init: ``kill -0 -1`` (every process but init); else
@@ -58,7 +63,11 @@ STOPPED_EXIT = 143
 _STOP_FUNCTIONS = f"""\
 export AIRFLOW_SKYPILOT_TERM_MARK={TERM_MARK}
 AIRFLOW_SKYPILOT_STOPPING=
+AIRFLOW_SKYPILOT_IN_STEP=
 airflow_skypilot_stop() {{  # the container's TERM: passed on, once, to all of it
+  [ -z "$AIRFLOW_SKYPILOT_STOPPING" ] || return 0  # a TERM that came as the first was handled
+  # the run ended before this TERM (its wrapper wrote its status): nothing left to stop
+  [ "$AIRFLOW_SKYPILOT_IN_STEP" = run ] && [ -e "$AIRFLOW_SKYPILOT_TERM_MARK.run" ] && return 0
   trap '' TERM
   AIRFLOW_SKYPILOT_STOPPING=1
   : 2>/dev/null >"$AIRFLOW_SKYPILOT_TERM_MARK"
@@ -89,12 +98,19 @@ airflow_skypilot_end() {{  # the container's exit: after a stop, once the rest h
 }}
 airflow_skypilot_step() {{  # node.sh setup|run in the background: a TERM is passed on at once
   [ -z "$AIRFLOW_SKYPILOT_STOPPING" ] || return {STOPPED_EXIT}
-  bash "$AIRFLOW_SKYPILOT_JOB_DIR/node.sh" "$1" &
-  local pid=$! rc
-  wait "$pid"; rc=$?
-  # the trap cut that wait short: the step's own status comes now
-  if [ -n "$AIRFLOW_SKYPILOT_STOPPING" ]; then wait "$pid"; rc=$?; fi
-  return $rc
+  local end="$AIRFLOW_SKYPILOT_TERM_MARK.$1" pid rc= waited=255
+  rm -f "$end"
+  AIRFLOW_SKYPILOT_IN_STEP=$1
+  # its wrapper outlives a TERM (a handler, not an ignore: node.sh gets TERM as it comes) and
+  # writes the step's status once node.sh has ended: what the trap and this function read
+  ( trap : TERM; bash "$AIRFLOW_SKYPILOT_JOB_DIR/node.sh" "$1"
+    AIRFLOW_SKYPILOT_RC=$?; echo "$AIRFLOW_SKYPILOT_RC" 2>/dev/null >"$end"
+    exit "$AIRFLOW_SKYPILOT_RC" ) &
+  pid=$!
+  # a trap cuts wait short: wait again while the wrapper is there
+  while kill -0 "$pid" 2>/dev/null; do wait "$pid"; waited=$?; done
+  read -r rc 2>/dev/null <"$end"  # (none: /dev/shm not writable; wait's status then)
+  return "${{rc:-$waited}}"
 }}
 """
 

@@ -166,6 +166,17 @@ def own_pending_timeout(meta: Mapping[str, Any], default: float | None) -> float
     return None if value < 0 else value
 
 
+def _verdict_pod(failed_cond: Mapping[str, Any] | None) -> tuple[str, int | None]:
+    """The pod and exit code a Job's failure names ("Container main for pod ns/X failed with
+    exit code N matching FailJob rule ..."); ("", None) when it names none."""
+    message = (failed_cond or {}).get("message", "") or ""
+    pod = re.search(r"for pod [^/\s]+/(\S+) failed", message)
+    code = re.search(r"exit code (\d+)", message)
+    if pod is None or code is None:
+        return "", None
+    return pod.group(1), int(code.group(1))
+
+
 def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | None, *,
                num_nodes: int, spot: bool = False, nodes: Mapping[str, NodeView] | None = None,
                now: float | None = None, image_error_grace: float = 60.0,
@@ -284,7 +295,12 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     # deleted by hand): main.sh, TERMed, said so (its exit code is the TERM's, not the program's)
     stopped = [v for v in views if v.stopped and not v.deadline]
     deadline_job = (failed_cond or {}).get("reason") == "DeadlineExceeded"
-    if stopped and not deadline_job:
+    verdict_pod, verdict_code = _verdict_pod(failed_cond)
+    # ...unless the Job's verdict blames another pod, gone since, for a code of its own: a
+    # rank that failed, and the ranks the controller then stopped (rule 3 reads its code)
+    blames_other = verdict_code is not None and verdict_code != STOPPED_EXIT and \
+        all(v.name != verdict_pod for v in stopped)
+    if stopped and not deadline_job and not blames_other:
         first = min(stopped, key=lambda v: (v.finished or now, v.rank))
         return infra(f"pod {first.name} was stopped while the job ran ({first.stopped})",
                      ended=first.finished)
@@ -295,12 +311,11 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
         if "DisruptionTarget" in message:
             return infra(f"the Job failed: {message}")
         code = re.search(r"exit code (\d+)", message)
-        gone = re.search(r"for pod [^/\s]+/(\S+) failed", message)
-        if code and int(code.group(1)) in (STOPPED_EXIT, 137) and gone and pods_known and \
-                all(v.name != gone.group(1) for v in views):
-            # its pod exited as a TERM (or the KILL at the grace's end) makes it and is gone:
-            # deleted (a pod that fails on its own stays until its Job goes), its termination
-            # message with it
+        if verdict_code == STOPPED_EXIT and pods_known and \
+                all(v.name != verdict_pod for v in views):
+            # its pod ended as main.sh ends a stopped container and is gone: deleted (a pod
+            # that fails on its own stays until its Job goes), its termination message with
+            # it. (Not a 143 or 137: a program's own TERM or OOM kill gives them too)
             return infra(f"the Job failed: {message}; the pod is gone: it was deleted while "
                          f"the job ran", ended=ended_at)
         if code:
