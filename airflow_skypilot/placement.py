@@ -455,8 +455,9 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
         elif len(later) == len(elsewhere):
             why = "come later in your order"
         else:
-            why = (f"cost more, and here it starts est. in {_duration(current.wait_seconds)}, "
-                   f"under paid_move_min_wait ({_duration(paid_min_wait)})")
+            why = ("come later in your order or " if later else "") + (
+                f"cost more, and here it starts est. in {_duration(current.wait_seconds)}, "
+                f"under paid_move_min_wait ({_duration(paid_min_wait)})")
         return Reconsideration(None, None, "the other places " + why)
     # a place that can start it now wins over a queue, under cheapest too (``rank`` puts the
     # price first there: a cheaper queue without an estimate would hide it)
@@ -490,7 +491,9 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
                f"vs here in {_duration(wait_here)}")
     if best.price_per_hour > current.price_per_hour:
         why += f"; {_price_text(best.price_per_hour)} vs {_price_text(current.price_per_hour)}"
-    moved = replace(best, details={**best.details, "move_reason": why})
+    # a move allowed only because it costs no more stays so when its target is probed again
+    capped = {"no_costlier": True} if short_wait or policy == "cheapest" else {}
+    moved = replace(best, details={**best.details, "move_reason": why, **capped})
     return Reconsideration(moved, best, why)
 
 

@@ -294,9 +294,11 @@ class Placer:
 
         # the target first (a probe takes seconds), then whether the copy still waits, right
         # before the cancel: a copy that started meanwhile is not cancelled
-        # under "cheapest" a move never costs more than the place it leaves (spot prices move)
-        fresh = self._still_good(task, run, to, max_price=handle.price_per_hour
-                                 if self.policy == "cheapest" else None)
+        # under "cheapest", or a wait too short to pay for (``paid_move_min_wait``), a move
+        # never costs more than the place it leaves (spot prices move)
+        capped = self.policy == "cheapest" or to.details.get("no_costlier")
+        fresh = self._still_good(task, run, to,
+                                 max_price=handle.price_per_hour if capped else None)
         if fresh is None:
             return refused(f"{to.place_key}, probed again, no longer takes it as it did")
         try:

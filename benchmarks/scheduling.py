@@ -2174,7 +2174,8 @@ def _parse_value(text: str) -> Any:
         except ValueError:
             pass
     if text.startswith("("):
-        return tuple(ast.literal_eval(text))
+        value = ast.literal_eval(text)
+        return value if isinstance(value, tuple) else (value,)
     return {"True": True, "False": False}.get(text, text)
 
 

@@ -397,6 +397,37 @@ def test_under_cheapest_a_move_whose_target_costs_more_than_here_once_probed_aga
     assert after.value.trigger.handle["job_id"] == "1" and _live_jobs() == ["1"]
 
 
+def test_a_move_made_for_a_short_wait_at_no_more_cost_stays_so_once_probed_again():
+    """Under fastest, a job 20 minutes from its start may move only to a place that costs no
+    more (``paid_move_min_wait``); probed again, the target's price ticked up 4.5% (within
+    a move's 5%): the move is called off, as under cheapest."""
+    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=1200, price=2.0)],
+                          "c2": [offer("c2", "q", nodes_free=0, est_in=None, price=2.0)]}
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute(_ctx())
+    assert info.value.trigger.handle["connection"] == "c1"
+    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.0)]
+    event = asyncio.run(asyncio.wait_for(_first(info.value.trigger), 5))
+    assert event["status"] == "move" and event["to"]["details"]["no_costlier"] is True
+    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.09)]
+    with pytest.raises(TaskDeferred) as after:
+        _op().execute_complete(_ctx(), event)
+    assert after.value.trigger.handle["job_id"] == "1" and _live_jobs() == ["1"]
+    # a long wait here: the same price rise is within the move's margin, the job moves
+    FakeBackend.jobs.clear()
+    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=3600, price=2.0)],
+                          "c2": [offer("c2", "q", nodes_free=0, est_in=None, price=2.0)]}
+    with pytest.raises(TaskDeferred) as info:
+        _op().execute(_ctx())
+    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.0)]
+    event = asyncio.run(asyncio.wait_for(_first(info.value.trigger), 5))
+    assert "no_costlier" not in event["to"]["details"]
+    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.09)]
+    with pytest.raises(TaskDeferred) as after:
+        _op().execute_complete(_ctx(), event)
+    assert after.value.trigger.handle["connection"] == "c2"
+
+
 class _Killed(BaseException):
     """What Airflow's SIGTERM handler raises in the task after calling ``on_kill``."""
 

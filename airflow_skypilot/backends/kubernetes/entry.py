@@ -27,7 +27,10 @@ not catch. For the task's programs to get their TERM to checkpoint on, as on Slu
   the code). Its trap writes :data:`STOPPED_NOTE` to the container's termination message at
   once (a program that outlives the grace period is KILLed, the note stays), which
   :mod:`.status` reads as the cluster's stop, not the program's failure (a
-  ``kubectl delete pod`` gives no ``DisruptionTarget``).
+  ``kubectl delete pod`` gives no ``DisruptionTarget``), while the pod is listed; once it is
+  gone, the Job's verdict carries :data:`STOPPED_EXIT` (a run that itself exits 199 and whose
+  pod is then removed reads so too; a program KILLed at the grace's end, 137, reads as its
+  failure then: an OOM kill gives 137 too).
 * a run that had ended before the TERM (its status written by the step's wrapper, a subshell
   that outlives the TERM) keeps its own status: the TERM is no stop. A second TERM while the
   first is passed on is ignored.
@@ -107,8 +110,10 @@ airflow_skypilot_step() {{  # node.sh setup|run in the background: a TERM is pas
     AIRFLOW_SKYPILOT_RC=$?; echo "$AIRFLOW_SKYPILOT_RC" 2>/dev/null >"$end"
     exit "$AIRFLOW_SKYPILOT_RC" ) &
   pid=$!
-  # a trap cuts wait short: wait again while the wrapper is there
-  while kill -0 "$pid" 2>/dev/null; do wait "$pid"; waited=$?; done
+  # a trap cuts wait short: wait again while the wrapper is there (127: no child of ours by
+  # that id any more, one another process took: done)
+  wait "$pid"; waited=$?
+  while [ "$waited" != 127 ] && kill -0 "$pid" 2>/dev/null; do wait "$pid"; waited=$?; done
   read -r rc 2>/dev/null <"$end"  # (none: /dev/shm not writable; wait's status then)
   return "${{rc:-$waited}}"
 }}

@@ -292,7 +292,7 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
                    first.exit_code, ended=first.finished,  # the first failure, not the kills
                    codes=sorted({int(v.exit_code) for v in failed}))
     # 2b. the cluster stopped a pod while the job ran, with no disruption recorded (a pod
-    # deleted by hand): main.sh, TERMed, said so (its exit code is the TERM's, not the program's)
+    # deleted by hand): main.sh, TERMed, said so (its exit code is its own, not the program's)
     stopped = [v for v in views if v.stopped and not v.deadline]
     deadline_job = (failed_cond or {}).get("reason") == "DeadlineExceeded"
     verdict_pod, verdict_code = _verdict_pod(failed_cond)
