@@ -1,8 +1,8 @@
 """A pod told to stop (its container's first process TERMed, as the kubelet does): the pod's
 scripts, run with a real bash as the container's first process, pass the TERM on to the
-task's programs, keep what they write as they stop, wait for them, and end with 143 and a
-termination message that the status reads as the cluster's stop (see
-``airflow_skypilot.backends.kubernetes.entry``).
+task's programs, keep what they write as they stop, wait for them, and end with their own
+code (``entry.STOPPED_EXIT``) and a termination message that the status reads as the
+cluster's stop (see ``airflow_skypilot.backends.kubernetes.entry``).
 
 Two ways the first process runs: as a process group's leader (a pod sharing its process
 namespace; the test kubelet) and as a PID namespace's init (a pod's own namespace, made here
@@ -115,8 +115,8 @@ def _run_and_stop(command, env, root, *, as_init: bool, wait_for: Path, times: i
 @pytest.mark.parametrize("as_init", [False, True], ids=["group-leader", "pid-namespace-init"])
 def test_a_stopped_container_passes_the_term_on_and_keeps_the_checkpoint(tmp_path, as_init):
     """The program gets its TERM, its last words are in the log (masked), its checkpoint is
-    saved, it ran once; the container ends with 143 (not the program's 0: a preemption is
-    not a success) and says why in its termination message."""
+    saved, it ran once; the container ends with ``STOPPED_EXIT`` (not the program's 0: a
+    preemption is not a success) and says why in its termination message."""
     command, env, root = _materialise(tmp_path, {
         "run": 'python3 "$OUT/trainer.py"', "secrets": {"TOKEN": SECRET}})
     out_dir = Path(env["OUT"])
