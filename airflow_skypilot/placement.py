@@ -443,8 +443,10 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
     # a short wait here is not worth paying more to save (PAID_MOVE_MIN_WAIT_S)
     short_wait = (paid_min_wait > 0 and current.wait_seconds is not None
                   and current.wait_seconds < paid_min_wait)
-    later = [o for o in elsewhere if ordered and o.request.index > current.request.index]
-    others = [o for o in elsewhere if not any(o is x for x in later)
+    def later(o: Offer) -> bool:
+        return ordered and o.request.index > current.request.index
+
+    others = [o for o in elsewhere if not later(o)
               and not ((policy == "cheapest" or short_wait)
                        and o.price_per_hour > current.price_per_hour)]
     if not others:
@@ -452,10 +454,10 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
             return Reconsideration(None, None, "no other place takes it")
         if policy == "cheapest":
             why = "cost more (policy cheapest)"
-        elif len(later) == len(elsewhere):
+        elif all(map(later, elsewhere)):
             why = "come later in your order"
         else:
-            why = ("come later in your order or " if later else "") + (
+            why = ("come later in your order or " if any(map(later, elsewhere)) else "") + (
                 f"cost more, and here it starts est. in {_duration(current.wait_seconds)}, "
                 f"under paid_move_min_wait ({_duration(paid_min_wait)})")
         return Reconsideration(None, None, "the other places " + why)
@@ -492,7 +494,8 @@ def judge(current: Offer, offers: list[Offer], policy: str, *, ordered: bool = F
     if best.price_per_hour > current.price_per_hour:
         why += f"; {_price_text(best.price_per_hour)} vs {_price_text(current.price_per_hour)}"
     # a move allowed only because it costs no more stays so when its target is probed again
-    capped = {"no_costlier": True} if short_wait or policy == "cheapest" else {}
+    # (the placer caps every move under "cheapest" by itself)
+    capped = {"no_costlier": True} if short_wait else {}
     moved = replace(best, details={**best.details, "move_reason": why, **capped})
     return Reconsideration(moved, best, why)
 

@@ -380,52 +380,43 @@ def test_a_move_the_target_refuses_queues_the_job_where_it_was_at_once():
     assert [b.place for b in run.blocked] == ["c2/q"] and run.moves == 1
 
 
-def test_under_cheapest_a_move_whose_target_costs_more_than_here_once_probed_again_stays():
-    """The look chose a place at this one's price; probed again, its (spot) price ticked up
-    4.5%: within a move's 5% margin, but "cheapest" never moves to a costlier place."""
-    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=3600, price=2.0)],
+def _a_move_whose_target_rose_once_probed_again(est_in: float, **op_kw) -> tuple[dict, dict]:
+    """The job waits on c1 (``est_in``); c2 frees up at c1's price and the look asks to move;
+    probed again, c2's (spot) price ticked up 4.5%, within a move's 5% margin. The move event
+    and the handle the operator then watches."""
+    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=est_in, price=2.0)],
                           "c2": [offer("c2", "q", nodes_free=0, est_in=None, price=2.0)]}
     with pytest.raises(TaskDeferred) as info:
-        _op(policy="cheapest").execute(_ctx())
+        _op(**op_kw).execute(_ctx())
     assert info.value.trigger.handle["connection"] == "c1"
     FakeBackend.offers["c2"] = [offer("c2", "q", price=2.0)]
     event = asyncio.run(asyncio.wait_for(_first(info.value.trigger), 5))
     assert event["status"] == "move"
     FakeBackend.offers["c2"] = [offer("c2", "q", price=2.09)]
     with pytest.raises(TaskDeferred) as after:
-        _op(policy="cheapest").execute_complete(_ctx(), event)
-    assert after.value.trigger.handle["job_id"] == "1" and _live_jobs() == ["1"]
+        _op(**op_kw).execute_complete(_ctx(), event)
+    return event, after.value.trigger.handle
+
+
+def test_under_cheapest_a_move_whose_target_costs_more_than_here_once_probed_again_stays():
+    """The look chose a place at this one's price; probed again, it costs more: "cheapest"
+    never moves to a costlier place."""
+    _, handle = _a_move_whose_target_rose_once_probed_again(3600, policy="cheapest")
+    assert handle["job_id"] == "1" and _live_jobs() == ["1"]
 
 
 def test_a_move_made_for_a_short_wait_at_no_more_cost_stays_so_once_probed_again():
     """Under fastest, a job 20 minutes from its start may move only to a place that costs no
-    more (``paid_move_min_wait``); probed again, the target's price ticked up 4.5% (within
-    a move's 5%): the move is called off, as under cheapest."""
-    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=1200, price=2.0)],
-                          "c2": [offer("c2", "q", nodes_free=0, est_in=None, price=2.0)]}
-    with pytest.raises(TaskDeferred) as info:
-        _op().execute(_ctx())
-    assert info.value.trigger.handle["connection"] == "c1"
-    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.0)]
-    event = asyncio.run(asyncio.wait_for(_first(info.value.trigger), 5))
-    assert event["status"] == "move" and event["to"]["details"]["no_costlier"] is True
-    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.09)]
-    with pytest.raises(TaskDeferred) as after:
-        _op().execute_complete(_ctx(), event)
-    assert after.value.trigger.handle["job_id"] == "1" and _live_jobs() == ["1"]
+    more (``paid_move_min_wait``); probed again, the target costs more: the move is called
+    off, as under cheapest."""
+    event, handle = _a_move_whose_target_rose_once_probed_again(1200)
+    assert event["to"]["details"]["no_costlier"] is True
+    assert handle["job_id"] == "1" and _live_jobs() == ["1"]
     # a long wait here: the same price rise is within the move's margin, the job moves
     FakeBackend.jobs.clear()
-    FakeBackend.offers = {"c1": [offer("c1", "p", nodes_free=0, est_in=3600, price=2.0)],
-                          "c2": [offer("c2", "q", nodes_free=0, est_in=None, price=2.0)]}
-    with pytest.raises(TaskDeferred) as info:
-        _op().execute(_ctx())
-    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.0)]
-    event = asyncio.run(asyncio.wait_for(_first(info.value.trigger), 5))
+    event, handle = _a_move_whose_target_rose_once_probed_again(3600)
     assert "no_costlier" not in event["to"]["details"]
-    FakeBackend.offers["c2"] = [offer("c2", "q", price=2.09)]
-    with pytest.raises(TaskDeferred) as after:
-        _op().execute_complete(_ctx(), event)
-    assert after.value.trigger.handle["connection"] == "c2"
+    assert handle["connection"] == "c2"
 
 
 class _Killed(BaseException):

@@ -101,7 +101,7 @@ airflow_skypilot_end() {{  # the container's exit: after a stop, once the rest h
 }}
 airflow_skypilot_step() {{  # node.sh setup|run in the background: a TERM is passed on at once
   [ -z "$AIRFLOW_SKYPILOT_STOPPING" ] || return {STOPPED_EXIT}
-  local end="$AIRFLOW_SKYPILOT_TERM_MARK.$1" pid rc= waited=255
+  local end="$AIRFLOW_SKYPILOT_TERM_MARK.$1" pid rc= waited
   rm -f "$end"
   AIRFLOW_SKYPILOT_IN_STEP=$1
   # its wrapper outlives a TERM (a handler, not an ignore: node.sh gets TERM as it comes) and

@@ -167,14 +167,12 @@ def own_pending_timeout(meta: Mapping[str, Any], default: float | None) -> float
 
 
 def _verdict_pod(failed_cond: Mapping[str, Any] | None) -> tuple[str, int | None]:
-    """The pod and exit code a Job's failure names ("Container main for pod ns/X failed with
-    exit code N matching FailJob rule ..."); ("", None) when it names none."""
+    """The pod and the exit code a Job's failure names ("Container main for pod ns/X failed
+    with exit code N matching FailJob rule ..."): "" and None for what it does not name."""
     message = (failed_cond or {}).get("message", "") or ""
     pod = re.search(r"for pod [^/\s]+/(\S+) failed", message)
     code = re.search(r"exit code (\d+)", message)
-    if pod is None or code is None:
-        return "", None
-    return pod.group(1), int(code.group(1))
+    return (pod.group(1) if pod else ""), (int(code.group(1)) if code else None)
 
 
 def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | None, *,
@@ -298,7 +296,7 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
     verdict_pod, verdict_code = _verdict_pod(failed_cond)
     # ...unless the Job's verdict blames another pod, gone since, for a code of its own: a
     # rank that failed, and the ranks the controller then stopped (rule 3 reads its code)
-    blames_other = verdict_code is not None and verdict_code != STOPPED_EXIT and \
+    blames_other = bool(verdict_pod) and verdict_code not in (None, STOPPED_EXIT) and \
         all(v.name != verdict_pod for v in stopped)
     if stopped and not deadline_job and not blames_other:
         first = min(stopped, key=lambda v: (v.finished or now, v.rank))
@@ -310,16 +308,15 @@ def job_status(job: Mapping[str, Any] | None, pods: list[Mapping[str, Any]] | No
         raw = f"Failed:{reason}"
         if "DisruptionTarget" in message:
             return infra(f"the Job failed: {message}")
-        code = re.search(r"exit code (\d+)", message)
-        if verdict_code == STOPPED_EXIT and pods_known and \
+        if verdict_code == STOPPED_EXIT and verdict_pod and pods_known and \
                 all(v.name != verdict_pod for v in views):
             # its pod ended as main.sh ends a stopped container and is gone: deleted (a pod
             # that fails on its own stays until its Job goes), its termination message with
             # it. (Not a 143 or 137: a program's own TERM or OOM kill gives them too)
             return infra(f"the Job failed: {message}; the pod is gone: it was deleted while "
                          f"the job ran", ended=ended_at)
-        if code:
-            return out(JobState.FAILED, f"exit code {code.group(1)}", int(code.group(1)), raw)
+        if verdict_code is not None:
+            return out(JobState.FAILED, f"exit code {verdict_code}", verdict_code, raw)
         if reason == "DeadlineExceeded":
             return out(JobState.FAILED, "time limit reached (activeDeadlineSeconds)", raw=raw)
         if not pods_known:  # no evidence either way: do not fail over blindly
