@@ -195,7 +195,8 @@ def test_a_term_after_the_run_ended_is_no_stop(tmp_path):
     main.sh has exited (a cancel as the job ends): the run's own result stands, no note
     (before, the success read as the cluster's stop and the job was placed again)."""
     for i in range(15):
-        command, env, root = _materialise(tmp_path / str(i), {"run": "exit 0"})
+        command, env, root = _materialise(tmp_path / str(i), {
+            "run": 'echo run >> "$OUT/runs"; exit 0'})
         ended = root / "dev" / "shm" / f"airflow-skypilot-stopping-{env['HOSTNAME']}.run"
         proc = subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -214,6 +215,7 @@ def test_a_term_after_the_run_ended_is_no_stop(tmp_path):
                 proc.wait()
         assert ended.read_text() == "0\n"
         assert proc.returncode == 0, (i, out, err)
+        assert (Path(env["OUT"]) / "runs").read_text() == "run\n"  # the user code ran once
         assert (root / "dev" / "termination-log").read_text() == ""
 
 
@@ -229,6 +231,7 @@ def test_a_second_term_as_the_first_is_passed_on_is_ignored(tmp_path, as_init):
     assert code == entry.STOPPED_EXIT, (out, err)
     assert err.count("passed on to the task") == 1, err
     assert out.count("saving checkpoint") == 1 and (out_dir / "checkpoint").exists(), out
+    assert (out_dir / "runs").read_text() == "run\n"  # the user code ran once
 
 
 def test_a_run_whose_shell_missed_the_term_ends_at_its_prologue(tmp_path):
